@@ -1,0 +1,5 @@
+import sys
+
+from attnscope.profile.cli import main
+
+sys.exit(main())

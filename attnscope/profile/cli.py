@@ -1,0 +1,48 @@
+"""`python -m attnscope.profile` / `attnscope`: one parser, one module per subcommand.
+
+Each subcommand module exposes HELP (one line), add_arguments(parser) and run(args) -> exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module under attnscope.profile; `compare` runs when none is named.
+SUBCOMMANDS = {
+    "compare": "compare",
+    "analyze": "analyze",
+    "bench": "bench",
+    "ncu": "ncu",
+    "report": "report",
+    "list": "listing",
+}
+DEFAULT = "compare"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnscope",
+        description="Profile causal-attention implementations side by side: kernels per forward, "
+        "Tensor Core use with evidence, CUDA/CPU time, TFLOP/s, memory and error.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(f"attnscope.profile.{module_name}")
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+        argv = [DEFAULT, *argv]
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,25 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+about = {}
+exec(Path("attnscope/_version.py").read_text(), about)
+
+setup(
+    name="attnscope",
+    version=about["__version__"],
+    description="A fused causal-attention kernel in Triton and a profiler driver that compares it "
+    "with PyTorch's attention implementations.",
+    long_description=Path("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["attnscope", "attnscope.*"]),
+    # torch first and pinned by the user (see README); a range here so pip never swaps it.
+    install_requires=["torch>=2.6", "triton>=3.4", "einops>=0.7"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        "report": ["matplotlib>=3.8", "pygments>=2.15"],
+        "hub": ["kernels>=0.4"],
+    },
+    entry_points={"console_scripts": ["attnscope = attnscope.profile.cli:main"]},
+)
