@@ -3,8 +3,13 @@
 from attnscope.attention.registry import IMPLEMENTATIONS, Implementation, get, register
 from attnscope.attention.reference import attention_reference, causal_mask
 
-# Importing each module registers its entries, in the order the driver shows them.
-from attnscope.attention import fused  # noqa: E402,F401  (ours, last in tables but defined first)
+# Importing each module registers its entries, in the order the driver shows them: the blog's
+# scripts in order, then ours last.
+from attnscope.attention import naive  # noqa: E402,F401
+from attnscope.attention import sdpa  # noqa: E402,F401
+from attnscope.attention import flex  # noqa: E402,F401
+from attnscope.attention import hub  # noqa: E402,F401
+from attnscope.attention import fused  # noqa: E402,F401
 
 __all__ = ["IMPLEMENTATIONS", "Implementation", "attention_reference", "causal_mask", "get",
            "register"]

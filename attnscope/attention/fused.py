@@ -1,0 +1,162 @@
+"""attnscope's fused attention: the public op, its validation, and its registry entry.
+
+The kernel is in attnscope/kernels/attention_fwd.py; this module checks inputs, names the
+layouts, and registers the launch as a PyTorch custom op so torch.compile traces it whole.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+from einops import rearrange
+from torch._subclasses.fake_tensor import is_fake
+from torch.library import triton_op, wrap_triton
+
+from attnscope.attention.registry import Implementation, register
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAYOUTS = {"bhsd": "[batch, heads, seq, head_dim]", "bshd": "[batch, seq, heads, head_dim]"}
+ALIGNMENTS = ("top_left", "bottom_right")
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def _kernels():
+    # Imported on first use, not with the package: Triton decides at definition time whether a
+    # kernel is interpreted, so TRITON_INTERPRET set after `import attnscope` still takes effect.
+    return importlib.import_module("attnscope.kernels.attention_fwd")
+
+
+def _validate(q, k, v, causal, scale, layout, causal_alignment):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    expected = LAYOUTS[layout]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {expected} for layout={layout!r}, "
+                             f"got shape {tuple(t.shape)}")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    qb, qh, ql, qd = _as_bhsd(q, layout).shape
+    kb, kh, kl, kd = _as_bhsd(k, layout).shape
+    if kb != qb:
+        raise ValueError(f"q and k/v must have the same batch size, got {qb} and {kb}")
+    if kd != qd:
+        raise ValueError(f"q and k/v must have the same head_dim, got {qd} and {kd}")
+    if not MIN_HEAD_DIM <= qd <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}, got {qd}")
+    if kh == 0 or qh % kh:
+        raise ValueError(f"q heads must be a multiple of k/v heads (GQA/MQA), got {qh} q heads "
+                         f"and {kh} k/v heads")
+    if min(qb, qh, ql, kl) == 0:
+        raise ValueError(f"batch, heads and sequence lengths must be >= 1, got q "
+                         f"{tuple(q.shape)} and k/v {tuple(k.shape)} in layout {layout!r}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q, k, v must be CUDA tensors (or CPU with TRITON_INTERPRET=1), got "
+                         f"{q.device}")
+
+
+def _as_bhsd(t, layout):
+    return t if layout == "bhsd" else rearrange(t, "b s h d -> b h s d")  # a view, no copy
+
+
+def _empty(shape, dtype, device):
+    # The one place outputs are allocated: tests replace it with a NaN fill to prove that the
+    # kernel writes every element.
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton_op("attnscope::attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                   bottom_right: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels = _kernels()
+    if q.device.type == "cpu" and not kernels.is_interpreted():
+        # Checked here rather than in _validate: this body is not traced by dynamo.
+        raise ValueError("q, k, v are CPU tensors but the Triton interpreter is off: move them to "
+                         "a CUDA device, or set TRITON_INTERPRET=1 before the first call")
+    # The output is allocated contiguous in the caller's layout; the kernel sees every tensor as
+    # a [batch, heads, seq, head_dim] view, whatever its strides.
+    out = _empty(q.shape, q.dtype, q.device)
+    q4, k4, v4, out4 = (_as_bhsd(t, layout) for t in (q, k, v, out))
+    batch, heads, q_len, _ = q4.shape
+    lse = _empty((batch, heads, q_len), torch.float32, q.device)
+    offset = k4.shape[2] - q_len if bottom_right else 0
+    if kernels.is_interpreted() and is_fake(q):
+        # Tracing needs only shapes. wrap_triton elides compiled launches on fake tensors, but
+        # hands interpreted kernels back unwrapped, and those would read fake data pointers.
+        return out, lse
+    kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
+                          causal_offset=offset, wrap=wrap_triton)
+    return out, lse
+
+
+def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
+                    causal_alignment="top_left", return_lse=False):
+    """Attention softmax(q @ k^T * scale) @ v in one Triton kernel.
+
+    Shapes (layout="bhsd", as SDPA):  q [batch, heads, q_len, head_dim],
+                                      k, v [batch, kv_heads, kv_len, head_dim]
+           (layout="bshd", as flash-attn): q [batch, q_len, heads, head_dim], k/v likewise.
+    Any strides; nothing is copied. heads must be a multiple of kv_heads (GQA/MQA).
+    dtypes float16, bfloat16, float32; head_dim 16..256; any lengths >= 1.
+    scale defaults to 1/sqrt(head_dim).
+
+    causal_alignment, for q_len=2 and kv_len=5 (1 = may attend):
+        "top_left" (SDPA is_causal)      "bottom_right" (flash-attn, KV-cache decoding)
+            1 0 0 0 0                        1 1 1 1 0
+            1 1 0 0 0                        1 1 1 1 1
+    With bottom_right and q_len > kv_len the first q_len - kv_len rows see no key: their output
+    is 0 and their LSE -inf.
+
+    Returns the output in q's layout and dtype, and with return_lse=True also the float32
+    log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
+    """
+    _validate(q, k, v, causal, scale, layout, causal_alignment)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _attention_fwd(q, k, v, causal, float(scale), causal_alignment == "bottom_right",
+                              layout)
+    return (out, lse) if return_lse else out
+
+
+def _available(device):
+    device = torch.device(device)
+    if device.type == "cuda":
+        ok = torch.cuda.is_available()
+        return ok, "Triton kernel on CUDA" if ok else "no CUDA device"
+    if device.type == "cpu":
+        ok = _kernels().is_interpreted()
+        return ok, ("Triton interpreter (TRITON_INTERPRET=1): correct but slow" if ok
+                    else "CPU needs TRITON_INTERPRET=1 set before the kernel is first used")
+    return False, f"unsupported device {device}"
+
+
+def _prepare(q, k, v):
+    return lambda: fused_attention(q, k, v, causal=True)
+
+
+register(Implementation(
+    name="fused",
+    description="attnscope's fused Triton kernel (online softmax, causal split, one launch)",
+    seed_script="",
+    available=_available,
+    prepare=_prepare,
+))

@@ -1,0 +1,84 @@
+"""The blog's eager baselines: attention written as five PyTorch ops (04_a, 04_b), and the same
+function under torch.compile.
+
+Each op is a kernel launch and each intermediate a [batch, heads, seq, seq] tensor in memory;
+that is the cost the fused implementations remove, and what their traces show.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import torch
+
+from attnscope.attention.registry import Implementation, register
+
+
+def _causal_fill_mask(q, k):
+    # True where a key is in the future of its query: those scores become -inf. Built once in
+    # prepare, as 04_a does, so the profiled forward holds no mask construction.
+    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+
+
+def naive_attention(q, k, v, mask, scale):
+    scores = (q @ k.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def naive_attention_inplace(q, k, v, mask, scale):
+    scores = (q @ k.transpose(-2, -1)) * scale
+    scores.masked_fill_(mask, float("-inf"))  # 04_b: reuse the scores buffer, one tensor fewer
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _always(device):
+    return True, f"eager PyTorch ops on {torch.device(device).type}"
+
+
+def _compile_available(device):
+    device = torch.device(device)
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return (True, "inductor-generated Triton") if has_triton() else (
+            False, "torch.compile on CUDA needs Triton")
+    # Inductor's CPU backend compiles C++; without a compiler the first call fails.
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        return False, f"torch.compile on CPU needs a C++ compiler ({cxx} not found)"
+    return True, "inductor-generated C++ (CPU)"
+
+
+def _preparer(fn, compile_it=False):
+    def prepare(q, k, v):
+        mask = _causal_fill_mask(q, k)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        f = torch.compile(fn) if compile_it else fn
+        return lambda: f(q, k, v, mask, scale)
+    return prepare
+
+
+register(Implementation(
+    name="naive",
+    description="matmul, scale, masked_fill, softmax, matmul: one kernel and one S x S tensor each",
+    seed_script="04_a_naive_attention.py",
+    available=_always,
+    prepare=_preparer(naive_attention),
+))
+register(Implementation(
+    name="naive_inplace",
+    description="naive with masked_fill_ in place: one S x S allocation fewer",
+    seed_script="04_b_inplace_ops_attention.py",
+    available=_always,
+    prepare=_preparer(naive_attention_inplace),
+))
+register(Implementation(
+    name="naive_compiled",
+    description="torch.compile of naive: inductor fuses the elementwise ops and the softmax",
+    seed_script="",
+    available=_compile_available,
+    prepare=_preparer(naive_attention, compile_it=True),
+))

@@ -1,0 +1,72 @@
+"""PyTorch's scaled_dot_product_attention, free to choose (`sdpa_auto`) or pinned to one backend
+with `sdpa_kernel` (04_c --backend math|flash|efficient|cudnn).
+
+A pinned backend that cannot take the dtype or shape raises at the first call; the driver turns
+that into an "unsupported" row. Pinning costs CPU time: entering and leaving `sdpa_kernel` is
+Python (about 15 us on a 2-core dev box), inside each pinned forward; `sdpa_auto` has none of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attnscope.attention.registry import Implementation, register
+
+
+def _needs_cuda(what):
+    def available(device):
+        device = torch.device(device)
+        if device.type != "cuda":
+            return False, f"{what} runs on CUDA only"
+        if not torch.cuda.is_available():
+            return False, "no CUDA device"
+        if what == "cuDNN attention" and not torch.backends.cudnn.is_available():
+            return False, "this PyTorch build has no cuDNN"
+        return True, what
+    return available
+
+
+def _anywhere(what):
+    def available(device):
+        return True, f"{what} on {torch.device(device).type}"
+    return available
+
+
+def _preparer(backend):
+    def prepare(q, k, v):
+        if backend is None:
+            return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def forward():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return forward
+    return prepare
+
+
+# name, backend (None: PyTorch picks), availability, description
+_ENTRIES = (
+    ("sdpa_auto", None, _anywhere("PyTorch's choice of backend"),
+     "SDPA with every backend enabled: what a user gets by default"),
+    ("sdpa_math", SDPBackend.MATH, _anywhere("the math (composite) backend"),
+     "SDPA math backend: the unfused composite of matmuls and softmax"),
+    ("sdpa_flash", SDPBackend.FLASH_ATTENTION, _anywhere("the FlashAttention backend"),
+     "SDPA FlashAttention-2 backend: one fused kernel"),
+    ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION, _needs_cuda("memory-efficient attention"),
+     "SDPA memory-efficient (xFormers/CUTLASS) backend: one fused kernel"),
+    ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION, _needs_cuda("cuDNN attention"),
+     "SDPA cuDNN backend: one fused kernel, launched with cuLaunchKernelEx"),
+)
+
+for _name, _backend, _available, _description in _ENTRIES:
+    register(Implementation(
+        name=_name,
+        description=_description,
+        # The blog pins a backend in every 04_c run; the unpinned row has no seed script.
+        seed_script="" if _backend is None else
+        f"04_c_sdpa_attention.py --backend {_name.removeprefix('sdpa_')}",
+        available=_available,
+        prepare=_preparer(_backend),
+    ))

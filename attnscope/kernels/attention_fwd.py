@@ -1,0 +1,228 @@
+"""
+Fused attention forward (FlashAttention-2 algorithm) in Triton
+==============================================================
+
+One program computes a BLOCK_M x HEAD_DIM tile of the output for one (batch, query head): it
+keeps the Q tile in registers, streams K and V through in BLOCK_N-row tiles, and keeps the
+softmax online (running max `m_i`, running sum `l_i`, unnormalised accumulator `acc`, all fp32),
+so the L x S score matrix never reaches device memory.
+
+Details that matter for exactness:
+- Scores are scaled by `scale * log2(e)` once, so every exponential is an `exp2`.
+- Causal attention splits the K/V loop: blocks every query row of the tile fully sees run without
+  any mask arithmetic; the blocks on the diagonal (and the ragged last block) run with masks.
+  Nothing right of the diagonal is loaded.
+- Query i sees key j when j <= i + CAUSAL_OFFSET: 0 is SDPA's top-left alignment, S - L the
+  bottom-right alignment of flash-attn. A row that sees no key (bottom-right with L > S) ends with
+  l_i == 0 and is written as zeros with LSE -inf instead of 0/0.
+- Any head_dim: tiles are BLOCK_D = next power of two wide and the extra columns load as zeros.
+- Any sequence length: rows and keys past the end are masked, so no multiple-of-block rule.
+- GQA/MQA: query head h reads K/V head h // GROUP; nothing is repeated in memory.
+- fp32 inputs use IEEE fp32 dots (Triton's default would be tf32, ~1e-3 relative error).
+
+Limits: forward only; head_dim <= 256 (registers); inputs must live on one CUDA device, or on
+the CPU with TRITON_INTERPRET=1 set before this module is imported.
+"""
+
+import contextlib
+import inspect
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.44269504  # 1/ln(2): exp(x) == exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts the log2-domain LSE back to natural log
+
+
+@triton.jit
+def _load(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    # Masks cost instructions in the hot loop, so only the checks a tile needs are emitted.
+    if CHECK_ROWS and CHECK_COLS:
+        return tl.load(ptrs, mask=rows_ok & cols_ok, other=0.0)
+    elif CHECK_ROWS:
+        return tl.load(ptrs, mask=rows_ok, other=0.0)
+    elif CHECK_COLS:
+        return tl.load(ptrs, mask=cols_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
+                    stride_kn, stride_kk, stride_vn, stride_vk,  #
+                    offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
+                    INPUT_PRECISION: tl.constexpr):
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_CTX_K
+        # -- scores: q @ k^T, K loaded transposed as a [BLOCK_D, BLOCK_N] tile --
+        k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk
+        k = _load(k_ptrs, n_ok[None, :], d_ok[:, None], MASKED, HEAD_DIM != BLOCK_D)
+        qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
+        if MASKED:
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # A row with no visible key so far keeps m == -inf; subtracting 0 instead keeps
+            # exp2(-inf - -inf) = NaN out of p and alpha (both become exactly 0).
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            qk = qk - m_sub[:, None]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_ij
+            qk = qk * qk_scale - m_sub[:, None]
+        p = tl.math.exp2(qk)
+        # -- rescale what has been accumulated to the new running max --
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk
+        v = _load(v_ptrs, n_ok[:, None], d_ok[None, :], MASKED, HEAD_DIM != BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse,  #
+              stride_qz, stride_qh, stride_qm, stride_qk,  #
+              stride_kz, stride_kh, stride_kn, stride_kk,  #
+              stride_vz, stride_vh, stride_vn, stride_vk,  #
+              stride_oz, stride_oh, stride_om, stride_ok,  #
+              H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+              Q_LEN_KEY, KV_LEN_KEY,  # power-of-two buckets of the lengths; autotune key only
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+              INPUT_PRECISION: tl.constexpr,  #
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Heads run along grid axis 0 and query blocks along axis 1, last block first: under a causal
+    # mask the last query blocks have the most keys, and the hardware starts programs in grid
+    # order, so the longest programs start in the first wave instead of being the tail.
+    off_hz = tl.program_id(0)
+    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    off_hkv = off_h // GROUP
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < N_CTX_Q
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh
+              + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk)
+    q = _load(q_ptrs, m_ok[:, None], d_ok[None, :], True, HEAD_DIM != BLOCK_D)
+    k_base = K + off_z * stride_kz + off_hkv * stride_kh
+    v_base = V + off_z * stride_vz + off_hkv * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key ranges. Every row of this tile sees keys j <= first_row + CAUSAL_OFFSET; those whole
+    # blocks need no mask. The rest, up to what the last row sees, is the masked diagonal band
+    # (it also holds the ragged end of K when N_CTX_K is not a multiple of BLOCK_N).
+    first_row = start_m * BLOCK_M
+    if CAUSAL:
+        full_hi = tl.maximum(tl.minimum(first_row + CAUSAL_OFFSET + 1, N_CTX_K), 0)
+        masked_hi = tl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K)
+    else:
+        full_hi = N_CTX_K
+        masked_hi = N_CTX_K
+    full_hi = full_hi // BLOCK_N * BLOCK_N
+
+    # stage 1: blocks left of the diagonal, no masking
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
+                                    stride_kn, stride_kk, stride_vn, stride_vk,  #
+                                    offs_m, offs_d, 0, full_hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+                                    False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    # stage 2: the diagonal band and the ragged end of K, masked
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
+                                    stride_kn, stride_kk, stride_vn, stride_vk,  #
+                                    offs_m, offs_d, full_hi, masked_hi, N_CTX_K, CAUSAL_OFFSET,
+                                    qk_scale,  #
+                                    True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+
+    # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * LN2  # log2 domain -> natural log
+    tl.store(Lse + off_hz * N_CTX_Q + offs_m, lse, mask=m_ok)
+    o_ptrs = (Out + off_z * stride_oz + off_h * stride_oh
+              + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok)
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+# Autotune space, per head-dim class: four (BLOCK_M, BLOCK_N, num_warps, num_stages) each, so a
+# first call compiles at most four variants. Wider heads need smaller tiles: the fp32 accumulator
+# is BLOCK_M x BLOCK_D registers spread over the program's threads.
+AUTOTUNE_SPACE = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)],
+    256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)],
+}
+# The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross
+# several blocks and a diagonal band that spans two K blocks.
+INTERPRETER_CONFIG = (32, 16, 4, 1)
+
+
+def _autotuned(space):
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+               for bm, bn, w, s in space]
+    extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    return triton.autotune(configs=configs, key=["Q_LEN_KEY", "KV_LEN_KEY", "HEAD_DIM", "CAUSAL",
+                                                 "INPUT_PRECISION"], **extra)(_attn_fwd)
+
+
+_TUNED = {cls: _autotuned(space) for cls, space in AUTOTUNE_SPACE.items()}
+_pinned = None
+
+
+@contextlib.contextmanager
+def pinned_config(block_m, block_n, num_warps=4, num_stages=2):
+    """Launch every forward with this one config instead of autotuning (tests, experiments)."""
+    global _pinned
+    previous, _pinned = _pinned, (block_m, block_n, num_warps, num_stages)
+    try:
+        yield
+    finally:
+        _pinned = previous
+
+
+def is_interpreted():
+    """True when the kernels were defined under TRITON_INTERPRET=1 and so run on CPU tensors."""
+    return not isinstance(_attn_fwd, triton.runtime.JITFunction)
+
+
+def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=lambda kernel: kernel):
+    """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
+    k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
+    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    config = _pinned or (INTERPRETER_CONFIG if is_interpreted() else None)
+    if config is None:
+        kernel = _TUNED[64 if block_d <= 64 else 128 if block_d <= 128 else 256]
+        meta = {}
+    else:
+        kernel = _attn_fwd
+        bm, bn, w, s = config
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
+
+    def grid(meta):
+        return (batch * heads, triton.cdiv(q_len, meta["BLOCK_M"]))
+
+    wrap(kernel)[grid](
+        q, k, v, out, lse,  #
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),  #
+        heads, heads // k.shape[1], q_len, kv_len, causal_offset, scale * LOG2E,  #
+        triton.next_power_of_2(q_len), triton.next_power_of_2(kv_len),  #
+        HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal,  #
+        INPUT_PRECISION="ieee" if q.dtype.itemsize == 4 else "tf32",  # tf32 is unused for 16-bit
+        **meta)

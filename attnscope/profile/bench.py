@@ -1,0 +1,513 @@
+"""`bench`: a timing sweep over shapes, every implementation at every shape.
+
+Per (shape, implementation) one row: median forward time, TFLOP/s, % of the measured matmul
+peak, the ratio to the fastest peer (any registry entry that is not ours), the max abs error
+against the float64 reference on that shape, and the wall time of the first call.
+
+On CUDA the time is `triton.testing.do_bench(return_mode="median")` over a closure that cycles
+through several prepared input sets, so that every call reads q/k/v the L2 cache has not kept
+(do_bench also clears L2 between timed calls; the rotation keeps the figure honest either way).
+Without CUDA the time is CPU wall time (`time.perf_counter`, median of repeats), labelled so.
+
+A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
+and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C keeps what finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from attnscope.attention import registry
+from attnscope.attention.reference import attention_reference
+from attnscope.profile.env import collect_env
+from attnscope.profile.flops import attention_flops
+
+HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
+        "float64, first-call cost")
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PEAK_DTYPE = "bf16"  # env's measured peak is a bf16 matmul; other dtypes get no % of peak
+
+# Ours; every other registry entry is a peer for ratio_to_best_peer.
+OURS = frozenset({"fused"})
+
+# Entries that materialize the [B, H, S, S] scores. Budgeted at three live fp32 score tensors
+# (scores, masked scores, probabilities; sdpa_math upcasts bf16 to fp32, the eager ones hold
+# fewer bytes, so it is an upper bound). Such an entry is skipped when that exceeds half the free
+# memory; the other half holds inputs, rotation sets, the reference and allocator slack.
+MATERIALIZES_SCORES = frozenset({"naive", "naive_inplace", "naive_compiled", "sdpa_math"})
+SCORE_BYTES = 3 * 4
+SCORE_MEMORY_FRACTION = 0.5
+
+# L2 size when the device properties do not say (H200: 60 MB); rotation sets are capped because
+# small shapes would otherwise need hundreds of them.
+DEFAULT_L2_BYTES = 60 * 10**6
+MAX_INPUT_SETS = 16
+
+# attention_reference keeps about four float64 [rows, S] tensors per head at once (scores, masked
+# scores, probabilities, nan_to_num's copy); it gets this fraction of the free memory.
+REF_BYTES_PER_SCORE = 4 * 8
+REF_MEMORY_FRACTION = 0.25
+
+MIN_CPU_REPEATS = 3  # a median of fewer is one sample
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    kv_heads: int  # equal to heads unless GQA/MQA
+
+    @property
+    def shape(self) -> list[int]:
+        return [self.batch, self.heads, self.seq, self.head_dim]
+
+
+def _case(batch, heads, seq, head_dim, kv_heads=None) -> Case:
+    return Case(batch, heads, seq, head_dim, heads if kv_heads is None else kv_heads)
+
+
+SWEEPS: dict[str, tuple[Case, ...]] = {
+    # Issue 5's sweep: the peers' table in ../shared/data/h200_peers.md, head_dim 128 at the seed
+    # length, and GQA at 4 query heads per K/V head (Llama-style).
+    "default": (
+        _case(16, 16, 512, 64),
+        _case(8, 16, 1024, 64),
+        _case(4, 32, 4096, 64),
+        _case(4, 32, 4096, 128),
+        _case(2, 16, 16384, 128),
+        _case(8, 16, 1024, 128),
+        _case(4, 32, 4096, 128, kv_heads=8),
+    ),
+    # The blog's shape (04_*.py defaults).
+    "seed": (_case(8, 16, 1024, 64),),
+    # Seconds on a CPU, the fused op included (Triton interpreter); 96 is no power of two on
+    # purpose, and one GQA shape keeps that path in the smoke run.
+    "cpu": (
+        _case(1, 2, 128, 64),
+        _case(1, 4, 96, 32, kv_heads=2),
+    ),
+}
+
+
+def resolve_sweep(name: str, kv_heads: int | None) -> tuple[Case, ...]:
+    """The named sweep, with every shape's K/V heads replaced when `kv_heads` is given."""
+    if name not in SWEEPS:
+        raise ValueError(f"unknown sweep {name!r}; valid names: {', '.join(SWEEPS)}")
+    cases = SWEEPS[name]
+    if kv_heads is None:
+        return cases
+    bad = [c.heads for c in cases if kv_heads < 1 or c.heads % kv_heads]
+    if bad:
+        raise ValueError(f"--kv-heads {kv_heads} must divide the query heads of every shape in "
+                         f"sweep {name!r}; got query heads {sorted(set(bad))}")
+    return tuple(dict.fromkeys(dataclasses.replace(c, kv_heads=kv_heads) for c in cases))
+
+
+def input_sets(set_bytes: int, l2_bytes: int) -> int:
+    """How many q/k/v/out sets to cycle through so that, between two uses of one set, the others
+    move at least an L2's worth of data and the set is evicted."""
+    return min(MAX_INPUT_SETS, 1 + math.ceil(l2_bytes / set_bytes))
+
+
+def score_memory_skip(name: str, case: Case, free_bytes: int | None) -> str | None:
+    """Why `name` is skipped at `case` (the memory estimate above), or None to run it."""
+    if name not in MATERIALIZES_SCORES or free_bytes is None:
+        return None
+    need = case.batch * case.heads * case.seq * case.seq * SCORE_BYTES
+    if need <= SCORE_MEMORY_FRACTION * free_bytes:
+        return None
+    return (f"materializes [B,H,S,S] scores: estimated {need / 2**30:.1f} GiB (3 fp32 copies) > "
+            f"{SCORE_MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free")
+
+
+def _case_key(row: dict) -> tuple:
+    return (tuple(row["shape"]), row["kv_heads"], row["dtype"], row["causal"], row["mode"])
+
+
+def with_peer_ratios(rows: list[dict]) -> list[dict]:
+    """Copies of `rows` with ratio_to_best_peer = fastest ok peer's median / this row's median,
+    per shape/dtype/causal/mode; > 1 means faster than every peer. None without a timed peer."""
+    best: dict[tuple, float] = {}
+    for row in rows:
+        if row["status"] == "ok" and row["impl"] not in OURS:
+            key = _case_key(row)
+            best[key] = min(best.get(key, math.inf), row["median_ms"])
+    out = []
+    for row in rows:
+        peer_ms = best.get(_case_key(row))
+        ok = row["status"] == "ok" and peer_ms is not None
+        out.append({**row, "ratio_to_best_peer": peer_ms / row["median_ms"] if ok else None})
+    return out
+
+
+def geomean_ratios(rows: list[dict]) -> dict[str, dict]:
+    """For each of ours: geometric mean of ratio_to_best_peer over the shapes where it has one."""
+    summary = {}
+    for name in sorted(OURS):
+        ratios = [r["ratio_to_best_peer"] for r in rows
+                  if r["impl"] == name and r["ratio_to_best_peer"] is not None]
+        if ratios:
+            summary[name] = {"geomean_ratio_to_best_peer":
+                             math.exp(statistics.fmean(math.log(x) for x in ratios)),
+                             "shapes": len(ratios)}
+    return summary
+
+
+# --- reference -------------------------------------------------------------------------------
+
+def reference_output(q, k, v, *, causal: bool, budget_bytes: float):
+    """Float64 attention for as much of the output as `budget_bytes` allows at a time.
+
+    Computed in chunks of (batch, head) pairs. When one head alone is over budget, only its last
+    query rows are compared: they see every key, so the longest reductions are the ones checked;
+    "bottom_right" alignment keeps each sliced row's true causal window (lengths are equal).
+    Returns (reference [B, H, rows, D] float64, region) where region records what was compared.
+    """
+    batch, heads, seq, head_dim = q.shape
+    kv_heads = k.shape[1]
+    per_row = seq * REF_BYTES_PER_SCORE
+    rows = int(min(seq, max(1, budget_bytes // per_row)))
+    start = seq - rows
+    chunk = int(max(1, budget_bytes // (rows * per_row)))
+    # flat query head i = b * heads + h reads K/V head b * kv_heads + h // group
+    flat = torch.arange(batch * heads, device=q.device)
+    kv_index = (flat // heads) * kv_heads + (flat % heads) // (heads // kv_heads)
+    q_flat, k_flat, v_flat = (t.flatten(0, 1) for t in (q, k, v))
+    ref = torch.empty(batch * heads, rows, head_dim, dtype=torch.float64, device=q.device)
+    for i in range(0, batch * heads, chunk):
+        idx = kv_index[i:i + chunk]
+        ref[i:i + chunk] = attention_reference(
+            q_flat[i:i + chunk, start:][None], k_flat[idx][None], v_flat[idx][None],
+            causal=causal, causal_alignment="bottom_right")[0]
+    region = {"batch_heads": batch * heads, "query_rows": [start, seq],
+              "chunk_batch_heads": chunk}
+    return ref.unflatten(0, (batch, heads)), region
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: no estimate, nothing skipped
+        return None
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(forwards, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
+    """Median time of one call, each call taking the next prepared forward in turn."""
+    cycle = itertools.cycle(forwards)
+
+    def call():
+        return next(cycle)()
+
+    if device.type == "cuda":
+        import triton.testing  # only here: CPU runs never need Triton's driver
+
+        return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms,
+                                             return_mode="median"))
+    deadline = time.perf_counter() + warmup_ms / 1e3
+    call()
+    while time.perf_counter() < deadline:
+        call()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while len(times) < MIN_CPU_REPEATS or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# --- one row ---------------------------------------------------------------------------------
+
+@dataclass
+class _Context:
+    device: torch.device
+    dtype: str
+    causal: bool
+    mode: str
+    warmup_ms: float
+    rep_ms: float
+    peak_tflops: float | None
+    available: dict[str, tuple[bool, str]]
+
+
+def _prepare(impl, q, k, v, causal: bool):
+    if causal:
+        return impl.prepare(q, k, v)
+    return impl.prepare(q, k, v, causal=False)
+
+
+def _takes_causal(impl) -> bool:
+    try:
+        return "causal" in inspect.signature(impl.prepare).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+
+
+def _row(ctx: _Context, case: Case, name: str) -> dict:
+    return {"shape": case.shape, "kv_heads": case.kv_heads, "dtype": ctx.dtype,
+            "causal": ctx.causal, "mode": ctx.mode, "impl": name, "status": "ok", "reason": "",
+            "median_ms": None, "tflops": None, "pct_of_peak": None, "ratio_to_best_peer": None,
+            "error": None, "error_compared": None, "first_call_ms": None, "input_sets": None}
+
+
+def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -> dict:
+    """Time one implementation at one shape; never raises except for KeyboardInterrupt."""
+    row = _row(ctx, case, impl.name)
+    ok, why = ctx.available[impl.name]
+    if not ok:
+        return {**row, "status": "unavailable", "reason": why}
+    if not ctx.causal and not _takes_causal(impl):
+        return {**row, "status": "unsupported",
+                "reason": "prepare() takes no causal argument (causal only)"}
+    skip = score_memory_skip(impl.name, case, free_bytes)
+    if skip:
+        return {**row, "status": "skipped", "reason": skip}
+    try:
+        forward = _prepare(impl, *inputs[0], ctx.causal)
+        # First call on this shape in this process: what a user waits for (JIT, autotune, plans).
+        t0 = time.perf_counter()
+        out = forward()
+        _sync(ctx.device)
+        row["first_call_ms"] = (time.perf_counter() - t0) * 1e3
+        q = inputs[0][0]
+        if tuple(out.shape) != tuple(q.shape):
+            return {**row, "status": "failed",
+                    "reason": f"output shape {list(out.shape)}, expected {list(q.shape)}"}
+        if reference is not None:
+            ref, region = reference
+            start, stop = region["query_rows"]
+            row["error"] = (out[:, :, start:stop].double() - ref).abs().max().item()
+            row["error_compared"] = region
+        del out
+        forwards = [forward] + [_prepare(impl, *qkv, ctx.causal) for qkv in inputs[1:]]
+        row["input_sets"] = len(forwards)
+        ms = _median_ms(forwards, ctx.device, ctx.warmup_ms, ctx.rep_ms)
+    except torch.OutOfMemoryError as exc:
+        return {**row, "status": "oom", "reason": str(exc).splitlines()[0]}
+    except (NotImplementedError, ValueError, TypeError) as exc:
+        # The registry's way of refusing an input (GQA, dtype, head_dim) before running it.
+        return {**row, "status": "unsupported", "reason": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 -- one entry's failure must not end the sweep
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return {**row, "status": "failed", "reason": f"{type(exc).__name__}: {first}"}
+    flops = attention_flops(case.batch, case.heads, case.seq, case.seq, case.head_dim,
+                            causal=ctx.causal, mode=ctx.mode)
+    row.update(median_ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+    if ctx.peak_tflops:
+        row["pct_of_peak"] = 100.0 * row["tflops"] / ctx.peak_tflops
+    if row["error"] is not None and not math.isfinite(row["error"]):
+        row.update(status="failed", reason="output is not finite", error=None)
+    return row
+
+
+# --- output ----------------------------------------------------------------------------------
+
+def _write_json(path: str, header: dict, rows: list[dict], complete: bool) -> None:
+    rows = with_peer_ratios(rows)
+    doc = {**header, "complete": complete, "summary": geomean_ratios(rows), "rows": rows}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)  # atomic: an interrupt mid-write leaves the previous complete file
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _progress(i: int, total: int, row: dict) -> str:
+    shape = "x".join(map(str, row["shape"]))
+    what = (f"{row['median_ms']:.4f} ms  {row['tflops']:.1f} TFLOP/s  err {_fmt(row['error'], '.2e')}"
+            if row["status"] == "ok" else f"{row['status']}: {row['reason']}")
+    return f"[{i}/{total}] {shape} kv{row['kv_heads']} {row['impl']}: {what}"
+
+
+def format_table(rows: list[dict], time_label: str) -> str:
+    head = ["shape B,H,S,D", "kv", "impl", "status", time_label, "TFLOP/s", "% peak",
+            "x best peer", "max err", "1st call ms"]
+    body = [[",".join(map(str, r["shape"])), str(r["kv_heads"]), r["impl"], r["status"],
+             _fmt(r["median_ms"], ".4f"), _fmt(r["tflops"], ".1f"), _fmt(r["pct_of_peak"], ".1f"),
+             _fmt(r["ratio_to_best_peer"], ".3f"), _fmt(r["error"], ".2e"),
+             _fmt(r["first_call_ms"], ".1f")] for r in rows]
+    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--sweep", default=None,
+                        help=f"named shape sweep: {', '.join(SWEEPS)} (default: 'default' on "
+                        "CUDA, 'cpu' on the CPU)")
+    parser.add_argument("--impl", nargs="+", metavar="NAME",
+                        help="implementations to time, in this order (default: every registered "
+                        "one; `attnscope list` names them)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
+                        help="input dtype (default: bf16, as in the peers' measurements)")
+    parser.add_argument("--no-causal", dest="causal", action="store_false",
+                        help="full attention instead of causal; entries whose prepare() takes no "
+                        "`causal` argument are rows with status 'unsupported'")
+    parser.add_argument("--kv-heads", type=int, default=None, metavar="N",
+                        help="K/V heads for every shape (GQA/MQA; must divide the query heads); "
+                        "default: each shape's own")
+    parser.add_argument("--mode", choices=["fwd"], default="fwd",
+                        help="pass to time; only the forward so far")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="write results here, rewritten after every row so an interrupted "
+                        "run keeps its finished rows (default: no file)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                        help="where to run (default: cuda when available, else cpu with CPU "
+                        "wall-clock timing)")
+    parser.add_argument("--warmup-ms", type=float, default=50.0,
+                        help="warm-up time per row in ms (do_bench's warmup; default 50, as the "
+                        "peers' table)")
+    parser.add_argument("--rep-ms", type=float, default=200.0,
+                        help="timed repetition per row in ms (do_bench's rep; default 200, as the "
+                        "peers' table)")
+
+
+def _resolve(args):
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device")
+    sweep = args.sweep or ("default" if device.type == "cuda" else "cpu")
+    cases = resolve_sweep(sweep, args.kv_heads)
+    impls = [registry.get(n) for n in args.impl] if args.impl else list(
+        registry.IMPLEMENTATIONS.values())
+    if not impls:
+        raise ValueError("no implementations are registered")
+    return device, sweep, cases, impls
+
+
+def _timing_block(device: torch.device, l2_bytes: int | None, args) -> dict:
+    if device.type == "cuda":
+        return {"timer": "triton.testing.do_bench, return_mode='median', CUDA events",
+                "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+                "rotation": f"each timed call takes the next of `input_sets` prepared forwards, "
+                f"each on its own q/k/v; sets = 1 + ceil(L2 / bytes of q+k+v+out), at most "
+                f"{MAX_INPUT_SETS}, so a set is evicted before its next use; do_bench also "
+                f"clears L2 before each timed call",
+                "l2_bytes": l2_bytes}
+    return {"timer": "CPU wall time: time.perf_counter median over repeats (not GPU time)",
+            "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+            "min_repeats": MIN_CPU_REPEATS, "rotation": "none: one input set"}
+
+
+def _reference_or_none(qkv, causal: bool, device: torch.device):
+    budget = REF_MEMORY_FRACTION * (_free_bytes(device) or 2**31)
+    try:
+        return reference_output(*qkv, causal=causal, budget_bytes=budget)
+    except torch.OutOfMemoryError:  # the budget is an estimate; rows then carry no error
+        print("bench: the float64 reference ran out of memory; no errors at this shape",
+              file=sys.stderr)
+        return None
+
+
+def _make_inputs(case: Case, dtype: torch.dtype, device: torch.device, index: int):
+    # Seeded per shape and set, so every implementation sees the same data; normal, not zeros.
+    gen = torch.Generator(device=device).manual_seed(1000 * index + case.seq + case.head_dim)
+    q_shape = (case.batch, case.heads, case.seq, case.head_dim)
+    kv_shape = (case.batch, case.kv_heads, case.seq, case.head_dim)
+    return tuple(torch.randn(s, generator=gen, device=device, dtype=dtype)
+                 for s in (q_shape, kv_shape, kv_shape))
+
+
+def run(args) -> int:
+    try:
+        device, sweep, cases, impls = _resolve(args)
+    except ValueError as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 2
+    env = collect_env()
+    gpu = env.get("gpu") or {}
+    l2_bytes = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        l2_bytes = int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+    ctx = _Context(
+        device=device, dtype=args.dtype, causal=args.causal, mode=args.mode,
+        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+        peak_tflops=gpu.get("measured_bf16_peak_tflops") if args.dtype == PEAK_DTYPE else None,
+        available={})
+    for impl in impls:
+        try:
+            ctx.available[impl.name] = impl.available(device)
+        except Exception as exc:  # noqa: BLE001 -- a broken check makes its row unavailable
+            ctx.available[impl.name] = (False, f"available() raised {type(exc).__name__}: {exc}")
+    header = {
+        "env": env, "command": list(sys.argv), "sweep": sweep, "device": device.type,
+        "timing": _timing_block(device, l2_bytes, args),
+        "first_call": "first_call_ms: wall time of the first forward() on that shape in this "
+        "process (prepare() excluded), synchronized; includes Triton JIT compilation and "
+        "autotuning unless an earlier shape or the on-disk Triton cache already had them, and "
+        "torch.compile/cuDNN plan building for the entries that use them",
+        "error": "max abs difference against attention_reference in float64 on the same inputs "
+        "(input set 0); error_compared says which batch*heads and query rows",
+        "skip_rule": f"{sorted(MATERIALIZES_SCORES)} skipped when B*H*S*S*{SCORE_BYTES} bytes "
+        f"> {SCORE_MEMORY_FRACTION:.0%} of free memory",
+    }
+    rows: list[dict] = []
+    total = len(cases) * len(impls)
+    time_label = "median ms" if device.type == "cuda" else "CPU wall ms"
+    dtype = DTYPES[args.dtype]
+    print(f"bench: sweep {sweep!r}, {len(cases)} shapes x {len(impls)} implementations, "
+          f"{args.dtype} {'causal' if args.causal else 'full'} {args.mode} on "
+          f"{gpu.get('name') or device.type}; timer: {header['timing']['timer']}", file=sys.stderr)
+    try:
+        with torch.no_grad():
+            for case in cases:
+                q_bytes = case.batch * case.heads * case.seq * case.head_dim * dtype.itemsize
+                set_bytes = 2 * q_bytes + 2 * q_bytes * case.kv_heads // case.heads  # q, out, k, v
+                n_sets = 1 if device.type == "cpu" else input_sets(set_bytes, l2_bytes)
+                inputs = [_make_inputs(case, dtype, device, i) for i in range(n_sets)]
+                reference = _reference_or_none(inputs[0], args.causal, device)
+                free = _free_bytes(device)
+                for impl in impls:
+                    row = bench_one(ctx, case, impl, inputs, reference, free)
+                    rows.append(row)
+                    print(_progress(len(rows), total, row), file=sys.stderr)
+                    if args.json:
+                        _write_json(args.json, header, rows, complete=False)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()  # the next entry starts from the same free memory
+                del inputs, reference
+    except KeyboardInterrupt:
+        if rows:
+            print(format_table(with_peer_ratios(rows), time_label))
+        raise
+    if args.json:
+        _write_json(args.json, header, rows, complete=True)
+    final = with_peer_ratios(rows)
+    print(format_table(final, time_label))
+    for name, s in geomean_ratios(final).items():
+        print(f"{name}: geometric mean ratio to the best peer {s['geomean_ratio_to_best_peer']:.3f}"
+              f" over {s['shapes']} shapes")
+    if device.type == "cpu":
+        print("note: CPU wall time on a machine without CUDA; not comparable with GPU figures")
+    return 0

@@ -1,0 +1,243 @@
+"""`bench` on the CPU: sweep definitions, the ratio, the reference slicing, the JSON of a tiny run
+with fake implementations registered in place of the real ones, errors, and Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from attnscope.attention import registry
+from attnscope.attention.reference import attention_reference
+from attnscope.profile import bench
+from attnscope.profile.flops import attention_flops
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _eager(q, k, v, causal=True):
+    # The framework's low-precision path: close to float64, never equal to it.
+    return lambda: attention_reference(q, k, v, causal=causal, dtype=q.dtype)
+
+
+def _impl(name, prepare, available=lambda device: (True, "runs")):
+    return registry.Implementation(name, f"fake {name}", "", available, prepare)
+
+
+def _no_gqa(q, k, v):
+    if q.shape[1] != k.shape[1]:
+        raise NotImplementedError("no GQA")
+    return _eager(q, k, v)
+
+
+def _off_by_a_bit(q, k, v):
+    return lambda: attention_reference(q, k, v, dtype=q.dtype) + 0.25
+
+
+def _nan_output(q, k, v):
+    return lambda: torch.full_like(q, float("nan"))
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    impls = {
+        "peer_slow": _impl("peer_slow", lambda q, k, v: _sleepy(_eager(q, k, v), 2e-3)),
+        "peer_fast": _impl("peer_fast", _eager),
+        "peer_no_gqa": _impl("peer_no_gqa", _no_gqa),
+        "peer_absent": _impl("peer_absent", _eager, lambda device: (False, "not installed")),
+        "peer_wrong": _impl("peer_wrong", _off_by_a_bit),
+        "peer_nan": _impl("peer_nan", _nan_output),
+        "fused": _impl("fused", _eager),
+    }
+    monkeypatch.setattr(registry, "IMPLEMENTATIONS", impls)
+    return impls
+
+
+def _sleepy(forward, seconds):
+    import time
+
+    def call():
+        time.sleep(seconds)
+        return forward()
+    return call
+
+
+FAST = ("--device", "cpu", "--warmup-ms", "1", "--rep-ms", "5")
+
+
+# --- sweeps ---
+
+def test_default_sweep_is_the_issues():
+    shapes = [(c.batch, c.heads, c.seq, c.head_dim, c.kv_heads) for c in bench.SWEEPS["default"]]
+    assert shapes[:6] == [(16, 16, 512, 64, 16), (8, 16, 1024, 64, 16), (4, 32, 4096, 64, 32),
+                          (4, 32, 4096, 128, 32), (2, 16, 16384, 128, 16), (8, 16, 1024, 128, 16)]
+    gqa = [c for c in bench.SWEEPS["default"] if c.kv_heads != c.heads]
+    assert len(gqa) == 1 and gqa[0].heads % gqa[0].kv_heads == 0
+    assert [c.shape for c in bench.SWEEPS["seed"]] == [[8, 16, 1024, 64]]
+
+
+def test_cpu_sweep_is_small():
+    for c in bench.SWEEPS["cpu"]:
+        assert c.batch * c.heads * c.seq * c.seq <= 2**18  # eager scores stay tiny on 2 cores
+        assert c.heads % c.kv_heads == 0
+
+
+def test_kv_heads_override_replaces_every_shape_and_checks_divisibility():
+    cases = bench.resolve_sweep("default", 1)
+    assert {c.kv_heads for c in cases} == {1}
+    # the two (4,32,4096,128) shapes differ only in kv_heads, so the override merges them
+    assert len(cases) == len(bench.SWEEPS["default"]) - 1
+    with pytest.raises(ValueError, match="must divide"):
+        bench.resolve_sweep("default", 3)
+
+
+def test_input_sets_exceed_l2():
+    l2 = 60 * 10**6
+    for set_bytes in (10**6, 48 * 2**20, 200 * 2**20):
+        n = bench.input_sets(set_bytes, l2)
+        assert (n - 1) * set_bytes >= l2 or n == bench.MAX_INPUT_SETS
+    assert bench.input_sets(400 * 2**20, l2) == 2
+    assert bench.input_sets(1000, l2) == bench.MAX_INPUT_SETS
+
+
+def test_memory_skip_only_score_materializers_at_long_sequences():
+    free = 140 * 2**30  # an H200
+    long, short = bench._case(2, 16, 16384, 128), bench._case(4, 32, 4096, 128)
+    assert "GiB" in bench.score_memory_skip("naive", long, free)
+    assert bench.score_memory_skip("sdpa_math", short, free) is None
+    assert bench.score_memory_skip("sdpa_cudnn", long, free) is None
+    assert bench.score_memory_skip("naive", long, None) is None
+
+
+# --- ratio ---
+
+def _r(impl, ms, status="ok", shape=(8, 16, 1024, 64)):
+    return {"shape": list(shape), "kv_heads": 16, "dtype": "bf16", "causal": True, "mode": "fwd",
+            "impl": impl, "status": status, "median_ms": ms}
+
+
+def test_ratio_is_best_peer_time_over_own_time():
+    rows = [_r("fused", 0.05), _r("sdpa_cudnn", 0.0618), _r("sdpa_flash", 0.0976),
+            _r("naive", None, "skipped"), _r("fused", 0.2, shape=(2, 16, 16384, 128)),
+            _r("sdpa_cudnn", None, "failed", shape=(2, 16, 16384, 128))]
+    ratios = [r["ratio_to_best_peer"] for r in bench.with_peer_ratios(rows)]
+    assert ratios[0] == pytest.approx(0.0618 / 0.05)
+    assert ratios[1] == pytest.approx(1.0)
+    assert ratios[2] == pytest.approx(0.0618 / 0.0976)
+    assert ratios[3] is None
+    assert ratios[4] is None  # no peer was timed at that shape
+    assert "ratio_to_best_peer" not in rows[0]  # pure: the input is left alone
+
+
+def test_geomean_over_shapes():
+    rows = [_r("fused", 1.0), _r("sdpa_cudnn", 2.0),
+            _r("fused", 2.0, shape=(1, 1, 64, 64)), _r("sdpa_cudnn", 1.0, shape=(1, 1, 64, 64))]
+    summary = bench.geomean_ratios(bench.with_peer_ratios(rows))
+    assert summary["fused"]["geomean_ratio_to_best_peer"] == pytest.approx(1.0)
+    assert summary["fused"]["shapes"] == 2
+
+
+# --- reference ---
+
+@pytest.mark.parametrize("budget, rows, chunk", [
+    (3 * 40 * bench.REF_BYTES_PER_SCORE, 3, 1),  # one head is over budget: its last 3 rows
+    (3 * 40 * 40 * bench.REF_BYTES_PER_SCORE, 40, 3),  # 3 whole heads at a time, 8 = 3+3+2
+])
+def test_reference_slices_and_chunks_exactly(budget, rows, chunk):
+    torch.manual_seed(0)
+    # GQA (4 query heads on 2 K/V heads) so the K/V head of every flattened query head is checked
+    q = torch.randn(2, 4, 40, 16)
+    k, v = torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    ref, region = bench.reference_output(q, k, v, causal=True, budget_bytes=budget)
+    assert region == {"batch_heads": 8, "query_rows": [40 - rows, 40], "chunk_batch_heads": chunk}
+    full = attention_reference(q, k, v, causal=True)
+    torch.testing.assert_close(ref, full[:, :, 40 - rows:], rtol=0, atol=1e-12)
+
+
+# --- runs ---
+
+def test_cpu_run_writes_rows_with_the_schema(fakes, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench.run(_parse("--sweep", "cpu", "--json", str(out), *FAST)) == 0
+    doc = json.loads(out.read_text())
+    assert {"env", "command", "sweep", "rows", "timing", "first_call"} <= set(doc)
+    assert doc["sweep"] == "cpu" and doc["complete"] is True
+    assert "CPU wall time" in doc["timing"]["timer"]
+    rows = doc["rows"]
+    assert len(rows) == len(bench.SWEEPS["cpu"]) * len(fakes)
+    by = {(r["impl"], r["kv_heads"] != r["shape"][1]): r for r in rows}
+    for gqa in (False, True):
+        fused, slow = by["fused", gqa], by["peer_slow", gqa]
+        b, h, s, d = fused["shape"]
+        assert fused["status"] == "ok" and fused["dtype"] == "bf16" and fused["causal"] is True
+        assert fused["tflops"] == pytest.approx(
+            attention_flops(b, h, s, s, d) / (fused["median_ms"] * 1e-3) / 1e12)
+        assert 0 < fused["error"] < 0.05  # bf16 eager against float64
+        assert fused["error_compared"]["query_rows"] == [0, s]
+        assert fused["first_call_ms"] > 0
+        assert slow["median_ms"] > 2.0  # it sleeps 2 ms per call
+        best = min(r["median_ms"] for r in rows if r["status"] == "ok" and r["impl"] != "fused"
+                   and r["shape"] == fused["shape"] and r["kv_heads"] == fused["kv_heads"])
+        assert fused["ratio_to_best_peer"] == pytest.approx(best / fused["median_ms"])
+        assert by["peer_absent", gqa]["status"] == "unavailable"
+        assert by["peer_absent", gqa]["reason"] == "not installed"
+        assert by["peer_wrong", gqa]["error"] == pytest.approx(0.25, abs=0.05)
+        assert by["peer_nan", gqa]["status"] == "failed"
+        assert by["peer_nan", gqa]["ratio_to_best_peer"] is None  # never the "best peer"
+    assert by["peer_no_gqa", False]["status"] == "ok"
+    assert by["peer_no_gqa", True]["status"] == "unsupported"
+    assert "no GQA" in by["peer_no_gqa", True]["reason"]
+    printed = capsys.readouterr()
+    assert "CPU wall ms" in printed.out and "peer_no_gqa" in printed.out
+    assert printed.err.count("[") >= len(rows)  # one progress line per row
+
+
+def test_no_causal_needs_a_causal_argument(fakes, tmp_path):
+    fakes["fused"] = _impl("fused", _eager)  # prepare(q, k, v, causal=True)
+    fakes["peer_fast"] = _impl("peer_fast", lambda q, k, v: _eager(q, k, v))
+    out = tmp_path / "b.json"
+    args = _parse("--sweep", "cpu", "--no-causal", "--impl", "fused", "peer_fast",
+                  "--json", str(out), *FAST)
+    assert bench.run(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["impl"]: r["status"] for r in rows} == {"fused": "ok", "peer_fast": "unsupported"}
+    fused = next(r for r in rows if r["impl"] == "fused")
+    assert fused["causal"] is False and 0 < fused["error"] < 0.05  # compared with full attention
+
+
+@pytest.mark.parametrize("argv, names", [
+    (("--sweep", "nope"), ["default", "seed", "cpu"]),
+    (("--impl", "fused", "nope"), ["peer_fast", "fused"]),
+])
+def test_unknown_names_list_the_valid_ones(fakes, capsys, argv, names):
+    assert bench.run(_parse(*argv, *FAST)) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and all(n in err for n in names)
+
+
+def test_ctrl_c_keeps_finished_rows(fakes, tmp_path):
+    calls = {"n": 0}
+
+    def interrupted_on_second_shape(q, k, v):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return _eager(q, k, v)
+
+    fakes["fused"] = _impl("fused", interrupted_on_second_shape)
+    out = tmp_path / "b.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(_parse("--sweep", "cpu", "--impl", "peer_fast", "fused",
+                         "--json", str(out), *FAST))
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False
+    assert [(r["impl"], r["status"]) for r in doc["rows"]] == [
+        ("peer_fast", "ok"), ("fused", "ok"), ("peer_fast", "ok")]
+    assert math.isfinite(doc["rows"][1]["ratio_to_best_peer"])

@@ -1,0 +1,265 @@
+"""fused_attention against the float64 reference.
+
+Tolerance rule (as FlashAttention's tests): the kernel's max abs error against float64 must be at
+most twice the error of PyTorch's own attention computed in the same dtype (the eager reference
+run in that dtype), plus a small absolute floor. Outputs are poisoned with NaN before the kernel
+runs, so an element it fails to write fails the check. Inputs are fresh random normals.
+
+CPU runs go through the Triton interpreter in fp16 and fp32 (its bf16 dot is wrong); the `cuda`
+tests repeat the grid in bf16 and fp16 at realistic sizes.
+"""
+
+import math
+
+import pytest
+import torch
+from einops import rearrange
+
+from attnscope import fused_attention
+from attnscope.attention import fused
+from attnscope.attention.reference import attention_reference
+
+CPU = torch.device("cpu")
+# (dtype, absolute error floor, LSE tolerance)
+CPU_DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 1e-3, 1e-3)]
+GPU_DTYPES = [(torch.bfloat16, 4e-3, 1e-3), (torch.float16, 1e-3, 1e-3)]
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    """Every output buffer the op allocates starts as NaN."""
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    monkeypatch.setattr(fused, "_empty", poisoned)
+
+
+def make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, device, layout="bhsd"):
+    def rand(h, s):
+        shape = (batch, h, s, head_dim) if layout == "bhsd" else (batch, s, h, head_dim)
+        return torch.randn(shape, dtype=dtype, device=device)
+    return rand(heads, q_len), rand(kv_heads, kv_len), rand(kv_heads, kv_len)
+
+
+def check(q, k, v, floor, lse_tol, **kwargs):
+    """Run the op and assert the tolerance rule on the output and the LSE."""
+    out, lse = fused_attention(q, k, v, return_lse=True, **kwargs)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **kwargs)
+    low = attention_reference(q, k, v, dtype=q.dtype, **kwargs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert not out.isnan().any(), "output has NaN (unwritten element or 0/0)"
+    err = (out.double() - ref).abs().max().item()
+    torch_err = (low.double() - ref).abs().max().item()
+    assert err <= 2 * torch_err + floor, f"error {err:.3g} > 2 x torch's {torch_err:.3g} + {floor}"
+    masked = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), masked), "LSE -inf exactly on rows that see no key"
+    lse_err = (lse.double() - ref_lse)[~masked].abs().max().item() if (~masked).any() else 0.0
+    assert lse_err <= lse_tol * max(1.0, ref_lse[~masked].abs().max().item())
+    return out, lse
+
+
+# ---- CPU (Triton interpreter) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("seq,head_dim", [
+    (1, 16),     # a single query and key: one masked diagonal block, nothing else
+    (17, 48),    # ragged: neither length nor head_dim a power of two
+    (113, 80),   # odd length over several blocks; head_dim 80 pads to 128
+    (128, 128),  # exact multiple of every block size: no ragged tail at all
+    (1000, 64),  # long enough for many unmasked blocks left of the diagonal
+])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_causal_shapes(seq, head_dim, layout, dtype, floor, lse_tol):
+    heads = 1 if seq >= 1000 else 2  # the interpreter's time grows with seq^2 * heads
+    q, k, v = make_qkv(1, heads, heads, seq, seq, head_dim, dtype, CPU, layout)
+    check(q, k, v, floor, lse_tol, layout=layout)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("q_len,kv_len", [
+    (17, 70),   # decoding-like: fewer queries than keys
+    (70, 17),   # more queries than keys: bottom-right leaves the first 53 rows with no key
+    (1, 100),   # one query against a cache
+    (100, 1),   # one key: top-left still gives every row key 0
+])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_unequal_lengths(q_len, kv_len, alignment, dtype, floor, lse_tol):
+    q, k, v = make_qkv(2, 2, 2, q_len, kv_len, 64, dtype, CPU)
+    check(q, k, v, floor, lse_tol, causal_alignment=alignment)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+def test_fully_masked_rows_are_zero(dtype, floor, lse_tol):
+    q, k, v = make_qkv(1, 2, 2, 40, 9, 32, dtype, CPU)
+    out, lse = check(q, k, v, floor, lse_tol, causal_alignment="bottom_right")
+    assert torch.equal(out[:, :, :31], torch.zeros_like(out[:, :, :31]))
+    assert torch.isneginf(lse[:, :, :31]).all() and torch.isfinite(lse[:, :, 31:]).all()
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1)])  # GQA, and MQA with 6 q heads
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gqa(heads, kv_heads, layout, dtype, floor, lse_tol):
+    q, k, v = make_qkv(2, heads, kv_heads, 50, 50, 32, dtype, CPU, layout)
+    check(q, k, v, floor, lse_tol, layout=layout)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("q_len,kv_len", [(77, 77), (30, 90)])
+def test_non_causal(q_len, kv_len, dtype, floor, lse_tol):
+    q, k, v = make_qkv(1, 2, 1, q_len, kv_len, 48, dtype, CPU)
+    check(q, k, v, floor, lse_tol, causal=False)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("scale", [0.05, 1.0])
+def test_custom_scale(scale, dtype, floor, lse_tol):
+    q, k, v = make_qkv(1, 2, 2, 33, 33, 64, dtype, CPU)
+    check(q, k, v, floor, lse_tol, scale=scale)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+def test_non_contiguous_inputs(dtype, floor, lse_tol):
+    # q: a head_dim slice of a wider tensor (row stride 96, not 64); k: stored seq-major and
+    # transposed to bhsd; v: every other batch entry of a larger tensor.
+    q = torch.randn(2, 3, 45, 96, dtype=dtype)[..., 16:80]
+    k = rearrange(torch.randn(2, 45, 3, 64, dtype=dtype), "b s h d -> b h s d")
+    v = torch.randn(4, 3, 45, 64, dtype=dtype)[::2]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    check(q, k, v, floor, lse_tol)
+
+
+def test_lse_is_natural_log_of_the_softmax_denominator():
+    q, k, v = make_qkv(1, 1, 1, 5, 5, 16, torch.float32, CPU)
+    _, lse = fused_attention(q, k, v, return_lse=True)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(16)
+    expected = torch.log(torch.exp(scores[0, 0, 4]).sum())  # the last row sees every key
+    assert abs(lse[0, 0, 4].item() - expected.item()) < 1e-5
+
+
+def test_returns_output_only_by_default_and_keeps_layout():
+    q, k, v = make_qkv(2, 3, 3, 9, 9, 16, torch.float32, CPU, "bshd")
+    out = fused_attention(q, k, v, layout="bshd")
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 9, 3, 16)
+
+
+def test_torch_compile_fullgraph_traces_the_op():
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 32, torch.float32, CPU)
+
+    @torch.compile(fullgraph=True, backend="eager")  # dynamo tracing; inductor is GPU-tested
+    def layer(q, k, v):
+        return fused_attention(q * 2, k, v).sum(-1)
+
+    expected = attention_reference(q * 2, k, v).sum(-1)
+    torch.testing.assert_close(layer(q, k, v).double(), expected, atol=1e-4, rtol=0)
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+def qkv32(**shapes):
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, torch.float32, CPU)
+    return {"q": q, "k": k, "v": v, **shapes}
+
+
+@pytest.mark.parametrize("args,kwargs,error,match", [
+    (qkv32(q=[[1.0]]), {}, TypeError, "q must be a torch.Tensor, got list"),
+    (qkv32(q=torch.randn(2, 8, 16)), {}, ValueError, r"q must be 4-D \[batch, heads, seq, "
+                                                     r"head_dim\].*got shape \(2, 8, 16\)"),
+    (qkv32(k=torch.randn(1, 2, 8, 16, dtype=torch.float16)), {}, TypeError,
+     "share one dtype, got torch.float32, torch.float16"),
+    (qkv32(q=torch.randn(1, 2, 8, 16, dtype=torch.float64),
+           k=torch.randn(1, 2, 8, 16, dtype=torch.float64),
+           v=torch.randn(1, 2, 8, 16, dtype=torch.float64)), {}, TypeError,
+     "float16, bfloat16 or float32, got torch.float64"),
+    (qkv32(k=torch.randn(1, 2, 9, 16), v=torch.randn(1, 2, 8, 16)), {}, ValueError,
+     r"k and v must have the same shape, got \(1, 2, 9, 16\) and \(1, 2, 8, 16\)"),
+    (qkv32(k=torch.randn(2, 2, 8, 16), v=torch.randn(2, 2, 8, 16)), {}, ValueError,
+     "same batch size, got 1 and 2"),
+    (qkv32(k=torch.randn(1, 2, 8, 32), v=torch.randn(1, 2, 8, 32)), {}, ValueError,
+     "same head_dim, got 16 and 32"),
+    (qkv32(q=torch.randn(1, 3, 8, 16)), {}, ValueError,
+     "multiple of k/v heads.*got 3 q heads and 2 k/v heads"),
+    (qkv32(q=torch.randn(1, 2, 8, 8), k=torch.randn(1, 2, 8, 8), v=torch.randn(1, 2, 8, 8)), {},
+     ValueError, "head_dim must be between 16 and 256, got 8"),
+    (qkv32(q=torch.randn(1, 2, 8, 264), k=torch.randn(1, 2, 8, 264),
+           v=torch.randn(1, 2, 8, 264)), {}, ValueError, "between 16 and 256, got 264"),
+    (qkv32(q=torch.randn(1, 2, 0, 16)), {}, ValueError, "sequence lengths must be >= 1"),
+    (qkv32(), {"layout": "sbhd"}, ValueError, "layout must be one of.*got 'sbhd'"),
+    (qkv32(), {"causal_alignment": "diagonal"}, ValueError,
+     "causal_alignment must be one of.*got 'diagonal'"),
+    (qkv32(), {"scale": float("nan")}, TypeError, "scale must be a finite float"),
+    (qkv32(), {"causal": 1}, TypeError, "causal must be a bool, got int"),
+    (qkv32(q=torch.randn(1, 2, 8, 16, device="meta")), {}, ValueError,
+     "one device, got meta, cpu, cpu"),
+])
+def test_bad_input(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fused_attention(args["q"], args["k"], args["v"], **kwargs)
+
+
+def test_bshd_shapes_are_named_in_errors():
+    with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\] for layout='bshd'"):
+        fused_attention(torch.randn(8, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16),
+                        layout="bshd")
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    monkeypatch.setattr(fused._kernels(), "is_interpreted", lambda: False)
+    q, k, v = make_qkv(1, 1, 1, 4, 4, 16, torch.float32, CPU)
+    with pytest.raises(ValueError, match="CPU tensors but the Triton interpreter is off"):
+        fused_attention(q, k, v)
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+GPU_SHAPES = [
+    # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment)
+    (8, 16, 16, 1024, 1024, 64, "top_left"),     # the blog's seed shape
+    (2, 8, 8, 1023, 1023, 96, "top_left"),       # ragged length, non-power-of-two head_dim
+    (1, 4, 4, 4096, 4096, 128, "top_left"),      # long sequence
+    (2, 16, 4, 2048, 2048, 128, "top_left"),     # GQA 4:1
+    (2, 8, 1, 777, 777, 80, "top_left"),         # MQA, odd length and head_dim
+    (1, 8, 8, 113, 2000, 64, "bottom_right"),    # chunked prefill against a KV cache
+    (1, 8, 8, 2000, 113, 64, "bottom_right"),    # rows with no visible key
+    (1, 8, 8, 300, 1500, 256, "top_left"),       # widest head_dim
+    (3, 4, 4, 1, 4096, 48, "bottom_right"),      # single-token decoding
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_grid(shape, layout, dtype, floor, lse_tol):
+    batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda", layout)
+    check(q, k, v, floor, lse_tol, layout=layout, causal_alignment=alignment)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+def test_gpu_non_causal_and_non_contiguous(dtype, floor, lse_tol):
+    q = torch.randn(2, 8, 1000, 160, dtype=dtype, device="cuda")[..., 16:144]
+    k = rearrange(torch.randn(2, 1500, 8, 128, dtype=dtype, device="cuda"), "b s h d -> b h s d")
+    v = torch.randn(4, 8, 1500, 128, dtype=dtype, device="cuda")[::2]
+    check(q, k, v, floor, lse_tol, causal=False)
+    check(q, k, v, floor, lse_tol, scale=0.3)
+
+
+@pytest.mark.cuda
+def test_gpu_fp32():
+    q, k, v = make_qkv(2, 4, 4, 513, 513, 64, torch.float32, "cuda")
+    check(q, k, v, 1e-5, 1e-5)
+
+
+@pytest.mark.cuda
+def test_gpu_torch_compile_fullgraph():
+    q, k, v = make_qkv(4, 8, 8, 512, 512, 64, torch.bfloat16, "cuda")
+
+    @torch.compile(fullgraph=True)
+    def layer(q, k, v):
+        return fused_attention(q * 2, k, v).float().sum(-1)
+
+    torch._dynamo.reset()
+    expected = attention_reference(q * 2, k, v).sum(-1)
+    torch.testing.assert_close(layer(q, k, v).double(), expected, atol=0.1, rtol=0.02)
