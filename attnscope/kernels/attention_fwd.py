@@ -202,7 +202,8 @@ def is_interpreted():
 def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=lambda kernel: kernel):
     """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
-    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch."""
+    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
+    Returns what the launch returns (the compiled kernel, when called eagerly)."""
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -218,7 +219,7 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=lambd
     def grid(meta):
         return (batch * heads, triton.cdiv(q_len, meta["BLOCK_M"]))
 
-    wrap(kernel)[grid](
+    return wrap(kernel)[grid](
         q, k, v, out, lse,  #
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),  #
         heads, heads // k.shape[1], q_len, kv_len, causal_offset, scale * LOG2E,  #

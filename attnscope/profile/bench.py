@@ -182,7 +182,7 @@ def reference_output(q, k, v, *, causal: bool, budget_bytes: float):
     per_row = seq * REF_BYTES_PER_SCORE
     rows = int(min(seq, max(1, budget_bytes // per_row)))
     start = seq - rows
-    chunk = int(max(1, budget_bytes // (rows * per_row)))
+    chunk = int(min(batch * heads, max(1, budget_bytes // (rows * per_row))))
     # flat query head i = b * heads + h reads K/V head b * kv_heads + h // group
     flat = torch.arange(batch * heads, device=q.device)
     kv_index = (flat // heads) * kv_heads + (flat % heads) // (heads // kv_heads)
@@ -285,6 +285,7 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
     skip = score_memory_skip(impl.name, case, free_bytes)
     if skip:
         return {**row, "status": "skipped", "reason": skip}
+    started = False  # whether a first output came back: failures before it may be refusals
     try:
         forward = _prepare(impl, *inputs[0], ctx.causal)
         # First call on this shape in this process: what a user waits for (JIT, autotune, plans).
@@ -302,6 +303,7 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
             row["error"] = (out[:, :, start:stop].double() - ref).abs().max().item()
             row["error_compared"] = region
         del out
+        started = True
         forwards = [forward] + [_prepare(impl, *qkv, ctx.causal) for qkv in inputs[1:]]
         row["input_sets"] = len(forwards)
         ms = _median_ms(forwards, ctx.device, ctx.warmup_ms, ctx.rep_ms)
@@ -312,7 +314,12 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
         return {**row, "status": "unsupported", "reason": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # noqa: BLE001 -- one entry's failure must not end the sweep
         first = str(exc).splitlines()[0] if str(exc) else ""
-        return {**row, "status": "failed", "reason": f"{type(exc).__name__}: {first}"}
+        reason = f"{type(exc).__name__}: {first}"
+        if not started and case.kv_heads != case.heads and impl.name not in OURS:
+            # A peer without GQA breaks on the first K/V head broadcast; GQA is our contract,
+            # so the same failure of ours stays 'failed'.
+            return {**row, "status": "unsupported", "reason": f"GQA input failed: {reason}"}
+        return {**row, "status": "failed", "reason": reason}
     flops = attention_flops(case.batch, case.heads, case.seq, case.seq, case.head_dim,
                             causal=ctx.causal, mode=ctx.mode)
     row.update(median_ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
@@ -327,11 +334,12 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
 
 def _write_json(path: str, header: dict, rows: list[dict], complete: bool) -> None:
     rows = with_peer_ratios(rows)
-    doc = {**header, "complete": complete, "summary": geomean_ratios(rows), "rows": rows}
+    head = json.dumps({**header, "complete": complete, "summary": geomean_ratios(rows)}, indent=1)
+    # One row per line: a results file under git diffs row by row.
+    body = ",\n".join("  " + json.dumps(row) for row in rows)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+        f.write(f'{head[:-2]},\n "rows": [\n{body}\n ]\n}}\n')
     os.replace(tmp, path)  # atomic: an interrupt mid-write leaves the previous complete file
 
 
@@ -444,6 +452,8 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     env = collect_env()
     gpu = env.get("gpu") or {}
     l2_bytes = None
@@ -487,6 +497,8 @@ def run(args) -> int:
                 n_sets = 1 if device.type == "cpu" else input_sets(set_bytes, l2_bytes)
                 inputs = [_make_inputs(case, dtype, device, i) for i in range(n_sets)]
                 reference = _reference_or_none(inputs[0], args.causal, device)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # free memory must not count the reference's cache
                 free = _free_bytes(device)
                 for impl in impls:
                     row = bench_one(ctx, case, impl, inputs, reference, free)

@@ -160,13 +160,17 @@ def analyze_events(events, ranges=None) -> dict:
     ops = [dict(op, _cat=cat) for cat in GPU_OP_CATS for op in cats[cat]]
     ops_by_correlation = defaultdict(list)
     for op in ops:
-        ops_by_correlation[_correlation(op)].append(op)
+        if _correlation(op) is not None:
+            ops_by_correlation[_correlation(op)].append(op)
     # Only launches that put work on the GPU; cudaMalloc, syncs and the like share the category.
-    launches = sorted((e for cat in LAUNCH_CATS for e in cats[cat]
-                       if _correlation(e) in ops_by_correlation), key=lambda e: e["ts"])
-    launches_of = {_correlation(e): e for e in launches}
+    # Should a runtime call and the driver call inside it both carry an op's correlation, the
+    # outer (earlier) one is the launch, so the op is counted once.
+    launches_of = {}
+    for e in sorted((e for cat in LAUNCH_CATS for e in cats[cat]), key=lambda e: e["ts"]):
+        if _correlation(e) in ops_by_correlation:
+            launches_of.setdefault(_correlation(e), e)
     launches_by_thread = defaultdict(lambda: ([], []))
-    for e in launches:
+    for e in launches_of.values():
         starts, items = launches_by_thread[_thread(e)]
         starts.append(e["ts"])
         items.append(e)

@@ -1,0 +1,75 @@
+"""The seed recipe of the blog's 04_* scripts, for one implementation at one shape.
+
+Three warm-up calls (compilation, autotuning and cuDNN plan selection happen here, outside the
+trace); then torch.profiler with schedule(wait=1, warmup=1, active=3, repeat=1), one
+`record_function` range named after the implementation around each forward, under no_grad.
+Writes `<out>/<impl>/<batch>_<heads>_<seq>_<dim>_<impl>.json.gz` and beside it the `.txt`
+key_averages table (sorted by CUDA time, 15 rows). Peak memory is CUDA's high-water mark over
+the profiled steps, inputs included, as the scripts print it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+WARMUP_CALLS = 3
+WAIT, WARMUP, ACTIVE = 1, 1, 3
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Capture:
+    output: torch.Tensor  # the last warm-up forward's output, for the error column
+    trace: Path
+    table: Path
+    peak_memory_mb: float | None  # None on CPU
+
+
+def make_inputs(batch, heads, seq, head_dim, dtype, device, seed=0):
+    """q, k, v as [batch, heads, seq, head_dim], standard normal: never zeros or constants."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return tuple(torch.randn(batch, heads, seq, head_dim, generator=gen).to(device=device,
+                                                                             dtype=dtype)
+                 for _ in range(3))
+
+
+def trace_paths(out_dir, impl_name, shape):
+    stem = "_".join(str(x) for x in (*shape, impl_name))
+    folder = Path(out_dir) / impl_name
+    return folder / f"{stem}.json.gz", folder / f"{stem}.txt"
+
+
+def capture(impl, q, k, v, out_dir) -> Capture:
+    """Profile `impl` on q, k, v; raises whatever the implementation raises."""
+    cuda = q.device.type == "cuda"
+    trace, table = trace_paths(out_dir, impl.name, tuple(q.shape))
+    trace.parent.mkdir(parents=True, exist_ok=True)
+
+    def on_trace_ready(prof):
+        prof.export_chrome_trace(str(trace))  # gzipped because of the .gz suffix
+        table.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+                         + "\n")
+
+    with torch.no_grad():
+        forward = impl.prepare(q, k, v)
+        for _ in range(WARMUP_CALLS):
+            output = forward()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities, on_trace_ready=on_trace_ready,
+                     schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1)) as prof:
+            for _ in range(WAIT + WARMUP + ACTIVE):
+                with record_function(impl.name):
+                    forward()
+                if cuda:
+                    # Outside the range: each step's kernels finish before the next step starts.
+                    torch.cuda.synchronize()
+                prof.step()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+    return Capture(output=output, trace=trace, table=table, peak_memory_mb=peak)

@@ -1,0 +1,134 @@
+"""Kernel lab: time the fused forward under pinned configs next to cuDNN and flash, on one GPU.
+
+For kernel work (issue 5 notes), not the benchmark of record (that is `attnscope bench`).
+Prints one line per (shape, variant) and writes JSON lines to --out. Also counts the matrix
+instructions in the SASS of each compiled config (cuobjdump), so a slow config that fell off
+wgmma shows as such.
+
+    python benchmarks/fused_lab.py --shapes 8,16,1024,64 2,16,16384,128 --out lab.jsonl
+"""
+
+import argparse
+import itertools
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attnscope.kernels import attention_fwd as fwd
+from attnscope.profile.flops import attention_flops
+
+
+def sass_counts(compiled):
+    """HGMMA/HMMA/FFMA/MUFU counts in a compiled kernel's SASS (None without cuobjdump)."""
+    exe = shutil.which("cuobjdump")
+    if exe is None or "cubin" not in compiled.asm:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([exe, "-sass", f.name], capture_output=True, text=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.|\s|;)",
+                     sass, re.M)
+    wanted = ("HGMMA", "HMMA", "FFMA", "MUFU", "LDGSTS", "UTMALDG", "LDG", "STG", "LDL", "STL",
+              "BAR", "WARPGROUP")
+    return {op: sum(1 for o in ops if o.startswith(op)) for op in wanted}
+
+
+def inputs(shape, dtype, kv_heads=None):
+    b, h, s, d = shape
+    hk = kv_heads or h
+    # Enough copies that one pass over them exceeds the 60 MB L2, so every call reads cold data.
+    one = 2 * (b * h * s * d + 2 * b * hk * s * d) * 2
+    copies = max(1, min(8, -(-200_000_000 // one)))
+    return [tuple(torch.randn(b, hh, s, d, dtype=dtype, device="cuda") for hh in (h, hk, hk))
+            for _ in range(copies)]
+
+
+def timed(fn_per_set, sets, warmup, rep):
+    it = itertools.cycle(range(len(sets)))
+    return triton.testing.do_bench(lambda: fn_per_set(*sets[next(it)]), warmup=warmup, rep=rep,
+                                   return_mode="median")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"], help="B,H,S,D (bf16, causal)")
+    p.add_argument("--configs", nargs="*", default=None,
+                   help="BM,BN,warps,stages to pin; default: the autotune space of the head dim")
+    p.add_argument("--peers", action="store_true", help="also time SDPA cuDNN and flash")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    args = p.parse_args()
+    out = open(args.out, "a") if args.out else None
+    for text in args.shapes:
+        shape = tuple(int(x) for x in text.split(","))
+        b, h, s, d = shape
+        flops = attention_flops(b, h, s, s, d, causal=True)
+        sets = inputs(shape, torch.bfloat16)
+        q, k, v = sets[0]
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                               is_causal=True)
+        block_d = max(16, triton.next_power_of_2(d))
+        cls = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+        configs = ([tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs
+                   else fwd.AUTOTUNE_SPACE[cls])
+        variants = [(f"fused{c}", c) for c in configs] + [("fused-autotune", None)]
+        for name, config in variants:
+            def run(q, k, v):
+                o = torch.empty_like(q)
+                lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+                compiled = fwd.attention_fwd(q, k, v, o, lse, causal=True, scale=d ** -0.5,
+                                             causal_offset=0)
+                return o, compiled
+            try:
+                if config:
+                    with fwd.pinned_config(*config):
+                        o, compiled = run(q, k, v)
+                        ms = timed(lambda *t: run(*t)[0], sets, args.warmup, args.rep)
+                else:
+                    o, compiled = run(q, k, v)
+                    ms = timed(lambda *t: run(*t)[0], sets, args.warmup, args.rep)
+                err = (o.float() - ref).abs().max().item()
+                extra = {"regs": getattr(compiled, "n_regs", None),
+                         "spills": getattr(compiled, "n_spills", None),
+                         "smem": compiled.metadata.shared if hasattr(compiled, "metadata") else None,
+                         "sass": sass_counts(compiled)}
+            except Exception as e:  # one bad config must not end the sweep
+                print(f"{shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            row = {"shape": shape, "impl": name, "ms": ms, "tflops": flops / ms / 1e9,
+                   "err": err, **extra}
+            print(f"{shape} {name:28s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s err {err:.2e} "
+                  f"regs {extra['regs']} spills {extra['spills']} smem {extra['smem']} "
+                  f"sass {extra['sass']}", flush=True)
+            if out:
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+        if args.peers:
+            for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+                def peer(q, k, v, backend=backend):
+                    with sdpa_kernel(backend):
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                                is_causal=True)
+                ms = timed(peer, sets, args.warmup, args.rep)
+                print(f"{shape} {backend.name:28s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s",
+                      flush=True)
+                if out:
+                    out.write(json.dumps({"shape": shape, "impl": backend.name, "ms": ms,
+                                          "tflops": flops / ms / 1e9}) + "\n")
+        del sets, ref
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
