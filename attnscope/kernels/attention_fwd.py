@@ -103,6 +103,8 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     # Heads run along grid axis 0 and query blocks along axis 1, last block first: under a causal
     # mask the last query blocks have the most keys, and the hardware starts programs in grid
     # order, so the longest programs start in the first wave instead of being the tail.
+    # torch.compile passes Python floats as fp64; one fp32 scale keeps every score op in fp32.
+    qk_scale = qk_scale.to(tl.float32)
     off_hz = tl.program_id(0)
     start_m = tl.num_programs(1) - 1 - tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)
