@@ -37,6 +37,11 @@ def _no_gqa(q, k, v):
     return _eager(q, k, v)
 
 
+def _broadcasting(q, k, v):
+    # Eager math without repeating K/V heads: fails on GQA inputs with a RuntimeError.
+    return lambda: torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
 def _off_by_a_bit(q, k, v):
     return lambda: attention_reference(q, k, v, dtype=q.dtype) + 0.25
 
@@ -212,6 +217,18 @@ def test_no_causal_needs_a_causal_argument(fakes, tmp_path):
     assert fused["causal"] is False and 0 < fused["error"] < 0.05  # compared with full attention
 
 
+def test_gqa_failure_is_unsupported_for_peers_and_failed_for_ours(fakes, tmp_path):
+    fakes["fused"] = _impl("fused", _broadcasting)
+    fakes["peer_broadcast"] = _impl("peer_broadcast", _broadcasting)
+    out = tmp_path / "b.json"
+    args = _parse("--sweep", "cpu", "--impl", "peer_broadcast", "fused", "--json", str(out), *FAST)
+    assert bench.run(args) == 0
+    gqa = [r for r in json.loads(out.read_text())["rows"] if r["kv_heads"] != r["shape"][1]]
+    assert [(r["impl"], r["status"]) for r in gqa] == [("peer_broadcast", "unsupported"),
+                                                       ("fused", "failed")]
+    assert all("RuntimeError" in r["reason"] for r in gqa)
+
+
 @pytest.mark.parametrize("argv, names", [
     (("--sweep", "nope"), ["default", "seed", "cpu"]),
     (("--impl", "fused", "nope"), ["peer_fast", "fused"]),
@@ -220,6 +237,12 @@ def test_unknown_names_list_the_valid_ones(fakes, capsys, argv, names):
     assert bench.run(_parse(*argv, *FAST)) == 2
     err = capsys.readouterr().err
     assert "'nope'" in err and all(n in err for n in names)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_cuda_requested_without_cuda_is_an_error(fakes, capsys):
+    assert bench.run(_parse("--device", "cuda")) == 2
+    assert "no CUDA device" in capsys.readouterr().err
 
 
 def test_ctrl_c_keeps_finished_rows(fakes, tmp_path):

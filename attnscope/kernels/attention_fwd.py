@@ -104,7 +104,7 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     # mask the last query blocks have the most keys, and the hardware starts programs in grid
     # order, so the longest programs start in the first wave instead of being the tail.
     # torch.compile passes Python floats as fp64; one fp32 scale keeps every score op in fp32.
-    qk_scale = qk_scale.to(tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     off_hz = tl.program_id(0)
     start_m = tl.num_programs(1) - 1 - tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)

@@ -349,8 +349,11 @@ def _fmt(value, spec: str) -> str:
 
 def _progress(i: int, total: int, row: dict) -> str:
     shape = "x".join(map(str, row["shape"]))
-    what = (f"{row['median_ms']:.4f} ms  {row['tflops']:.1f} TFLOP/s  err {_fmt(row['error'], '.2e')}"
-            if row["status"] == "ok" else f"{row['status']}: {row['reason']}")
+    if row["status"] == "ok":
+        what = (f"{row['median_ms']:.4f} ms  {row['tflops']:.1f} TFLOP/s  "
+                f"err {_fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
+    else:
+        what = f"{row['status']}: {row['reason']}"
     return f"[{i}/{total}] {shape} kv{row['kv_heads']} {row['impl']}: {what}"
 
 
@@ -446,6 +449,45 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: torch.device, index: in
                  for s in (q_shape, kv_shape, kv_shape))
 
 
+def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
+    """Rows of one shape, one per implementation, all on the same inputs and reference."""
+    dtype = DTYPES[ctx.dtype]
+    q_bytes = case.batch * case.heads * case.seq * case.head_dim * dtype.itemsize
+    set_bytes = 2 * q_bytes + 2 * q_bytes * case.kv_heads // case.heads  # q, out, k, v
+    n_sets = 1 if ctx.device.type == "cpu" else input_sets(set_bytes, l2_bytes)
+    inputs = [_make_inputs(case, dtype, ctx.device, i) for i in range(n_sets)]
+    reference = _reference_or_none(inputs[0], ctx.causal, ctx.device)
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # free memory must not count the reference's cached blocks
+    free = _free_bytes(ctx.device)
+    for impl in impls:
+        yield bench_one(ctx, case, impl, inputs, reference, free)
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()  # the next entry starts from the same free memory
+
+
+def _header(env: dict, sweep: str, device: torch.device, l2_bytes: int | None, args) -> dict:
+    return {
+        "env": env, "command": list(sys.argv), "sweep": sweep, "device": device.type,
+        "timing": _timing_block(device, l2_bytes, args),
+        "first_call": "first_call_ms: wall time of the first forward() on that shape in this "
+        "process (prepare() excluded), synchronized; includes Triton JIT compilation and "
+        "autotuning unless an earlier shape or the on-disk Triton cache already had them, and "
+        "torch.compile/cuDNN plan building for the entries that use them",
+        "error": "max abs difference against attention_reference in float64 on the same inputs "
+        "(input set 0); error_compared says which batch*heads and query rows",
+        "skip_rule": f"{sorted(MATERIALIZES_SCORES)} skipped when B*H*S*S*{SCORE_BYTES} bytes "
+        f"> {SCORE_MEMORY_FRACTION:.0%} of free memory",
+    }
+
+
+def _available(impl, device: torch.device) -> tuple[bool, str]:
+    try:
+        return impl.available(device)
+    except Exception as exc:  # noqa: BLE001 -- a broken check makes its rows unavailable
+        return False, f"available() raised {type(exc).__name__}: {exc}"
+
+
 def run(args) -> int:
     try:
         device, sweep, cases, impls = _resolve(args)
@@ -464,54 +506,24 @@ def run(args) -> int:
         device=device, dtype=args.dtype, causal=args.causal, mode=args.mode,
         warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
         peak_tflops=gpu.get("measured_bf16_peak_tflops") if args.dtype == PEAK_DTYPE else None,
-        available={})
-    for impl in impls:
-        try:
-            ctx.available[impl.name] = impl.available(device)
-        except Exception as exc:  # noqa: BLE001 -- a broken check makes its row unavailable
-            ctx.available[impl.name] = (False, f"available() raised {type(exc).__name__}: {exc}")
-    header = {
-        "env": env, "command": list(sys.argv), "sweep": sweep, "device": device.type,
-        "timing": _timing_block(device, l2_bytes, args),
-        "first_call": "first_call_ms: wall time of the first forward() on that shape in this "
-        "process (prepare() excluded), synchronized; includes Triton JIT compilation and "
-        "autotuning unless an earlier shape or the on-disk Triton cache already had them, and "
-        "torch.compile/cuDNN plan building for the entries that use them",
-        "error": "max abs difference against attention_reference in float64 on the same inputs "
-        "(input set 0); error_compared says which batch*heads and query rows",
-        "skip_rule": f"{sorted(MATERIALIZES_SCORES)} skipped when B*H*S*S*{SCORE_BYTES} bytes "
-        f"> {SCORE_MEMORY_FRACTION:.0%} of free memory",
-    }
-    rows: list[dict] = []
-    total = len(cases) * len(impls)
+        available={impl.name: _available(impl, device) for impl in impls})
+    header = _header(env, sweep, device, l2_bytes, args)
     time_label = "median ms" if device.type == "cuda" else "CPU wall ms"
-    dtype = DTYPES[args.dtype]
+    total = len(cases) * len(impls)
     print(f"bench: sweep {sweep!r}, {len(cases)} shapes x {len(impls)} implementations, "
           f"{args.dtype} {'causal' if args.causal else 'full'} {args.mode} on "
           f"{gpu.get('name') or device.type}; timer: {header['timing']['timer']}", file=sys.stderr)
+    rows: list[dict] = []
     try:
         with torch.no_grad():
             for case in cases:
-                q_bytes = case.batch * case.heads * case.seq * case.head_dim * dtype.itemsize
-                set_bytes = 2 * q_bytes + 2 * q_bytes * case.kv_heads // case.heads  # q, out, k, v
-                n_sets = 1 if device.type == "cpu" else input_sets(set_bytes, l2_bytes)
-                inputs = [_make_inputs(case, dtype, device, i) for i in range(n_sets)]
-                reference = _reference_or_none(inputs[0], args.causal, device)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()  # free memory must not count the reference's cache
-                free = _free_bytes(device)
-                for impl in impls:
-                    row = bench_one(ctx, case, impl, inputs, reference, free)
+                for row in _case_rows(ctx, case, impls, l2_bytes):
                     rows.append(row)
                     print(_progress(len(rows), total, row), file=sys.stderr)
                     if args.json:
                         _write_json(args.json, header, rows, complete=False)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()  # the next entry starts from the same free memory
-                del inputs, reference
     except KeyboardInterrupt:
-        if rows:
-            print(format_table(with_peer_ratios(rows), time_label))
+        print(format_table(with_peer_ratios(rows), time_label))
         raise
     if args.json:
         _write_json(args.json, header, rows, complete=True)

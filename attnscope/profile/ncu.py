@@ -103,10 +103,9 @@ def run(args: argparse.Namespace) -> int:
         proc = subprocess.run(ncu_command(ncu, csv_path, child_args(args, impl.name)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         text = csv_path.read_text() if csv_path.exists() else ""
-        try:
-            launches = tc.parse_ncu_csv(text)
-        except ValueError:
-            launches = []
+        launches = _launches(text) or _launches(proc.stdout)
+        if launches and not _launches(text):  # this ncu printed the table instead of logging it
+            csv_path.write_text(proc.stdout)
         if proc.returncode != 0 or not launches:
             print(f"    failed (exit {proc.returncode}): {_diagnosis(text + proc.stdout)}",
                   file=sys.stderr)
@@ -123,6 +122,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"merged counter verdicts into {results}", file=sys.stderr)
     print(f"ncu CSVs in {out / 'ncu'}", file=sys.stderr)
     return 0 if verdicts else 1
+
+
+def _launches(text: str) -> list[dict]:
+    try:
+        return tc.parse_ncu_csv(text)
+    except ValueError:
+        return []
 
 
 def _diagnosis(output: str) -> str:

@@ -41,6 +41,13 @@ class NameFamily:
 # First match wins, so the exceptions come before the families they carve out of
 # (FFMA GEMMs before "gemm", split-KV combine before flash_fwd, ...).
 NAME_FAMILIES: tuple[NameFamily, ...] = (
+    # --- Triton, first: inductor names embed the fused ops' names (softmax, copy, fill) -----
+    NameFamily("inductor_pointwise_reduction", r"^triton_(poi|red|per)_", NO,
+               "TorchInductor pointwise/reduction kernel: inductor emits tl.dot only in its "
+               "template kernels (triton_tem_*), never in pointwise or reduction codegen"),
+    NameFamily("triton", r"^triton_", UNKNOWN,
+               "Triton kernel (inductor template, FlexAttention): the name carries no math type; "
+               "the answer is in its SASS (tier 2) or counters (tier 1)"),
     # --- library GEMMs that run on CUDA cores -------------------------------------------------
     NameFamily("cublas_ffma_gemm", r"_ffma(_|$)", NO,
                "cuBLAS/xmma GEMM whose name ends its math type with _ffma: FP32 FFMA on CUDA "
@@ -104,13 +111,6 @@ NAME_FAMILIES: tuple[NameFamily, ...] = (
     NameFamily("fill_copy_index", r"[Ff]ill|[Cc]opy|masked_fill|index[A-Z]|indexing|"
                r"triu_tril|gather|scatter|CatArray|transpose", NO,
                "fill, copy, concat, transpose, triu/tril or indexing kernel: data movement"),
-    # --- Triton ------------------------------------------------------------------------------
-    NameFamily("inductor_pointwise_reduction", r"^triton_(poi|red|per)_", NO,
-               "TorchInductor pointwise/reduction kernel: inductor emits tl.dot only in its "
-               "template kernels (triton_tem_*), never in pointwise or reduction codegen"),
-    NameFamily("triton", r"^triton_", UNKNOWN,
-               "Triton kernel (inductor template, FlexAttention): the name carries no math type; "
-               "the answer is in its SASS (tier 2) or counters (tier 1)"),
 )
 
 _COMPILED_FAMILIES = tuple((f, re.compile(f.pattern)) for f in NAME_FAMILIES)
@@ -139,7 +139,7 @@ def name_verdict(kernel_name: str) -> dict:
 SASS_MATRIX_OPCODES = ("HGMMA", "HMMA", "IMMA", "QGMMA", "IGMMA", "BGMMA", "DMMA", "BMMA")
 SASS_CONTEXT_OPCODES = ("FFMA", "HFMA2", "HFMA2.MMA", "MUFU.EX2")
 
-# "/*0aa0*/   @!P0 HGMMA.64x64x16.F32.BF16 R24, ..." -> opcode "HGMMA", modifiers ".64x64x16.F32.BF16"
+# "/*0aa0*/  @!P0 HGMMA.64x64x16.F32.BF16 R24, ..." -> "HGMMA", ".64x64x16.F32.BF16"
 _SASS_LINE = re.compile(r"^\s*/\*[0-9a-fA-F]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)"
                         r"((?:\.[A-Za-z0-9_]+)*)")
 
@@ -191,8 +191,8 @@ def ptx_verdict(ptx: str) -> dict:
     ptxas lowers each PTX matrix instruction to several SASS ones, and PTX is virtual code."""
     counts = {name: len(rx.findall(ptx)) for name, rx in {**_PTX_MATRIX, **_PTX_CONTEXT}.items()}
     # Statements end with ';' one per line; directives and labels do not count as instructions.
-    counts["instructions"] = sum(1 for line in ptx.splitlines()
-                                 if line.strip().endswith(";") and not line.lstrip().startswith("."))
+    statements = (line.strip() for line in ptx.splitlines())
+    counts["instructions"] = sum(1 for s in statements if s.endswith(";") and s[:1] != ".")
     return _static_verdict(counts, _PTX_MATRIX, "ptx")
 
 
