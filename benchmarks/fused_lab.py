@@ -17,13 +17,27 @@ import subprocess
 import sys
 import tempfile
 
+import time
+
 import torch
 import triton
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import attnscope
 from attnscope.kernels import attention_fwd as fwd
 from attnscope.profile.flops import attention_flops
+
+
+# Configs the lab tries per head-dim class: (BLOCK_M, BLOCK_N, num_warps, num_stages[, ws]).
+EXPLORE = {
+    64: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
+         (64, 128, 4, 3), (128, 32, 8, 3), (128, 128, 8, 3), (128, 64, 8, 3, 1),
+         (64, 64, 4, 3, 1)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3),
+          (64, 32, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3, 1)],
+    256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 3)],
+}
 
 
 def sass_counts(compiled):
@@ -62,7 +76,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"], help="B,H,S,D (bf16, causal)")
     p.add_argument("--configs", nargs="*", default=None,
-                   help="BM,BN,warps,stages to pin; default: the autotune space of the head dim")
+                   help="BM,BN,warps,stages[,ws] to pin (ws=1: warp-specialized loop); default: "
+                   "the exploration list EXPLORE for the head dim's class")
     p.add_argument("--peers", action="store_true", help="also time SDPA cuDNN and flash")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
@@ -80,8 +95,8 @@ def main():
         block_d = max(16, triton.next_power_of_2(d))
         cls = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
         configs = ([tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs
-                   else fwd.AUTOTUNE_SPACE[cls])
-        variants = [(f"fused{c}", c) for c in configs] + [("fused-autotune", None)]
+                   else EXPLORE[cls])
+        variants = [(f"fused{c}", c) for c in configs] + [("fused-table", None)]
         for name, config in variants:
             def run(q, k, v):
                 o = torch.empty_like(q)
@@ -91,7 +106,7 @@ def main():
                 return o, compiled
             try:
                 if config:
-                    with fwd.pinned_config(*config):
+                    with fwd.pinned_config(*config[:4], bool(config[4:] and config[4])):
                         o, compiled = run(q, k, v)
                         ms = timed(lambda *t: run(*t)[0], sets, args.warmup, args.rep)
                 else:
@@ -113,6 +128,21 @@ def main():
             if out:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
+        # The public op (validation + custom-op dispatch + launch): its time minus fused-table's is
+        # what the Python around the kernel costs when the GPU waits for it.
+        op = lambda q, k, v: attnscope.fused_attention(q, k, v)
+        ms = timed(op, sets, args.warmup, args.rep)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(200):
+            op(*sets[i % len(sets)])
+        host_us = (time.perf_counter() - t0) / 200 * 1e6
+        torch.cuda.synchronize()
+        print(f"{shape} {'fused_attention (public op)':28s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} "
+              f"TFLOP/s host {host_us:.1f} us/call (enqueue, unsynchronized)", flush=True)
+        if out:
+            out.write(json.dumps({"shape": shape, "impl": "fused_attention", "ms": ms,
+                                  "tflops": flops / ms / 1e9, "host_us": host_us}) + "\n")
         if args.peers:
             for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
                 def peer(q, k, v, backend=backend):

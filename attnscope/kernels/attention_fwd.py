@@ -25,7 +25,6 @@ the CPU with TRITON_INTERPRET=1 set before this module is imported.
 """
 
 import contextlib
-import inspect
 
 import triton
 import triton.language as tl
@@ -53,9 +52,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
                     offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
-                    INPUT_PRECISION: tl.constexpr):
+                    INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N_CTX_K
@@ -96,10 +95,9 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
               stride_vz, stride_vh, stride_vn, stride_vk,  #
               stride_oz, stride_oh, stride_om, stride_ok,  #
               H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
-              Q_LEN_KEY, KV_LEN_KEY,  # power-of-two buckets of the lengths; autotune key only
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
               INPUT_PRECISION: tl.constexpr,  #
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     # Heads run along grid axis 0 and query blocks along axis 1, last block first: under a causal
     # mask the last query blocks have the most keys, and the hardware starts programs in grid
     # order, so the longest programs start in the first wave instead of being the tail.
@@ -142,13 +140,15 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
                                     stride_kn, stride_kk, stride_vn, stride_vk,  #
                                     offs_m, offs_d, 0, full_hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
-                                    False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+                                    False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                                    WARP_SPECIALIZE)
     # stage 2: the diagonal band and the ragged end of K, masked
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
                                     stride_kn, stride_kk, stride_vn, stride_vk,  #
                                     offs_m, offs_d, full_hi, masked_hi, N_CTX_K, CAUSAL_OFFSET,
                                     qk_scale,  #
-                                    True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+                                    True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                                    WARP_SPECIALIZE)
 
     # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -160,36 +160,28 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-# Autotune space, per head-dim class: four (BLOCK_M, BLOCK_N, num_warps, num_stages) each, so a
-# first call compiles at most four variants. Wider heads need smaller tiles: the fp32 accumulator
-# is BLOCK_M x BLOCK_D registers spread over the program's threads.
-AUTOTUNE_SPACE = {
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)],
-    256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2)],
+# Launch configs: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) per head-dim
+# class, chosen offline by benchmarks/fused_lab.py on the H200 (notes/kernel.md has the sweeps).
+# A fixed table instead of triton.autotune: a first call compiles one kernel instead of timing
+# several, and each launch skips the autotuner's per-call bookkeeping (~40 us measured at the seed
+# shape, more than half the kernel's own time there). Wider heads need smaller tiles: the fp32
+# accumulator is BLOCK_M x BLOCK_D registers spread over the program's threads.
+CONFIGS = {
+    64: (128, 64, 8, 3, False),
+    128: (128, 64, 8, 3, False),
+    256: (64, 64, 4, 2, False),
 }
 # The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross
 # several blocks and a diagonal band that spans two K blocks.
-INTERPRETER_CONFIG = (32, 16, 4, 1)
-
-
-def _autotuned(space):
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-               for bm, bn, w, s in space]
-    extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-    return triton.autotune(configs=configs, key=["Q_LEN_KEY", "KV_LEN_KEY", "HEAD_DIM", "CAUSAL",
-                                                 "INPUT_PRECISION"], **extra)(_attn_fwd)
-
-
-_TUNED = {cls: _autotuned(space) for cls, space in AUTOTUNE_SPACE.items()}
+INTERPRETER_CONFIG = (32, 16, 4, 1, False)
 _pinned = None
 
 
 @contextlib.contextmanager
-def pinned_config(block_m, block_n, num_warps=4, num_stages=2):
-    """Launch every forward with this one config instead of autotuning (tests, experiments)."""
+def pinned_config(block_m, block_n, num_warps=4, num_stages=2, warp_specialize=False):
+    """Launch every forward with this config instead of the table's (tests, the lab)."""
     global _pinned
-    previous, _pinned = _pinned, (block_m, block_n, num_warps, num_stages)
+    previous, _pinned = _pinned, (block_m, block_n, num_warps, num_stages, warp_specialize)
     try:
         yield
     finally:
@@ -201,31 +193,28 @@ def is_interpreted():
     return not isinstance(_attn_fwd, triton.runtime.JITFunction)
 
 
+def config_for(head_dim):
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) a launch will use."""
+    if _pinned is not None:
+        return _pinned
+    if is_interpreted():
+        return INTERPRETER_CONFIG
+    return CONFIGS[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
+
+
 def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=lambda kernel: kernel):
     """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
     batch, heads, q_len, head_dim = q.shape
-    kv_len = k.shape[2]
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    config = _pinned or (INTERPRETER_CONFIG if is_interpreted() else None)
-    if config is None:
-        kernel = _TUNED[64 if block_d <= 64 else 128 if block_d <= 128 else 256]
-        meta = {}
-    else:
-        kernel = _attn_fwd
-        bm, bn, w, s = config
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
-
-    def grid(meta):
-        return (batch * heads, triton.cdiv(q_len, meta["BLOCK_M"]))
-
-    return wrap(kernel)[grid](
+    block_m, block_n, num_warps, num_stages, warp_specialize = config_for(head_dim)
+    grid = (batch * heads, triton.cdiv(q_len, block_m))
+    return wrap(_attn_fwd)[grid](
         q, k, v, out, lse,  #
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),  #
-        heads, heads // k.shape[1], q_len, kv_len, causal_offset, scale * LOG2E,  #
-        triton.next_power_of_2(q_len), triton.next_power_of_2(kv_len),  #
-        HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal,  #
+        heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal,  #
         INPUT_PRECISION="ieee" if q.dtype.itemsize == 4 else "tf32",  # tf32 is unused for 16-bit
-        **meta)
+        BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=warp_specialize,  #
+        num_warps=num_warps, num_stages=num_stages)
