@@ -1,8 +1,18 @@
 """attnscope: a fused causal-attention kernel in Triton, and a driver that profiles it against
 PyTorch's attention implementations."""
 
-from attnscope._version import __version__
-from attnscope.attention import IMPLEMENTATIONS
-from attnscope.attention.fused import fused_attention
+import os as _os
+
+import torch as _torch
+
+# Without a CUDA device Triton kernels run only in Triton's interpreter, and Triton reads
+# TRITON_INTERPRET as it is first imported (its own library functions are jit functions too),
+# so it is set here, before anything below imports triton. An explicit TRITON_INTERPRET=0 stays.
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from attnscope._version import __version__  # noqa: E402
+from attnscope.attention import IMPLEMENTATIONS  # noqa: E402
+from attnscope.attention.fused import fused_attention  # noqa: E402
 
 __all__ = ["IMPLEMENTATIONS", "__version__", "fused_attention"]
