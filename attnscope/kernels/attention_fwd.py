@@ -26,6 +26,8 @@ the CPU with TRITON_INTERPRET=1 set before this module is imported.
 
 import contextlib
 
+import torch
+
 import triton
 import triton.language as tl
 
@@ -47,20 +49,26 @@ def _load(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.const
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
+def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src,  #
                     stride_kn, stride_kk, stride_vn, stride_vk,  #
                     offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
-                    INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                    INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                    USE_TMA: tl.constexpr):
+    # k_src/v_src are tensor descriptors when USE_TMA (the copy engine zero-fills rows past
+    # N_CTX_K and columns past HEAD_DIM), else base pointers of this (batch, kv head).
     d_ok = offs_d < HEAD_DIM
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N_CTX_K
-        # -- scores: q @ k^T, K loaded transposed as a [BLOCK_D, BLOCK_N] tile --
-        k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk
-        k = _load(k_ptrs, n_ok[None, :], d_ok[:, None], MASKED, HEAD_DIM != BLOCK_D)
+        # -- scores: q @ k^T, K as a [BLOCK_D, BLOCK_N] tile --
+        if USE_TMA:
+            k = tl.trans(k_src.load([start_n, 0]))
+        else:
+            k_ptrs = k_src + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk
+            k = _load(k_ptrs, n_ok[None, :], d_ok[:, None], MASKED, HEAD_DIM != BLOCK_D)
         qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
         if MASKED:
             visible = n_ok[None, :]
@@ -81,8 +89,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk
-        v = _load(v_ptrs, n_ok[:, None], d_ok[None, :], MASKED, HEAD_DIM != BLOCK_D)
+        if USE_TMA:
+            v = v_src.load([start_n, 0])
+        else:
+            v_ptrs = v_src + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk
+            v = _load(v_ptrs, n_ok[:, None], d_ok[None, :], MASKED, HEAD_DIM != BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_ij
     return acc, l_i, m_i
@@ -97,7 +108,8 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
               H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
               INPUT_PRECISION: tl.constexpr,  #
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,  #
+              USE_TMA: tl.constexpr):
     # Heads run along grid axis 0 and query blocks along axis 1, last block first: under a causal
     # mask the last query blocks have the most keys, and the hardware starts programs in grid
     # order, so the longest programs start in the first wave instead of being the tail.
@@ -117,8 +129,15 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh
               + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk)
     q = _load(q_ptrs, m_ok[:, None], d_ok[None, :], True, HEAD_DIM != BLOCK_D)
-    k_base = K + off_z * stride_kz + off_hkv * stride_kh
-    v_base = V + off_z * stride_vz + off_hkv * stride_vh
+    k_src = K + off_z * stride_kz + off_hkv * stride_kh
+    v_src = V + off_z * stride_vz + off_hkv * stride_vh
+    if USE_TMA:
+        # One [N_CTX_K, HEAD_DIM] descriptor per (batch, kv head): K/V tiles then arrive through
+        # the bulk tensor copy engine instead of per-thread cp.async address arithmetic.
+        k_src = tl.make_tensor_descriptor(k_src, shape=[N_CTX_K, HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_src, shape=[N_CTX_K, HEAD_DIM], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -137,18 +156,18 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     full_hi = full_hi // BLOCK_N * BLOCK_N
 
     # stage 1: blocks left of the diagonal, no masking
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src,  #
                                     stride_kn, stride_kk, stride_vn, stride_vk,  #
                                     offs_m, offs_d, 0, full_hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
                                     False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                                    WARP_SPECIALIZE)
+                                    WARP_SPECIALIZE, USE_TMA)
     # stage 2: the diagonal band and the ragged end of K, masked
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_base, v_base,  #
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src,  #
                                     stride_kn, stride_kk, stride_vn, stride_vk,  #
                                     offs_m, offs_d, full_hi, masked_hi, N_CTX_K, CAUSAL_OFFSET,
                                     qk_scale,  #
                                     True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                                    WARP_SPECIALIZE)
+                                    WARP_SPECIALIZE, USE_TMA)
 
     # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -160,28 +179,30 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-# Launch configs: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) per head-dim
+# Launch configs: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, use_tma) per head-dim
 # class, chosen offline by benchmarks/fused_lab.py on the H200 (notes/kernel.md has the sweeps).
 # A fixed table instead of triton.autotune: a first call compiles one kernel instead of timing
 # several, and each launch skips the autotuner's per-call bookkeeping (~40 us measured at the seed
 # shape, more than half the kernel's own time there). Wider heads need smaller tiles: the fp32
 # accumulator is BLOCK_M x BLOCK_D registers spread over the program's threads.
 CONFIGS = {
-    64: (128, 64, 8, 3, False),
-    128: (128, 64, 8, 3, False),
-    256: (64, 64, 4, 2, False),
+    64: (128, 64, 8, 3, False, False),
+    128: (128, 64, 8, 3, False, False),
+    256: (64, 32, 4, 2, False, False),
 }
 # The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross
 # several blocks and a diagonal band that spans two K blocks.
-INTERPRETER_CONFIG = (32, 16, 4, 1, False)
+INTERPRETER_CONFIG = (32, 16, 4, 1, False, False)
 _pinned = None
 
 
 @contextlib.contextmanager
-def pinned_config(block_m, block_n, num_warps=4, num_stages=2, warp_specialize=False):
+def pinned_config(block_m, block_n, num_warps=4, num_stages=2, warp_specialize=False,
+                  use_tma=False):
     """Launch every forward with this config instead of the table's (tests, the lab)."""
     global _pinned
-    previous, _pinned = _pinned, (block_m, block_n, num_warps, num_stages, warp_specialize)
+    previous = _pinned
+    _pinned = (block_m, block_n, num_warps, num_stages, warp_specialize, use_tma)
     try:
         yield
     finally:
@@ -194,12 +215,23 @@ def is_interpreted():
 
 
 def config_for(head_dim):
-    """The (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) a launch will use."""
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, use_tma) a launch uses."""
     if _pinned is not None:
         return _pinned
     if is_interpreted():
         return INTERPRETER_CONFIG
     return CONFIGS[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
+
+
+def _tma_ok(t):
+    # The copy engine needs a unit last stride and 16-byte aligned rows and base addresses.
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
+
+
+def _scratch(size, alignment, stream):
+    # Device-side tensor descriptors are written to global scratch memory Triton asks for here.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=lambda kernel: kernel):
@@ -208,7 +240,10 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=lambd
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
     batch, heads, q_len, head_dim = q.shape
-    block_m, block_n, num_warps, num_stages, warp_specialize = config_for(head_dim)
+    block_m, block_n, num_warps, num_stages, warp_specialize, use_tma = config_for(head_dim)
+    use_tma = use_tma and _tma_ok(k) and _tma_ok(v)
+    if use_tma:
+        triton.set_allocator(_scratch)
     grid = (batch * heads, triton.cdiv(q_len, block_m))
     return wrap(_attn_fwd)[grid](
         q, k, v, out, lse,  #
@@ -216,5 +251,5 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=lambd
         heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal,  #
         INPUT_PRECISION="ieee" if q.dtype.itemsize == 4 else "tf32",  # tf32 is unused for 16-bit
-        BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=warp_specialize,  #
+        BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=warp_specialize, USE_TMA=use_tma,  #
         num_warps=num_warps, num_stages=num_stages)
