@@ -15,9 +15,11 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["attnscope", "attnscope.*"]),
     # torch first and pinned by the user (see README); a range here so pip never swaps it.
-    install_requires=["torch>=2.6", "triton>=3.4", "einops>=0.7"],
+    # numpy: Triton's interpreter, which runs the kernels on machines without a GPU, needs it.
+    install_requires=["torch>=2.6", "triton>=3.4", "einops>=0.7", "numpy"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        # The report's tests render real charts and highlighted source.
+        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.8", "pygments>=2.15"],
         "report": ["matplotlib>=3.8", "pygments>=2.15"],
         "hub": ["kernels>=0.4"],
     },

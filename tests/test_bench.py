@@ -264,3 +264,107 @@ def test_ctrl_c_keeps_finished_rows(fakes, tmp_path):
     assert [(r["impl"], r["status"]) for r in doc["rows"]] == [
         ("peer_fast", "ok"), ("fused", "ok"), ("peer_fast", "ok")]
     assert math.isfinite(doc["rows"][1]["ratio_to_best_peer"])
+
+
+# --- modes ---
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a backward that costs a known time."""
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        _SlowBackward.calls += 1
+        time.sleep(SLEEP_S)
+        return grad
+
+
+SLEEP_S = 20e-3  # far above what the cheap fakes below compute, on any CPU
+
+
+def _cheap(q, k, v):
+    # Differentiable in q, k and v, and microseconds either way.
+    return lambda: q + 0.0 * (k.sum() + v.sum())
+
+
+def _slow_forward(q, k, v):
+    return _sleepy(_cheap(q, k, v), SLEEP_S)
+
+
+def _slow_backward(q, k, v):
+    forward = _cheap(q, k, v)
+    return lambda: _SlowBackward.apply(forward())
+
+
+def _no_graph(q, k, v):
+    forward = _eager(q, k, v)
+    return lambda: forward().detach()
+
+
+@pytest.mark.parametrize("mode", ["bwd", "fwd_bwd"])
+def test_backward_modes_time_the_pass_they_name(fakes, tmp_path, mode):
+    fakes.update(peer_slow_fwd=_impl("peer_slow_fwd", _slow_forward),
+                 peer_slow_bwd=_impl("peer_slow_bwd", _slow_backward),
+                 peer_no_graph=_impl("peer_no_graph", _no_graph))
+    out = tmp_path / "b.json"
+    _SlowBackward.calls = 0
+    args = _parse("--sweep", "cpu", "--mode", mode, "--dtype", "fp32", "--impl", "peer_slow_fwd",
+                  "peer_slow_bwd", "peer_no_graph", "fused", "--json", str(out), *FAST)
+    assert bench.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == mode and "autograd.grad" in doc["timed"]
+    rows = {(r["impl"], tuple(r["shape"])): r for r in doc["rows"]}
+    sleep_ms = SLEEP_S * 1e3
+    for case in bench.SWEEPS["cpu"]:
+        shape = tuple(case.shape)
+        slow_fwd, slow_bwd, fused = (rows[name, shape] for name in ("peer_slow_fwd",
+                                                                     "peer_slow_bwd", "fused"))
+        assert all(r["mode"] == mode and r["status"] == "ok" for r in (slow_fwd, slow_bwd, fused))
+        # the forward's sleep is timed in fwd_bwd only; the backward's in both
+        if mode == "bwd":
+            assert slow_fwd["median_ms"] < sleep_ms / 2
+        else:
+            assert slow_fwd["median_ms"] > sleep_ms
+        assert slow_bwd["median_ms"] > sleep_ms
+        b, h, s, d = fused["shape"]
+        assert fused["tflops"] == pytest.approx(
+            attention_flops(b, h, s, s, d, mode=mode) / (fused["median_ms"] * 1e-3) / 1e12)
+        assert 0 < fused["error"] < 1e-5  # the forward output's error (fp32), in every mode
+        no_graph = rows["peer_no_graph", shape]
+        assert no_graph["status"] == "unsupported" and "autograd graph" in no_graph["reason"]
+    # every timed call ran a backward: first call, warm-up and >= MIN_CPU_REPEATS per shape
+    assert _SlowBackward.calls >= len(bench.SWEEPS["cpu"]) * (bench.MIN_CPU_REPEATS + 2)
+
+
+def test_backward_gradients_are_the_references():
+    # What "bwd" times returns the gradients of the prepared forward on its own inputs.
+    q, k, v = bench._with_grad(bench._make_inputs(bench._case(1, 2, 16, 16), torch.float32,
+                                                  torch.device("cpu"), 0))
+    forward = _eager(q, k, v)
+    out = forward()
+    grads = bench._timed_call(forward, (q, k, v), out, "bwd")()
+    again = bench._timed_call(forward, (q, k, v), out, "bwd")()  # the graph is retained
+    dout = bench._upstream_grad(q)
+    expected = torch.autograd.grad(attention_reference(q, k, v, dtype=q.dtype), (q, k, v), dout)
+    for g, a, e in zip(grads, again, expected):
+        torch.testing.assert_close(g, e)
+        torch.testing.assert_close(a, e)
+    assert q.grad is None  # autograd.grad: nothing accumulates into .grad
+
+
+def test_backward_modes_budget_more_score_memory():
+    case, free = bench._case(4, 32, 4096, 128), 64 * 2**30
+    assert bench.score_memory_skip("naive", case, free, "fwd") is None
+    assert "6 fp32 copies" in bench.score_memory_skip("naive", case, free, "bwd")
+    assert bench.score_memory_skip("sdpa_flash", case, free, "bwd") is None
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(SystemExit):
+        _parse("--mode", "backward")

@@ -154,6 +154,23 @@ def test_torch_compile_fullgraph_traces_the_op():
     torch.testing.assert_close(layer(q, k, v).double(), expected, atol=1e-4, rtol=0)
 
 
+def test_eager_fast_path_matches_the_custom_op():
+    # Inference calls the op's body directly; it must be the same computation as the op.
+    q, k, v = make_qkv(1, 2, 1, 37, 37, 48, torch.float32, CPU)
+    direct = fused_attention(q, k, v, return_lse=True)
+    via_op = fused._attention_fwd(q, k, v, True, 48 ** -0.5, False, "bhsd")
+    assert all(torch.equal(a, b) for a, b in zip(direct, via_op))
+
+
+def test_aot_compile_of_the_interpreter_is_refused_not_wrong():
+    q, k, v = make_qkv(1, 1, 1, 8, 8, 16, torch.float32, CPU)
+    torch._dynamo.reset()
+    layer = torch.compile(lambda q, k, v: fused_attention(q, k, v), fullgraph=True,
+                          backend="aot_eager")
+    with pytest.raises(Exception, match="cannot trace kernels running in the Triton interpreter"):
+        layer(q, k, v)
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 def qkv32(**shapes):

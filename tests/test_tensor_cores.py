@@ -1,12 +1,17 @@
 """Tensor Core evidence: name table, SASS/PTX counting, ncu CSV parsing and the counter rule.
 
 The SASS and PTX lines below were cut from real output: kernels compiled by triton 3.9 for
-sm_90a/sm_80 and disassembled with the cuobjdump Triton ships. tests/data/ncu_sample.csv is a
-stand-in with the layout of `ncu --csv --page raw --print-units base` until an H200 recording
-replaces it; its softmax row has every hmma-pipe instruction typed HFMA2.MMA, as measured.
+sm_90a/sm_80 and disassembled with the cuobjdump Triton ships. The ncu CSVs are the real ones
+under tests/data/h200_seed/ncu/: `python -m attnscope.profile ncu --impl naive sdpa_math
+sdpa_flash sdpa_efficient sdpa_cudnn flex fused --out DIR` after `compare --out DIR` on an H200
+(driver 580.159.04, torch 2.11.0+cu130, triton 3.6.0, cuDNN 9.19; ncu --page raw --print-units
+base, one profiled forward per implementation). The synthetic tests/data/ncu_sample.csv is no
+longer used: the real CSVs have thousands separators, a units row, NVTX columns, program output
+around the table and kernels of every family it stood in for.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -199,13 +204,37 @@ def test_jit_cache_walk_reads_triton3_layout_and_skips_futures():
     assert (got["_attn_fwd"]["verdict"], got["_attn_fwd"]["variants"]) == ("yes", 1)
 
 
-def test_parse_ncu_csv_raw_page():
-    launches = tc.parse_ncu_csv((DATA / "ncu_sample.csv").read_text())
-    assert [r["id"] for r in launches] == [0, 1, 2, 3]
-    assert launches[1]["kernel"] == SOFTMAX
-    m = launches[2]["metrics"]
-    assert m[tc.FFMA_THREADS] == 8_589_934_592  # "8,589,934,592": thousands separators
-    assert m[tc.TENSOR_PIPE_PCT] == pytest.approx(0.12)
+NCU = DATA / "h200_seed" / "ncu"
+NCU_IMPLS = ("naive", "sdpa_math", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex", "fused")
+
+
+def _launches(impl):
+    return tc.parse_ncu_csv((NCU / f"{impl}.csv").read_text())
+
+
+def _counters(impl):
+    return tc.counter_verdicts(_launches(impl))
+
+
+def test_parse_real_ncu_csvs():
+    # one profiled forward per implementation: as many launches as the trace's kernels/forward
+    counts = {impl: len(_launches(impl)) for impl in NCU_IMPLS}
+    assert counts == {"naive": 5, "sdpa_math": 20, "sdpa_flash": 1, "sdpa_efficient": 1,
+                      "sdpa_cudnn": 1, "flex": 1, "fused": 1}
+    naive = _launches("naive")
+    assert [r["id"] for r in naive] == [0, 1, 2, 3, 4]
+    assert [tc.short_name(r["kernel"]) for r in naive] == [
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "at::vectorized_elementwise_kernel",
+        "at::elementwise_kernel", naive[3]["kernel"],  # "void <unnamed>::softmax_warp_forward<"
+        "nvjet_sm90_tst_64x512_64x2_1x2_h_bz_coopB_NNT"]
+    m = naive[0]["metrics"]
+    assert (m[tc.GMMA], m[tc.HMMA], m[tc.HFMA2_MMA]) == (262_144, 262_144, 0)  # "262,144"
+    assert m[tc.TENSOR_PIPE_PCT] == pytest.approx(22.77)
+    assert m[tc.DURATION] == 83_776  # ns
+    gemm = _launches("sdpa_math")[10]["metrics"]
+    assert gemm[tc.FFMA_THREADS] == 8_724_152_320  # "8,724,152,320"
+    assert all(set(tc.COUNTER_METRICS) <= set(r["metrics"]) for impl in NCU_IMPLS
+               for r in _launches(impl))
 
 
 def test_parse_ncu_csv_details_page_and_scaled_units():
@@ -225,18 +254,117 @@ def test_parse_ncu_csv_rejects_text_without_table():
         tc.parse_ncu_csv("==ERROR== ERR_NVGPUCTRPERM - no permission\n")
 
 
-def test_counter_rule_on_sample():
-    got = tc.counter_verdicts(tc.parse_ncu_csv((DATA / "ncu_sample.csv").read_text()))
-    by_family = {tc.name_verdict(name)["family"]: v for name, v in got.items()}
-    # softmax: 3.1M hmma-pipe instructions and 2.4 % tensor-pipe activity, all HFMA2.MMA
-    assert by_family["softmax"]["verdict"] == "no"
-    assert by_family["softmax"]["metrics"][tc.HMMA] > 1e6
-    assert by_family["softmax"]["metrics"]["matrix_instructions"] == 0
-    assert by_family["nvjet"]["verdict"] == "yes"       # wgmma
-    assert by_family["cublas_ffma_gemm"]["verdict"] == "no"  # FP32 FFMA GEMM
-    assert by_family["flash_attn"]["verdict"] == "yes"  # HMMA beyond its HFMA2.MMA
-    assert by_family["flash_attn"]["metrics"]["matrix_instructions"] == 4_325_376 - 131_072
-    assert all(v["evidence"] == "counters" and v["rule"] == tc.COUNTER_RULE for v in got.values())
+# Counter verdicts at the seed shape, per kernel: (substring of the ncu kernel name, verdict,
+# matrix instructions = max(hmma - hfma2, gmma) + imma + dmma), read off the CSVs.
+SEED_VERDICTS = {
+    "naive": [
+        ("nvjet_sm90_tst_256x128", "yes", 262_144),  # gmma = hmma = 262,144: HGMMA
+        ("nvjet_sm90_tst_64x512", "yes", 131_072),  # gmma = hmma = 131,072
+        ("MulFunctor", "no", 0),  # hmma 0
+        ("masked_fill_kernel", "no", 0),  # hmma = hfma2 = 4,194,304; tensor pipe 2.35 %
+        ("softmax_warp_forward", "no", 0),  # hmma = hfma2 = 2,289,664; tensor pipe 1.59 %
+    ],
+    "sdpa_math": [
+        # the FP32 GEMMs: 8,724,152,320 and 8,598,323,200 FFMA thread-instructions, FMA pipe
+        # 53.30 % / 64.28 % active; their 32,768 / 16,384 hmma-pipe instructions are all HFMA2.MMA
+        ("sm80_xmma_gemm_f32f32_f32f32_f32_tn", "no", 0),
+        ("sm80_xmma_gemm_f32f32_f32f32_f32_nn", "no", 0),
+        ("direct_copy_kernel_cuda", "no", 0), ("MulFunctor", "no", 0),
+        ("FillFunctor<bool>", "no", 0), ("triu_tril_kernel", "no", 0),  # triu: 8,192 HFMA2.MMA
+        ("FillFunctor<float>", "no", 0),
+        ("where_kernel_impl", "no", 0),  # 32,768 and 6,291,456 HFMA2.MMA (two launches)
+        ("CUDAFunctor_add", "no", 0),  # 4,194,304 HFMA2.MMA
+        ("softmax_warp_forward<float", "no", 0),  # 2,289,664 HFMA2.MMA, tensor pipe 1.62 %
+        ("isneginf_kernel_impl", "no", 0), ("and_kernel_cuda", "no", 0),  # and: 131,072
+        ("bfloat16_copy_kernel_cuda", "no", 0),
+    ],
+    "sdpa_flash": [("flash_fwd_kernel", "yes", 4_718_592)],  # HMMA (mma.sync), gmma 0
+    "sdpa_efficient": [("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "yes", 8_912_896)],  # HMMA
+    "sdpa_cudnn": [("cudnn_generated_fort_native_sdpa_sm90", "yes", 442_368)],  # HGMMA
+    "flex": [("triton_tem_fused_flex_attention_0", "yes", 442_368)],  # HGMMA
+    "fused": [("_attn_fwd", "yes", 589_824)],  # HGMMA
+}
+
+
+@pytest.mark.parametrize("impl", NCU_IMPLS)
+def test_counter_verdicts_at_the_seed_shape(impl):
+    got = _counters(impl)
+    expected = SEED_VERDICTS[impl]
+    assert len(got) == len(expected)  # distinct kernel names
+    for name, v in got.items():
+        (row,) = [row for row in expected if row[0] in name]
+        assert (v["verdict"], v["metrics"]["matrix_instructions"]) == row[1:], name
+        assert v["evidence"] == "counters" and v["rule"] == tc.COUNTER_RULE
+
+
+def test_counter_trap_on_real_kernels():
+    """Kernels that do no matrix math yet show hmma-pipe instructions and tensor-pipe activity:
+    every one of those instructions is HFMA2.MMA, so the rule reads exactly 0 for them."""
+    trapped = {}
+    for impl in NCU_IMPLS:
+        for launch in _launches(impl):
+            m = launch["metrics"]
+            if m[tc.HMMA] > 0 and m[tc.GMMA] == 0 and m[tc.HMMA] == m[tc.HFMA2_MMA]:
+                trapped[(impl, launch["id"])] = (m[tc.HMMA], m[tc.TENSOR_PIPE_PCT])
+                assert tc.counter_verdict(m)["verdict"] == "no"
+    # naive's softmax_warp_forward<bf16>: 2,289,664 hmma = 2,289,664 hfma2, tensor pipe 1.59 %
+    assert trapped[("naive", 3)] == (2_289_664, pytest.approx(1.59))
+    assert trapped[("naive", 2)] == (4_194_304, pytest.approx(2.35))  # masked_fill
+    assert trapped[("sdpa_math", 12)] == (2_289_664, pytest.approx(1.62))  # softmax, fp32
+    assert trapped[("sdpa_math", 16)] == (6_291_456, pytest.approx(3.07))  # where
+    # 2 in naive; in SDPA math triu, where x2, both FFMA GEMMs, add, softmax, and-reduce
+    assert sorted(trapped) == [("naive", 2), ("naive", 3), *(("sdpa_math", i) for i in
+                                                              (5, 8, 10, 11, 12, 14, 16, 18))]
+    # a rule of "hmma > 0" or "tensor pipe active" would call all ten Tensor Core kernels
+    assert all(hmma > 0 and pct > 0 for hmma, pct in trapped.values())
+    # and no kernel with real matrix math executed a single HFMA2.MMA at this shape
+    for impl in NCU_IMPLS:
+        for launch in _launches(impl):
+            m = launch["metrics"]
+            if tc.matrix_instructions(m) > 0:
+                assert m[tc.HFMA2_MMA] == 0, launch["kernel"]
+
+
+def test_gmma_is_folded_into_hmma_on_this_ncu():
+    # ncu 2025.3 on the H200 counts each HGMMA in hmma.sum too; max() counts it once
+    for impl in ("sdpa_cudnn", "flex", "fused"):
+        (launch,) = _launches(impl)
+        m = launch["metrics"]
+        assert m[tc.GMMA] == m[tc.HMMA] > 0 and tc.matrix_instructions(m) == m[tc.GMMA]
+
+
+def test_name_tier_agrees_with_counters_on_real_kernels():
+    for impl in NCU_IMPLS:
+        for name, v in _counters(impl).items():
+            by_name = tc.name_verdict(name)["verdict"]
+            # Triton kernels (flex's template, ours) carry no math type in their names
+            if name in ("triton_tem_fused_flex_attention_0", "_attn_fwd"):
+                assert by_name == "unknown"
+            else:
+                assert by_name == v["verdict"], name
+
+
+_VERDICT_LINE = re.compile(r"^\s+(yes|no|unknown)\s+matrix inst (\S+)\s+tensor pipe (\S+)%\s+"
+                           r"(.+)$")
+
+
+def test_recorded_ncu_verdicts_match_the_csvs():
+    """ncu_verdicts.txt is what the ncu subcommand printed on the H200; the same CSVs, parsed
+    here, give the same lines."""
+    printed, impl = {}, None
+    for line in (NCU / "ncu_verdicts.txt").read_text().splitlines():
+        if m := re.match(r"^\[\d+/\d+\] (\w+): profiling", line):
+            impl = m.group(1)
+            printed[impl] = []
+        elif m := _VERDICT_LINE.match(line):
+            verdict, matrix, pct, name = m.groups()
+            printed[impl].append((verdict, float(matrix), float(pct), name))
+    assert list(printed) == list(NCU_IMPLS)
+    for impl in NCU_IMPLS:
+        computed = [(v["verdict"], v["metrics"]["matrix_instructions"],
+                     pytest.approx(v["metrics"][tc.TENSOR_PIPE_PCT], abs=0.005),
+                     tc.short_name(name)) for name, v in _counters(impl).items()]
+        assert printed[impl] == computed, impl
 
 
 def test_counter_rule_counts_gmma_once_and_needs_its_inputs():
@@ -297,22 +425,59 @@ def test_tier2_on_a_compiled_triton_dot():
     assert tc.triton_verdicts(["tiny_dot"])["tiny_dot"]["verdict"] == "yes"
 
 
-def test_ncu_merge_into_results(tmp_path):
+def _compare_output(tmp_path):
+    """results.json as `compare` left it, before `ncu` merged counters in: name verdicts only."""
+    data = json.loads((DATA / "h200_seed" / "results.json").read_text())
+    for row in data["rows"]:
+        row.pop("tensor_cores", None)
+        for kernel in row.get("kernels") or []:
+            kernel["tensor_cores"] = tc.name_verdict(kernel["name"])
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_ncu_merge_into_real_results(tmp_path):
     from attnscope.profile import ncu
 
-    results = tmp_path / "results.json"
-    results.write_text(json.dumps({"rows": [
-        {"impl": "naive", "kernels": [{"name": SOFTMAX, "tensor_cores": tc.name_verdict(SOFTMAX)},
-                                      {"name": "_attn_fwd"}]},
-        {"impl": "flex", "kernels": [{"name": "triton_tem_fused_0"}]}]}))
-    counters = tc.counter_verdicts(tc.parse_ncu_csv((DATA / "ncu_sample.csv").read_text()))
-    # ncu may print the name without the return type: matched all the same
-    counters = {name.removeprefix("void "): v for name, v in counters.items()}
-    counters["_attn_fwd"] = {"verdict": "yes", "evidence": "counters", "metrics": {}, "rule": ""}
-    ncu.merge_into_results(results, {"naive": counters})
-    rows = json.loads(results.read_text())["rows"]
-    soft, ours = rows[0]["kernels"]
-    assert (soft["tensor_cores"]["evidence"], soft["tensor_cores"]["verdict"]) == ("counters", "no")
-    assert soft["tensor_cores"]["other"] == {"name": "no"}
-    assert rows[0]["tensor_cores"] == {"verdict": "partial: _attn_fwd", "evidence": "counters"}
-    assert "tensor_cores" not in rows[1]  # no counters for flex: left as compare wrote it
+    path = _compare_output(tmp_path)
+    ncu.merge_into_results(path, {impl: _counters(impl) for impl in NCU_IMPLS})
+    rows = {row["impl"]: row for row in json.loads(path.read_text())["rows"]}
+    # kernels whose Kineto and ncu names agree (no namespaces or template arguments to differ)
+    for impl in ("sdpa_cudnn", "flex", "fused"):
+        (kernel,) = rows[impl]["kernels"]
+        assert (kernel["tensor_cores"]["verdict"], kernel["tensor_cores"]["evidence"]) == (
+            "yes", "counters")
+        assert rows[impl]["tensor_cores"] == {"verdict": "yes", "evidence": "counters"}
+    gemms = [k for k in rows["sdpa_math"]["kernels"] if "sm80_xmma_gemm" in k["name"]]
+    assert [(k["tensor_cores"]["verdict"], k["tensor_cores"]["evidence"]) for k in gemms] == [
+        ("no", "counters")] * 2
+    assert rows["sdpa_math"]["tensor_cores"]["verdict"] == "no"
+    nvjet = [k for k in rows["naive"]["kernels"] if k["name"].startswith("nvjet")]
+    assert [k["tensor_cores"]["evidence"] for k in nvjet] == ["counters"] * 2
+    assert rows["naive"]["tensor_cores"]["verdict"] == (
+        "partial: nvjet_sm90_tst_64x512_64x2_1x2_h_bz_coopB_NNT, "
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT")
+    assert "tensor_cores" not in rows["naive_inplace"]  # not run under ncu: left as it was
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ncu._name_key matches ncu and Kineto kernel names after dropping 'void ' and whitespace "
+    "only; the two demangle differently (ncu: 'at::' for 'at::native::', '<unnamed>' for "
+    "'(anonymous namespace)', template placeholders 'T1, T2' for parameter types, 0/1 for "
+    "false/true, no 'pytorch_flash::' or 'cutlass::' qualifiers), so the elementwise/softmax "
+    "kernels of naive and SDPA math and the flash and efficient kernels keep their name "
+    "verdict"))
+def test_ncu_merge_gives_every_profiled_kernel_counter_evidence(tmp_path):
+    from attnscope.profile import ncu
+
+    path = _compare_output(tmp_path)
+    ncu.merge_into_results(path, {impl: _counters(impl) for impl in NCU_IMPLS})
+    rows = {row["impl"]: row for row in json.loads(path.read_text())["rows"]}
+    for impl in NCU_IMPLS:
+        evidence = {k["name"][:60]: k["tensor_cores"]["evidence"] for k in rows[impl]["kernels"]}
+        assert set(evidence.values()) == {"counters"}, (impl, evidence)
+        assert rows[impl]["tensor_cores"]["evidence"] == "counters", impl
+    assert rows["sdpa_flash"]["tensor_cores"]["verdict"] == "yes"
+    assert rows["sdpa_efficient"]["tensor_cores"]["verdict"] == "yes"
+    assert rows["sdpa_math"]["tensor_cores"]["verdict"] == "no"

@@ -84,8 +84,24 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@triton_op("attnscope::attention_fwd", mutates_args=())
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+def _shapes_only(kernels, t):
+    """True when an interpreted kernel is being traced: the call can then only give shapes.
+
+    wrap_triton elides compiled launches on fake tensors but hands interpreted kernels back
+    unwrapped, and those would read fake data pointers. Returning unwritten buffers is right for
+    dynamo's shape propagation (backend="eager" then runs the real op), and wrong for AOT tracing
+    (aot_eager, inductor), which would bake the buffers into the graph: that case is refused.
+    """
+    if not (kernels.is_interpreted() and is_fake(t)):
+        return False
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None:
+        raise NotImplementedError(
+            "torch.compile with an AOT backend (aot_eager, inductor) cannot trace kernels running "
+            "in the Triton interpreter: on CPU use torch.compile(backend='eager'), or use CUDA")
+    return True
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                    bottom_right: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = _kernels()
     if q.device.type == "cpu" and not kernels.is_interpreted():
@@ -99,13 +115,66 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     batch, heads, q_len, _ = q4.shape
     lse = _empty((batch, heads, q_len), torch.float32, q.device)
     offset = k4.shape[2] - q_len if bottom_right else 0
-    if kernels.is_interpreted() and is_fake(q):
-        # Tracing needs only shapes. wrap_triton elides compiled launches on fake tensors, but
-        # hands interpreted kernels back unwrapped, and those would read fake data pointers.
+    if _shapes_only(kernels, q):
         return out, lse
     kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
                           causal_offset=offset, wrap=wrap_triton)
     return out, lse
+
+
+# What torch.compile and autograd see. Plain eager inference calls _forward directly instead:
+# the dispatcher round trip of a Python custom op costs ~30 us per call, half the seed-shape
+# kernel's own time (notes/kernel.md, v4).
+_attention_fwd = triton_op("attnscope::attention_fwd", mutates_args=())(_forward)
+
+
+
+# ---- autograd: the backward op and its registration on the forward --------------------------
+# Gradients flow to q, k, v through `out`; the LSE output is marked non-differentiable (it is
+# saved for the backward, not a quantity the formula below differentiates).
+
+def _bwd_kernels():
+    return importlib.import_module("attnscope.kernels.attention_bwd")
+
+
+@triton_op("attnscope::attention_bwd", mutates_args=())
+def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                   bottom_right: bool, layout: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernels = _bwd_kernels()
+    # Gradients are allocated contiguous in the caller's layout, like the forward's output.
+    dq = _empty(q.shape, q.dtype, q.device)
+    dk = _empty(k.shape, k.dtype, k.device)
+    dv = _empty(v.shape, v.dtype, v.device)
+    q4, k4, v4, out4, dout4, dq4, dk4, dv4 = (_as_bhsd(t, layout)
+                                              for t in (q, k, v, out, dout, dq, dk, dv))
+    batch, heads, q_len, _ = q4.shape
+    delta = _empty((batch, heads, q_len), torch.float32, q.device)  # rowsum(dO * O), scratch
+    offset = k4.shape[2] - q_len if bottom_right else 0
+    if _shapes_only(kernels, q):
+        return dq, dk, dv
+    kernels.attention_bwd(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta, causal=causal,
+                          scale=scale, causal_offset=offset, wrap=wrap_triton)
+    return dq, dk, dv
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, bottom_right, layout = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.attention_args = (causal, scale, bottom_right, layout)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    # _dlse is zeros or None: lse is non-differentiable.
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, *ctx.attention_args)
+    return dq, dk, dv, None, None, None, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
@@ -128,12 +197,17 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
 
     Returns the output in q's layout and dtype, and with return_lse=True also the float32
     log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
+
+    Differentiable in q, k, v (Triton backward kernels, attnscope/kernels/attention_bwd.py); the
+    LSE is returned with requires_grad=False, so no gradient flows through it. No double backward.
     """
     _validate(q, k, v, causal, scale, layout, causal_alignment)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _attention_fwd(q, k, v, causal, float(scale), causal_alignment == "bottom_right",
-                              layout)
+    needs_op = torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    forward = _attention_fwd if needs_op else _forward
+    out, lse = forward(q, k, v, causal, float(scale), causal_alignment == "bottom_right", layout)
     return (out, lse) if return_lse else out
 
 

@@ -1,8 +1,17 @@
 """`bench`: a timing sweep over shapes, every implementation at every shape.
 
-Per (shape, implementation) one row: median forward time, TFLOP/s, % of the measured matmul
-peak, the ratio to the fastest peer (any registry entry that is not ours), the max abs error
-against the float64 reference on that shape, and the wall time of the first call.
+Per (shape, implementation) one row: median time of the pass `--mode` names, TFLOP/s, % of the
+measured matmul peak, the ratio to the fastest peer (any registry entry that is not ours), the
+max abs error of the forward output against the float64 reference on that shape, and the wall
+time of the first call.
+
+Modes (`MODES`): "fwd" times the forward under no_grad. "bwd" times the backward alone: q, k, v
+require grad, the forward runs once per input set outside the timed region, and each timed call
+is `torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)` on that saved graph (grad, not
+.backward(), so no accumulation into .grad is timed; retain_graph so one graph serves every call).
+"fwd_bwd" times a forward plus `autograd.grad` of its output, a training step's attention.
+dout is a fixed random normal tensor. An entry whose output carries no autograd graph is a row
+with status 'unsupported' in the backward modes.
 
 On CUDA the time is `triton.testing.do_bench(return_mode="median")` over a closure that cycles
 through several prepared input sets, so that every call reads q/k/v the L2 cache has not kept
@@ -61,6 +70,11 @@ REF_BYTES_PER_SCORE = 4 * 8
 REF_MEMORY_FRACTION = 0.25
 
 MIN_CPU_REPEATS = 3  # a median of fewer is one sample
+
+MODES = ("fwd", "bwd", "fwd_bwd")
+# A backward keeps the forward's saved scores/probabilities and builds their gradients next to
+# them: score materializers are budgeted at twice the forward's score memory in those modes.
+BACKWARD_SCORE_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -123,15 +137,17 @@ def input_sets(set_bytes: int, l2_bytes: int) -> int:
     return min(MAX_INPUT_SETS, 1 + math.ceil(l2_bytes / set_bytes))
 
 
-def score_memory_skip(name: str, case: Case, free_bytes: int | None) -> str | None:
+def score_memory_skip(name: str, case: Case, free_bytes: int | None,
+                      mode: str = "fwd") -> str | None:
     """Why `name` is skipped at `case` (the memory estimate above), or None to run it."""
     if name not in MATERIALIZES_SCORES or free_bytes is None:
         return None
-    need = case.batch * case.heads * case.seq * case.seq * SCORE_BYTES
+    copies = 3 if mode == "fwd" else 3 * BACKWARD_SCORE_FACTOR
+    need = case.batch * case.heads * case.seq * case.seq * SCORE_BYTES // 3 * copies
     if need <= SCORE_MEMORY_FRACTION * free_bytes:
         return None
-    return (f"materializes [B,H,S,S] scores: estimated {need / 2**30:.1f} GiB (3 fp32 copies) > "
-            f"{SCORE_MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free")
+    return (f"materializes [B,H,S,S] scores: estimated {need / 2**30:.1f} GiB ({copies} fp32 "
+            f"copies) > {SCORE_MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free")
 
 
 def _case_key(row: dict) -> tuple:
@@ -259,6 +275,23 @@ def _prepare(impl, q, k, v, causal: bool):
     return impl.prepare(q, k, v, causal=False)
 
 
+def _upstream_grad(q: torch.Tensor) -> torch.Tensor:
+    # The gradient of the output, seeded like the inputs; normal, not ones (a sum's gradient).
+    gen = torch.Generator(device=q.device).manual_seed(q.shape[2] + q.shape[3])
+    return torch.randn(q.shape, generator=gen, device=q.device, dtype=q.dtype)
+
+
+def _timed_call(forward, qkv, out, mode: str):
+    """The zero-argument call timed for `mode`, given the prepared forward and its first output
+    `out` (the graph "bwd" differentiates again and again; see the module docstring)."""
+    if mode == "fwd":
+        return forward
+    dout = _upstream_grad(qkv[0])
+    if mode == "fwd_bwd":
+        return lambda: torch.autograd.grad(forward(), qkv, dout)
+    return lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True)
+
+
 def _takes_causal(impl) -> bool:
     try:
         return "causal" in inspect.signature(impl.prepare).parameters
@@ -282,15 +315,22 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
     if not ctx.causal and not _takes_causal(impl):
         return {**row, "status": "unsupported",
                 "reason": "prepare() takes no causal argument (causal only)"}
-    skip = score_memory_skip(impl.name, case, free_bytes)
+    skip = score_memory_skip(impl.name, case, free_bytes, ctx.mode)
     if skip:
         return {**row, "status": "skipped", "reason": skip}
     started = False  # whether a first output came back: failures before it may be refusals
     try:
         forward = _prepare(impl, *inputs[0], ctx.causal)
-        # First call on this shape in this process: what a user waits for (JIT, autotune, plans).
+        # First call on this shape in this process: what a user waits for (JIT, autotune, plans);
+        # in the backward modes, the first forward and backward together.
         t0 = time.perf_counter()
         out = forward()
+        if ctx.mode != "fwd" and out.grad_fn is None:
+            return {**row, "status": "unsupported",
+                    "reason": "forward only: its output carries no autograd graph"}
+        first = _timed_call(forward, inputs[0], out, ctx.mode)
+        if ctx.mode != "fwd":
+            first()
         _sync(ctx.device)
         row["first_call_ms"] = (time.perf_counter() - t0) * 1e3
         q = inputs[0][0]
@@ -300,13 +340,19 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
         if reference is not None:
             ref, region = reference
             start, stop = region["query_rows"]
-            row["error"] = (out[:, :, start:stop].double() - ref).abs().max().item()
+            with torch.no_grad():
+                row["error"] = (out[:, :, start:stop].double() - ref).abs().max().item()
             row["error_compared"] = region
-        del out
+        if ctx.mode != "bwd":
+            del out  # "bwd" keeps it: the first timed call differentiates its graph
         started = True
-        forwards = [forward] + [_prepare(impl, *qkv, ctx.causal) for qkv in inputs[1:]]
-        row["input_sets"] = len(forwards)
-        ms = _median_ms(forwards, ctx.device, ctx.warmup_ms, ctx.rep_ms)
+        calls = [first]
+        for qkv in inputs[1:]:
+            other = _prepare(impl, *qkv, ctx.causal)
+            calls.append(_timed_call(other, qkv, other() if ctx.mode == "bwd" else None,
+                                     ctx.mode))
+        row["input_sets"] = len(calls)
+        ms = _median_ms(calls, ctx.device, ctx.warmup_ms, ctx.rep_ms)
     except torch.OutOfMemoryError as exc:
         return {**row, "status": "oom", "reason": str(exc).splitlines()[0]}
     except (NotImplementedError, ValueError, TypeError) as exc:
@@ -387,8 +433,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-heads", type=int, default=None, metavar="N",
                         help="K/V heads for every shape (GQA/MQA; must divide the query heads); "
                         "default: each shape's own")
-    parser.add_argument("--mode", choices=["fwd"], default="fwd",
-                        help="pass to time; only the forward so far")
+    parser.add_argument("--mode", choices=list(MODES), default="fwd",
+                        help="pass to time: fwd (forward, no_grad), bwd (backward alone, through "
+                        "a graph built by one untimed forward), fwd_bwd (both); TFLOP/s count "
+                        "the backward as 2.5x the forward (default: fwd)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="write results here, rewritten after every row so an interrupted "
                         "run keeps its finished rows (default: no file)")
@@ -430,10 +478,19 @@ def _timing_block(device: torch.device, l2_bytes: int | None, args) -> dict:
             "min_repeats": MIN_CPU_REPEATS, "rotation": "none: one input set"}
 
 
+MODE_TIMED = {
+    "fwd": "the forward under torch.no_grad",
+    "bwd": "torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) on a graph built by one "
+           "untimed forward per input set: the backward alone",
+    "fwd_bwd": "forward, then torch.autograd.grad(out, (q, k, v), dout)",
+}
+
+
 def _reference_or_none(qkv, causal: bool, device: torch.device):
     budget = REF_MEMORY_FRACTION * (_free_bytes(device) or 2**31)
     try:
-        return reference_output(*qkv, causal=causal, budget_bytes=budget)
+        with torch.no_grad():  # the backward modes run with grad enabled
+            return reference_output(*qkv, causal=causal, budget_bytes=budget)
     except torch.OutOfMemoryError:  # the budget is an estimate; rows then carry no error
         print("bench: the float64 reference ran out of memory; no errors at this shape",
               file=sys.stderr)
@@ -449,6 +506,10 @@ def _make_inputs(case: Case, dtype: torch.dtype, device: torch.device, index: in
                  for s in (q_shape, kv_shape, kv_shape))
 
 
+def _with_grad(qkv):
+    return tuple(t.requires_grad_() for t in qkv)
+
+
 def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
     """Rows of one shape, one per implementation, all on the same inputs and reference."""
     dtype = DTYPES[ctx.dtype]
@@ -456,6 +517,8 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
     set_bytes = 2 * q_bytes + 2 * q_bytes * case.kv_heads // case.heads  # q, out, k, v
     n_sets = 1 if ctx.device.type == "cpu" else input_sets(set_bytes, l2_bytes)
     inputs = [_make_inputs(case, dtype, ctx.device, i) for i in range(n_sets)]
+    if ctx.mode != "fwd":
+        inputs = [_with_grad(qkv) for qkv in inputs]
     reference = _reference_or_none(inputs[0], ctx.causal, ctx.device)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # free memory must not count the reference's cached blocks
@@ -469,13 +532,16 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
 def _header(env: dict, sweep: str, device: torch.device, l2_bytes: int | None, args) -> dict:
     return {
         "env": env, "command": list(sys.argv), "sweep": sweep, "device": device.type,
+        "mode": args.mode, "timed": MODE_TIMED[args.mode],
         "timing": _timing_block(device, l2_bytes, args),
         "first_call": "first_call_ms: wall time of the first forward() on that shape in this "
-        "process (prepare() excluded), synchronized; includes Triton JIT compilation and "
+        "process (with its first backward in the bwd and fwd_bwd modes; prepare() excluded), "
+        "synchronized; includes Triton JIT compilation and "
         "autotuning unless an earlier shape or the on-disk Triton cache already had them, and "
         "torch.compile/cuDNN plan building for the entries that use them",
-        "error": "max abs difference against attention_reference in float64 on the same inputs "
-        "(input set 0); error_compared says which batch*heads and query rows",
+        "error": "max abs difference of the forward output against attention_reference in "
+        "float64 on the same inputs (input set 0), in every mode; error_compared says which "
+        "batch*heads and query rows",
         "skip_rule": f"{sorted(MATERIALIZES_SCORES)} skipped when B*H*S*S*{SCORE_BYTES} bytes "
         f"> {SCORE_MEMORY_FRACTION:.0%} of free memory",
     }
@@ -515,7 +581,7 @@ def run(args) -> int:
           f"{gpu.get('name') or device.type}; timer: {header['timing']['timer']}", file=sys.stderr)
     rows: list[dict] = []
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(args.mode != "fwd"):
             for case in cases:
                 for row in _case_rows(ctx, case, impls, l2_bytes):
                     rows.append(row)

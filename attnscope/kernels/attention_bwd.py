@@ -1,0 +1,381 @@
+"""
+Fused attention backward (FlashAttention-2 algorithm) in Triton
+===============================================================
+
+The forward saved the output O and the log-sum-exp L of every query row, so the backward never
+stores the L x S probability matrix: it recomputes each tile of it from Q, K and L,
+
+    P = exp2(Q K^T * scale * log2(e) - L * log2(e))     (the softmax, exactly, in fp32)
+
+and with dO the gradient of the output and Delta_i = sum_d dO_id O_id (= rowsum(P * dP)):
+
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - Delta)        dQ = dS K * scale
+                                                                       dK = dS^T Q * scale
+
+Three launches, no atomics, so every gradient is bitwise reproducible:
+- `_attn_bwd_preprocess`: Delta, one fp32 per query row.
+- `_attn_bwd_dkdv`: one program per (batch, K/V head, key block) keeps its K and V tiles and the
+  dK/dV accumulators on chip and streams the query blocks that see those keys. Under GQA/MQA the
+  program loops over the GROUP query heads that share its K/V head, so the sum over them happens
+  in registers: no atomics, no repeated K/V, no per-query-head dK/dV to reduce afterwards.
+- `_attn_bwd_dq`: one program per (batch, query head, query block) keeps Q, dO and the dQ
+  accumulator on chip and streams the key blocks its rows see, as the forward does.
+Splitting dQ from dK/dV recomputes P twice (5 matmuls per tile pair instead of 4) but each
+program owns what it writes; the single-kernel alternative adds dQ with fp32 atomics, which is
+non-deterministic and needs a zeroed fp32 buffer plus a cast.
+
+Conventions shared with attention_fwd.py (same names, same masks):
+- Query i sees key j when j <= i + CAUSAL_OFFSET (0: top-left as SDPA; S - L: bottom-right).
+- The causal loops split as in the forward: blocks every row/key of the tile fully sees run
+  without mask arithmetic, the diagonal band and the ragged ends of Q and K run masked.
+- A row that sees no key has L = -inf; it is loaded as +inf in log2 units so P = exp2(-inf) = 0
+  on it (never exp2(-inf - -inf) = NaN), and its dQ, and what it adds to dK/dV, are exactly 0.
+- Any head_dim (BLOCK_D padding loads zeros), any length (masks), any strides of q/k/v/o/dO.
+- fp32 inputs use IEEE fp32 dots; P and dS are cast to the input dtype before their matmuls, as
+  in the forward's P @ V.
+
+Limits: head_dim <= 256; the gradient of the LSE output is not computed (the op marks it
+non-differentiable); no double backward. Same devices as the forward.
+"""
+
+import contextlib
+
+import triton
+import triton.language as tl
+
+from attnscope.kernels.attention_fwd import LOG2E, _load, is_interpreted
+
+LOG2E_C = tl.constexpr(LOG2E)  # jit functions read module globals only as constexprs
+
+
+@triton.jit
+def _load_tile(base, offs, offs_d, stride_s, stride_d, n_ctx, CHECK_ROWS: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr):
+    # Rows `offs` of a [seq, head_dim] matrix as a [rows, BLOCK_D] tile, or [BLOCK_D, rows] when
+    # TRANSPOSED; rows past n_ctx (when checked) and padding columns load as zeros.
+    rows_ok = offs < n_ctx
+    d_ok = offs_d < HEAD_DIM
+    if TRANSPOSED:
+        return _load(base + offs[None, :] * stride_s + offs_d[:, None] * stride_d,
+                     rows_ok[None, :], d_ok[:, None], CHECK_ROWS, HEAD_DIM != BLOCK_D)
+    else:
+        return _load(base + offs[:, None] * stride_s + offs_d[None, :] * stride_d,
+                     rows_ok[:, None], d_ok[None, :], CHECK_ROWS, HEAD_DIM != BLOCK_D)
+
+
+@triton.jit
+def _lse_log2(lse):
+    # Natural-log LSE -> log2 units for exp2. A row that sees no key (LSE -inf) becomes +inf, so
+    # qk - lse is -inf and its probabilities exactly 0, whether its scores are masked or not.
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+
+
+@triton.jit
+def _attn_bwd_preprocess(O, DO, Delta,  #
+                         stride_oz, stride_oh, stride_om, stride_ok,  #
+                         stride_doz, stride_doh, stride_dom, stride_dok,  #
+                         H, N_CTX_Q,  #
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    off_hz = tl.program_id(0)
+    start_m = tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_tile(O + off_z * stride_oz + off_h * stride_oh, offs_m, offs_d, stride_om,
+                   stride_ok, N_CTX_Q, True, HEAD_DIM, BLOCK_D, False)
+    do = _load_tile(DO + off_z * stride_doz + off_h * stride_doh, offs_m, offs_d, stride_dom,
+                    stride_dok, N_CTX_Q, True, HEAD_DIM, BLOCK_D, False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(Delta + off_hz.to(tl.int64) * N_CTX_Q + offs_m, delta, mask=offs_m < N_CTX_Q)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
+                         stride_qm, stride_qk, stride_dom, stride_dok,  #
+                         offs_n, offs_d, lo, hi, N_CTX_Q, CAUSAL_OFFSET, qk_scale,  #
+                         MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,  #
+                         INPUT_PRECISION: tl.constexpr):
+    # Works on transposed tiles (keys along rows) so that dK and dV accumulate as
+    # [BLOCK_N, BLOCK_D] without transposing the accumulators.
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < N_CTX_Q
+        # -- P^T = exp2(K Q^T * scale*log2e - L*log2e); Q loaded transposed [BLOCK_D, BLOCK_M] --
+        qT = _load_tile(q_base, offs_m, offs_d, stride_qm, stride_qk, N_CTX_Q, MASKED,
+                        HEAD_DIM, BLOCK_D, True)
+        qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
+        if MASKED:
+            lse = _lse_log2(tl.load(lse_base + offs_m, mask=m_ok, other=float("-inf")))
+            delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+            visible = m_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + CAUSAL_OFFSET)
+            qkT = tl.where(visible, qkT * qk_scale, float("-inf"))
+            pT = tl.math.exp2(qkT - lse[None, :])
+        else:
+            # every row here sees every key of the block, so its LSE is finite
+            lse = tl.load(lse_base + offs_m) * LOG2E_C
+            delta = tl.load(delta_base + offs_m)
+            pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+        do = _load_tile(do_base, offs_m, offs_d, stride_dom, stride_dok, N_CTX_Q, MASKED,
+                        HEAD_DIM, BLOCK_D, False)
+        # -- dV += P^T dO --
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        # -- dS^T = P^T * (dP^T - Delta), dP^T = V dO^T; dK += dS^T Q --
+        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta,  #
+                   stride_qz, stride_qh, stride_qm, stride_qk,  #
+                   stride_kz, stride_kh, stride_kn, stride_kk,  #
+                   stride_vz, stride_vh, stride_vn, stride_vk,  #
+                   stride_doz, stride_doh, stride_dom, stride_dok,  #
+                   stride_dkz, stride_dkh, stride_dkn, stride_dkk,  #
+                   stride_dvz, stride_dvh, stride_dvn, stride_dvk,  #
+                   H_KV, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale,  #
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+                   INPUT_PRECISION: tl.constexpr,  #
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # K/V heads along grid axis 0, key blocks along axis 1 in order: under a causal mask the
+    # first key blocks are seen by the most queries, so the longest programs start first.
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    off_hkvz = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    off_z = (off_hkvz // H_KV).to(tl.int64)
+    off_hkv = (off_hkvz % H_KV).to(tl.int64)
+    H = H_KV * GROUP
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < N_CTX_K
+    d_ok = offs_d < HEAD_DIM
+    # K and V stay on chip for the whole program; keys past N_CTX_K load as zeros and only ever
+    # touch their own (unstored) rows of dK and dV, so the loops below need no key mask.
+    k = _load_tile(K + off_z * stride_kz + off_hkv * stride_kh, offs_n, offs_d, stride_kn,
+                   stride_kk, N_CTX_K, True, HEAD_DIM, BLOCK_D, False)
+    v = _load_tile(V + off_z * stride_vz + off_hkv * stride_vh, offs_n, offs_d, stride_vn,
+                   stride_vk, N_CTX_K, True, HEAD_DIM, BLOCK_D, False)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query ranges, in BLOCK_M steps. Rows from start_n + BLOCK_N - 1 - CAUSAL_OFFSET on see every
+    # key of this block: whole query blocks there need no mask. Above them, from the first row
+    # that sees key start_n, is the masked diagonal band; the ragged end of Q is masked too.
+    full_hi = N_CTX_Q // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        first_row = tl.minimum(tl.maximum(start_n - CAUSAL_OFFSET, 0), N_CTX_Q)
+        band_lo = first_row // BLOCK_M * BLOCK_M
+        full_lo = tl.maximum(start_n + BLOCK_N - 1 - CAUSAL_OFFSET, 0)
+        full_lo = tl.minimum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, full_hi)
+        # no query sees this block (top-left with more keys than queries): nothing to add
+        tail_lo = tl.where(first_row == N_CTX_Q, N_CTX_Q, full_hi)
+    else:
+        band_lo = 0
+        full_lo = 0
+        tail_lo = full_hi
+
+    for g in range(0, GROUP):
+        # the query heads sharing this K/V head add their contributions in registers
+        off_h = off_hkv * GROUP + g
+        q_base = Q + off_z * stride_qz + off_h * stride_qh
+        do_base = DO + off_z * stride_doz + off_h * stride_doh
+        lse_base = Lse + (off_z * H + off_h) * N_CTX_Q
+        delta_base = Delta + (off_z * H + off_h) * N_CTX_Q
+        # stage 1: the diagonal band, masked
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
+                                      stride_qm, stride_qk, stride_dom, stride_dok,  #
+                                      offs_n, offs_d, band_lo, full_lo, N_CTX_Q, CAUSAL_OFFSET,
+                                      qk_scale,  #
+                                      True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
+        # stage 2: query blocks below the band that see the whole key block, no masking
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
+                                      stride_qm, stride_qk, stride_dom, stride_dok,  #
+                                      offs_n, offs_d, full_lo, full_hi, N_CTX_Q, CAUSAL_OFFSET,
+                                      qk_scale,  #
+                                      False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
+        # stage 3: the ragged last query block, masked
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
+                                      stride_qm, stride_qk, stride_dom, stride_dok,  #
+                                      offs_n, offs_d, tail_lo, N_CTX_Q, N_CTX_Q, CAUSAL_OFFSET,
+                                      qk_scale,  #
+                                      True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
+
+    # epilogue: dS was taken w.r.t. the scaled scores; the chain rule puts the scale on dK
+    dk = dk * sm_scale
+    nd_ok = n_ok[:, None] & d_ok[None, :]
+    tl.store(DK + off_z * stride_dkz + off_hkv * stride_dkh
+             + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk,
+             dk.to(DK.dtype.element_ty), mask=nd_ok)
+    tl.store(DV + off_z * stride_dvz + off_hkv * stride_dvh
+             + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvk,
+             dv.to(DV.dtype.element_ty), mask=nd_ok)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #
+                       stride_kn, stride_kk, stride_vn, stride_vk,  #
+                       offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+                       MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
+                       INPUT_PRECISION: tl.constexpr):
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_CTX_K
+        # K and V loaded transposed, [BLOCK_D, BLOCK_N], as in the forward
+        kT = _load_tile(k_base, offs_n, offs_d, stride_kn, stride_kk, N_CTX_K, MASKED,
+                        HEAD_DIM, BLOCK_D, True)
+        vT = _load_tile(v_base, offs_n, offs_d, stride_vn, stride_vk, N_CTX_K, MASKED,
+                        HEAD_DIM, BLOCK_D, True)
+        qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
+        if MASKED:
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            p = tl.math.exp2(qk - lse[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        # -- dS = P * (dO V^T - Delta); dQ += dS K --
+        dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta,  #
+                 stride_qz, stride_qh, stride_qm, stride_qk,  #
+                 stride_kz, stride_kh, stride_kn, stride_kk,  #
+                 stride_vz, stride_vh, stride_vn, stride_vk,  #
+                 stride_doz, stride_doh, stride_dom, stride_dok,  #
+                 stride_dqz, stride_dqh, stride_dqm, stride_dqk,  #
+                 H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale,  #
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+                 INPUT_PRECISION: tl.constexpr,  #
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Grid as in the forward: last query block first, it has the most keys under a causal mask.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    off_hz = tl.program_id(0)
+    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    off_hkv = off_h // GROUP
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < N_CTX_Q
+    d_ok = offs_d < HEAD_DIM
+    md_ok = m_ok[:, None] & d_ok[None, :]
+    q = _load_tile(Q + off_z * stride_qz + off_h * stride_qh, offs_m, offs_d, stride_qm,
+                   stride_qk, N_CTX_Q, True, HEAD_DIM, BLOCK_D, False)
+    do = _load_tile(DO + off_z * stride_doz + off_h * stride_doh, offs_m, offs_d, stride_dom,
+                    stride_dok, N_CTX_Q, True, HEAD_DIM, BLOCK_D, False)
+    # rows past N_CTX_Q load LSE -inf like rows that see no key: P is 0 on them
+    row = off_hz.to(tl.int64) * N_CTX_Q + offs_m
+    lse = _lse_log2(tl.load(Lse + row, mask=m_ok, other=float("-inf")))
+    delta = tl.load(Delta + row, mask=m_ok, other=0.0)
+    k_base = K + off_z * stride_kz + off_hkv * stride_kh
+    v_base = V + off_z * stride_vz + off_hkv * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key ranges exactly as in the forward's kernel.
+    first_row = start_m * BLOCK_M
+    if CAUSAL:
+        full_hi = tl.maximum(tl.minimum(first_row + CAUSAL_OFFSET + 1, N_CTX_K), 0)
+        masked_hi = tl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K)
+    else:
+        full_hi = N_CTX_K
+        masked_hi = N_CTX_K
+    full_hi = full_hi // BLOCK_N * BLOCK_N
+
+    # stage 1: blocks left of the diagonal, no masking
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #
+                            stride_kn, stride_kk, stride_vn, stride_vk,  #
+                            offs_m, offs_d, 0, full_hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+                            False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+    # stage 2: the diagonal band and the ragged end of K, masked
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #
+                            stride_kn, stride_kk, stride_vn, stride_vk,  #
+                            offs_m, offs_d, full_hi, masked_hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+                            True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+
+    dq = dq * sm_scale
+    tl.store(DQ + off_z * stride_dqz + off_h * stride_dqh
+             + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
+             dq.to(DQ.dtype.element_ty), mask=md_ok)
+
+
+# Launch configs: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) per head-dim
+# class; M1/N1 tile the dK/dV kernel (few query rows streamed past many resident keys), M2/N2 the
+# dQ kernel (many resident query rows, few streamed keys), as in Triton's tutorial. Resident tiles
+# hold two fp32 accumulators (dK, dV or dQ) plus two input tiles, so wider heads get fewer
+# resident rows or more warps to keep them in registers. A first guess from the tutorial's
+# values, not yet swept on the H200 (notes/backward.md); a fixed table for the forward's reason:
+# no autotuner cost per call.
+CONFIGS = {
+    64: (32, 128, 128, 32, 4, 3),
+    128: (32, 128, 128, 32, 8, 2),
+    256: (32, 64, 64, 32, 8, 1),
+}
+# The interpreter runs one config; BLOCK_M != BLOCK_N both ways so that CPU tests cross a diagonal
+# band spanning several query blocks (dK/dV) and several key blocks (dQ).
+INTERPRETER_CONFIG = (16, 32, 32, 16, 4, 1)
+_pinned = None
+
+
+@contextlib.contextmanager
+def pinned_config(block_m1, block_n1, block_m2, block_n2, num_warps=4, num_stages=2):
+    """Launch every backward with this config instead of the table's (tests, the lab)."""
+    global _pinned
+    previous, _pinned = _pinned, (block_m1, block_n1, block_m2, block_n2, num_warps, num_stages)
+    try:
+        yield
+    finally:
+        _pinned = previous
+
+
+def config_for(head_dim):
+    """The (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) a launch will use."""
+    if _pinned is not None:
+        return _pinned
+    if is_interpreted():
+        return INTERPRETER_CONFIG
+    return CONFIGS[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
+
+
+def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, causal_offset,
+                  wrap=lambda kernel: kernel):
+    """Launch the backward. q, out, do, dq: [batch, heads, q_len, head_dim] views with any
+    strides; k, v, dk, dv: [batch, kv_heads, kv_len, head_dim]; lse (the forward's, natural log)
+    and delta (scratch, written here): contiguous fp32 [batch, heads, q_len]. Writes dq, dk, dv.
+    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launches."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    block_m1, block_n1, block_m2, block_n2, num_warps, num_stages = config_for(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    precision = "ieee" if q.dtype.itemsize == 4 else "tf32"  # tf32 is unused for 16-bit
+    wrap(_attn_bwd_preprocess)[(batch * heads, triton.cdiv(q_len, block_m2))](
+        out, do, delta, *out.stride(), *do.stride(), heads, q_len,  #
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, INPUT_PRECISION=precision,
+                  num_warps=num_warps, num_stages=num_stages)
+    wrap(_attn_bwd_dkdv)[(batch * kv_heads, triton.cdiv(kv_len, block_n1))](
+        q, k, v, do, dk, dv, lse, delta,  #
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),  #
+        kv_heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale,  #
+        BLOCK_M=block_m1, BLOCK_N=block_n1, **common)
+    return wrap(_attn_bwd_dq)[(batch * heads, triton.cdiv(q_len, block_m2))](
+        q, k, v, do, dq, lse, delta,  #
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),  #
+        heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale,  #
+        BLOCK_M=block_m2, BLOCK_N=block_n2, **common)

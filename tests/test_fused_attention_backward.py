@@ -1,0 +1,237 @@
+"""Gradients of fused_attention against float64 autograd of the reference.
+
+Tolerance rule, as for the forward (and FlashAttention's gradient tests): for each of dq, dk, dv
+the kernel's max abs error against float64 autograd of attention_reference must be at most twice
+the error of autograd through the same reference computed in the input dtype, plus a small
+floor. Every buffer the op allocates (dq, dk, dv, the Delta scratch) starts as NaN, so an element
+the kernels fail to write fails the check. Inputs and upstream gradients are fresh random normals.
+
+CPU runs go through the Triton interpreter in fp32 and fp16 (its bf16 dot is wrong) with small
+heads: the interpreter's time grows with seq^2 * heads. The `cuda` tests repeat the grid in bf16
+and fp16 at realistic sizes.
+"""
+
+import pytest
+import torch
+from einops import rearrange
+
+from attnscope import fused_attention
+from attnscope.attention.reference import attention_reference
+from attnscope.kernels import attention_bwd
+# nan_outputs: the forward tests' autouse fixture; here it also poisons dq, dk, dv and Delta
+from test_fused_attention import make_qkv, nan_outputs  # noqa: F401
+
+CPU = torch.device("cpu")
+# (dtype, absolute error floor)
+CPU_DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
+GPU_DTYPES = [(torch.bfloat16, 4e-3), (torch.float16, 1e-3)]
+
+
+def _grads(fn, q, k, v, dout):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    return torch.autograd.grad(fn(*leaves), leaves, dout)
+
+
+def check_grads(q, k, v, floor, dout=None, **kwargs):
+    """Backward of the op against float64 autograd; returns (dq, dk, dv)."""
+    dout = torch.randn_like(q) if dout is None else dout
+    grads = _grads(lambda *t: fused_attention(*t, **kwargs), q, k, v, dout)
+    refs = _grads(lambda *t: attention_reference(*t, **kwargs), q.double(), k.double(),
+                  v.double(), dout.double())
+    lows = _grads(lambda *t: attention_reference(*t, dtype=q.dtype, **kwargs), q, k, v, dout)
+    for name, g, ref, low, x in zip(("dq", "dk", "dv"), grads, refs, lows, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert not g.isnan().any(), f"{name} has NaN (unwritten element or 0/0)"
+        err = (g.double() - ref).abs().max().item()
+        torch_err = (low.double() - ref).abs().max().item()
+        assert err <= 2 * torch_err + floor, (
+            f"{name}: error {err:.3g} > 2 x torch's {torch_err:.3g} + {floor}")
+    return grads
+
+
+# ---- CPU (Triton interpreter) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,floor", CPU_DTYPES)
+@pytest.mark.parametrize("seq,head_dim", [
+    (1, 16),    # one query, one key: a single masked block in both kernels
+    (17, 48),   # ragged length and head_dim: every tile is partial
+    (113, 80),  # several blocks: unmasked stages run; head_dim 80 pads to 128
+])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_causal_shapes(seq, head_dim, layout, dtype, floor):
+    q, k, v = make_qkv(1, 2, 2, seq, seq, head_dim, dtype, CPU, layout)
+    check_grads(q, k, v, floor, layout=layout)
+
+
+@pytest.mark.parametrize("dtype,floor", CPU_DTYPES)
+@pytest.mark.parametrize("q_len,kv_len", [
+    (17, 70),  # fewer queries than keys: top-left leaves keys 17.. with zero dk/dv
+    (70, 17),  # more queries than keys: bottom-right leaves 53 rows with no key
+])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_unequal_lengths(q_len, kv_len, alignment, dtype, floor):
+    q, k, v = make_qkv(1, 2, 2, q_len, kv_len, 32, dtype, CPU)
+    check_grads(q, k, v, floor, causal_alignment=alignment)
+
+
+@pytest.mark.parametrize("dtype,floor", CPU_DTYPES)
+def test_fully_masked_rows_get_zero_gradient(dtype, floor):
+    q, k, v = make_qkv(1, 2, 2, 40, 9, 32, dtype, CPU)
+    dq, dk, dv = check_grads(q, k, v, floor, causal_alignment="bottom_right")
+    assert torch.equal(dq[:, :, :31], torch.zeros_like(dq[:, :, :31]))  # rows that see no key
+    assert (dq[:, :, 32:] != 0).any(dim=-1).all()  # row 31 sees one key: its dq is ~0 too
+    # the masked rows add nothing to dk/dv: a large gradient on them alone gives exactly zero
+    _, dk1, dv1 = _grads(lambda *t: fused_attention(*t, causal_alignment="bottom_right"), q, k, v,
+                         torch.cat([torch.randn(1, 2, 31, 32, dtype=dtype) * 1e3,
+                                    torch.zeros(1, 2, 9, 32, dtype=dtype)], dim=2))
+    assert torch.equal(dk1, torch.zeros_like(dk1)) and torch.equal(dv1, torch.zeros_like(dv1))
+
+
+@pytest.mark.parametrize("dtype,floor", CPU_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1)])  # GQA; MQA: dk/dv sum 3 heads
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gqa(heads, kv_heads, layout, dtype, floor):
+    q, k, v = make_qkv(2, heads, kv_heads, 37, 37, 32, dtype, CPU, layout)
+    check_grads(q, k, v, floor, layout=layout)
+
+
+@pytest.mark.parametrize("dtype,floor", CPU_DTYPES)
+@pytest.mark.parametrize("q_len,kv_len", [(45, 45), (30, 70)])
+def test_non_causal(q_len, kv_len, dtype, floor):
+    q, k, v = make_qkv(1, 2, 1, q_len, kv_len, 48, dtype, CPU)
+    check_grads(q, k, v, floor, causal=False)
+
+
+@pytest.mark.parametrize("dtype,floor", CPU_DTYPES)
+@pytest.mark.parametrize("scale", [0.05, 1.0])
+def test_custom_scale(scale, dtype, floor):
+    q, k, v = make_qkv(1, 2, 2, 33, 33, 64, dtype, CPU)
+    check_grads(q, k, v, floor, scale=scale)
+
+
+@pytest.mark.parametrize("dtype,floor", CPU_DTYPES)
+def test_non_contiguous_inputs_and_gradient(dtype, floor):
+    # q: a head_dim slice (row stride 96); k: stored seq-major, seen as bhsd; v: every other batch
+    # entry; the upstream gradient: a head_dim slice of a seq-major tensor, so no stride is alike.
+    q = torch.randn(2, 3, 45, 96, dtype=dtype)[..., 16:80]
+    k = rearrange(torch.randn(2, 45, 3, 64, dtype=dtype), "b s h d -> b h s d")
+    v = torch.randn(4, 3, 45, 64, dtype=dtype)[::2]
+    dout = rearrange(torch.randn(2, 45, 3, 80, dtype=dtype), "b s h d -> b h s d")[..., 8:72]
+    assert not any(t.is_contiguous() for t in (q, k, v, dout))
+    dq, dk, dv = check_grads(q, k, v, floor, dout=dout)
+    assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
+
+
+def test_broadcast_gradient_of_a_sum():
+    # out.sum() sends back an expanded tensor: every stride 0
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 20, 20, 16, torch.float32, CPU,
+                                                    "bshd"))
+    fused_attention(q, k, v, layout="bshd").sum().backward()
+    refs = _grads(lambda *t: attention_reference(*t, layout="bshd").sum(), q.double(), k.double(),
+                  v.double(), None)
+    for g, ref in zip((q.grad, k.grad, v.grad), refs):
+        torch.testing.assert_close(g.double(), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("config", [
+    (16, 16, 16, 16, 4, 1),  # square tiles: the band is exactly the diagonal blocks
+    (32, 16, 16, 32, 4, 1),  # dK/dV with more query rows than keys per tile, dQ the reverse
+])
+def test_other_tile_shapes(config):
+    q, k, v = make_qkv(1, 2, 1, 50, 61, 24, torch.float32, CPU)
+    for alignment in ("top_left", "bottom_right"):
+        with attention_bwd.pinned_config(*config):
+            check_grads(q, k, v, 1e-5, causal_alignment=alignment)
+
+
+def test_gradients_are_deterministic():
+    q, k, v = make_qkv(1, 4, 1, 40, 40, 32, torch.float16, CPU)
+    dout = torch.randn_like(q)
+    first = _grads(fused_attention, q, k, v, dout)
+    second = _grads(fused_attention, q, k, v, dout)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_lse_output_is_not_differentiable():
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 1, 1, 8, 8, 16, torch.float32, CPU))
+    out, lse = fused_attention(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+    (out.sum() + lse.sum()).backward()  # lse's part is a constant: gradients are out's alone
+    refs = _grads(lambda *t: attention_reference(*t).sum(), q.double(), k.double(), v.double(),
+                  None)
+    torch.testing.assert_close(q.grad.double(), refs[0], atol=1e-5, rtol=0)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    q, k, v = make_qkv(1, 2, 1, 20, 20, 32, torch.float32, CPU)
+
+    @torch.compile(fullgraph=True, backend="eager")  # dynamo tracing; inductor is GPU-tested
+    def loss(q, k, v):
+        return (fused_attention(q * 2, k, v) ** 2).sum()
+
+    got = _grads(loss, q, k, v, None)
+    expected = _grads(lambda q, k, v: (attention_reference(q * 2, k, v) ** 2).sum(), q.double(),
+                      k.double(), v.double(), None)
+    for g, ref in zip(got, expected):
+        torch.testing.assert_close(g.double(), ref, atol=1e-4, rtol=0)
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+GPU_SHAPES = [
+    # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment)
+    (8, 16, 16, 1024, 1024, 64, "top_left"),     # the blog's seed shape
+    (1, 4, 4, 4096, 4096, 128, "top_left"),      # long sequence, head_dim 128
+    (2, 16, 4, 2048, 2048, 128, "top_left"),     # GQA 4:1
+    (2, 8, 1, 777, 777, 80, "top_left"),         # MQA, odd length and head_dim
+    (2, 8, 8, 1023, 1023, 96, "top_left"),       # ragged length, non-power-of-two head_dim
+    (1, 8, 8, 113, 2000, 64, "bottom_right"),    # chunked prefill against a KV cache
+    (1, 8, 8, 2000, 113, 64, "bottom_right"),    # rows with no visible key
+    (1, 8, 8, 300, 1500, 256, "top_left"),       # widest head_dim
+    (2, 4, 4, 257, 257, 48, "top_left"),         # small head_dim, one row past a block
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor", GPU_DTYPES)
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_grid(shape, layout, dtype, floor):
+    batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda", layout)
+    check_grads(q, k, v, floor, layout=layout, causal_alignment=alignment)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor", GPU_DTYPES)
+def test_gpu_non_causal_and_non_contiguous(dtype, floor):
+    q = torch.randn(2, 8, 1000, 160, dtype=dtype, device="cuda")[..., 16:144]
+    k = rearrange(torch.randn(2, 1500, 8, 128, dtype=dtype, device="cuda"), "b s h d -> b h s d")
+    v = torch.randn(4, 8, 1500, 128, dtype=dtype, device="cuda")[::2]
+    dout = rearrange(torch.randn(2, 1000, 8, 128, dtype=dtype, device="cuda"),
+                     "b s h d -> b h s d")
+    check_grads(q, k, v, floor, dout=dout, causal=False)
+    check_grads(q, k, v, floor, dout=dout, scale=0.3)
+
+
+@pytest.mark.cuda
+def test_gpu_fp32():
+    q, k, v = make_qkv(2, 4, 2, 513, 513, 64, torch.float32, "cuda")
+    check_grads(q, k, v, 1e-5)
+
+
+@pytest.mark.cuda
+def test_gpu_torch_compile_fullgraph_forward_and_backward():
+    q, k, v = make_qkv(4, 8, 2, 512, 512, 64, torch.bfloat16, "cuda")
+
+    @torch.compile(fullgraph=True)  # inductor: both triton ops inside the compiled graphs
+    def loss(q, k, v):
+        return (fused_attention(q * 2, k, v).float() ** 2).sum()
+
+    torch._dynamo.reset()
+    got = _grads(loss, q, k, v, None)
+    expected = _grads(lambda q, k, v: (attention_reference(q * 2, k, v) ** 2).sum(), q.double(),
+                      k.double(), v.double(), None)
+    for g, ref in zip(got, expected):
+        scale = ref.abs().max().item()
+        assert (g.double() - ref).abs().max().item() <= 0.02 * scale
