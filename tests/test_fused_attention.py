@@ -18,6 +18,7 @@ from einops import rearrange
 from attnscope import fused_attention
 from attnscope.attention import fused
 from attnscope.attention.reference import attention_reference
+from attnscope.kernels import attention_fwd as kernels
 
 CPU = torch.device("cpu")
 # (dtype, absolute error floor, LSE tolerance)
@@ -127,6 +128,15 @@ def test_non_contiguous_inputs(dtype, floor, lse_tol):
     v = torch.randn(4, 3, 45, 64, dtype=dtype)[::2]
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     check(q, k, v, floor, lse_tol)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_tensor_descriptor_path(layout):
+    # K/V through tensor descriptors (the D=256 configs' path on the GPU): ragged length and a
+    # head_dim the descriptor's block pads, so the zero fill past both edges is exercised.
+    q, k, v = make_qkv(1, 2, 1, 45, 70, 48, torch.float16, CPU, layout)
+    with kernels.pinned_config(32, 16, 4, 1, use_tma=True):
+        check(q, k, v, 1e-3, 1e-3, layout=layout, causal_alignment="bottom_right")
 
 
 def test_lse_is_natural_log_of_the_softmax_denominator():
@@ -270,8 +280,9 @@ def test_gpu_fp32():
 
 
 @pytest.mark.cuda
-def test_gpu_torch_compile_fullgraph():
-    q, k, v = make_qkv(4, 8, 8, 512, 512, 64, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("head_dim", [64, 256])  # 256: the tensor-descriptor (TMA) config
+def test_gpu_torch_compile_fullgraph(head_dim):
+    q, k, v = make_qkv(4, 8, 8, 512, 512, head_dim, torch.bfloat16, "cuda")
 
     @torch.compile(fullgraph=True)
     def layer(q, k, v):
