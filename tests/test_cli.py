@@ -119,3 +119,22 @@ def test_ctrl_c_keeps_finished_rows(tmp_path, monkeypatch, capsys):
     rows = _results(out)["rows"]
     assert [(r["impl"], r["status"]) for r in rows] == [("naive", "ok")]
     assert "interrupted: 1 finished rows kept" in capsys.readouterr().err
+
+
+def test_compare_fwd_bwd_traces_the_backward(tmp_path, monkeypatch):
+    # An implementation without an autograd graph becomes an "unsupported" row, not a crash.
+    monkeypatch.setitem(IMPLEMENTATIONS, "no_grad", _fake(
+        "no_grad", lambda q, k, v: lambda: (q @ k.transpose(-1, -2)).softmax(-1).detach() @ v.detach()))
+    out = tmp_path / "out"
+    assert main([*TINY, "--impl", "naive", "no_grad", "--mode", "fwd_bwd", "--out", str(out)]) == 0
+    results = _results(out)
+    rows = {r["impl"]: r for r in results["rows"]}
+    assert results["mode"] == "fwd_bwd"
+    assert rows["no_grad"]["status"] == "unsupported"
+    assert "no autograd graph" in rows["no_grad"]["reason"]
+    naive = rows["naive"]
+    assert naive["status"] == "ok" and naive["trace"].endswith("_naive_fwd_bwd.json.gz")
+    # The range holds the backward's CPU ops too: autograd's engine ran inside it.
+    with gzip.open(naive["trace"], "rt") as f:
+        names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
+    assert any("Backward" in n for n in names)

@@ -4,7 +4,8 @@ Three warm-up calls (compilation, autotuning and cuDNN plan selection happen her
 trace); then torch.profiler with schedule(wait=1, warmup=1, active=3, repeat=1), one
 `record_function` range named after the implementation around each forward, under no_grad.
 Writes `<out>/<impl>/<batch>_<heads>_<seq>_<dim>_<impl>.json.gz` and beside it the `.txt`
-key_averages table (sorted by CUDA time, 15 rows). Peak memory is CUDA's high-water mark over
+key_averages table (sorted by CUDA time, 15 rows); `capture(..., mode="fwd_bwd")` puts the
+backward in each range too. Peak memory is CUDA's high-water mark over
 the profiled steps, inputs included, as the scripts print it.
 """
 
@@ -37,16 +38,27 @@ def make_inputs(batch, heads, seq, head_dim, dtype, device, seed=0):
                  for _ in range(3))
 
 
-def trace_paths(out_dir, impl_name, shape):
-    stem = "_".join(str(x) for x in (*shape, impl_name))
+MODES = ("fwd", "fwd_bwd")
+
+
+def trace_paths(out_dir, impl_name, shape, mode="fwd"):
+    # The blog's names for forward traces; a fwd_bwd capture says so in its name.
+    stem = "_".join(str(x) for x in (*shape, impl_name, *(() if mode == "fwd" else (mode,))))
     folder = Path(out_dir) / impl_name
     return folder / f"{stem}.json.gz", folder / f"{stem}.txt"
 
 
-def capture(impl, q, k, v, out_dir) -> Capture:
-    """Profile `impl` on q, k, v; raises whatever the implementation raises."""
+def capture(impl, q, k, v, out_dir, mode="fwd") -> Capture:
+    """Profile `impl` on q, k, v; raises whatever the implementation raises.
+
+    mode "fwd_bwd" profiles forward and backward in each range: inputs require grad, and after
+    each forward torch.autograd.grad computes dq, dk, dv for a fixed random upstream gradient
+    (autograd.grad, so no accumulation into .grad is traced)."""
     cuda = q.device.type == "cuda"
-    trace, table = trace_paths(out_dir, impl.name, tuple(q.shape))
+    trace, table = trace_paths(out_dir, impl.name, tuple(q.shape), mode)
+    backward = mode == "fwd_bwd"
+    if backward:
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     trace.parent.mkdir(parents=True, exist_ok=True)
 
     def on_trace_ready(prof):
@@ -54,10 +66,24 @@ def capture(impl, q, k, v, out_dir) -> Capture:
         table.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
                          + "\n")
 
-    with torch.no_grad():
+    upstream = []  # the upstream gradient, drawn once from the first output's shape
+
+    def step():
+        out = forward()
+        if backward:
+            if out.grad_fn is None:
+                raise NotImplementedError(f"backward not supported: {impl.name}'s output carries "
+                                          "no autograd graph")
+            if not upstream:
+                gen = torch.Generator(device="cpu").manual_seed(1)
+                upstream.append(torch.randn(out.shape, generator=gen).to(out))
+            torch.autograd.grad(out, (q, k, v), upstream[0])
+        return out.detach()
+
+    with torch.enable_grad() if backward else torch.no_grad():
         forward = impl.prepare(q, k, v)
         for _ in range(WARMUP_CALLS):
-            output = forward()
+            output = step()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -66,7 +92,7 @@ def capture(impl, q, k, v, out_dir) -> Capture:
                      schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1)) as prof:
             for _ in range(WAIT + WARMUP + ACTIVE):
                 with record_function(impl.name):
-                    forward()
+                    step()
                 if cuda:
                     # Outside the range: each step's kernels finish before the next step starts.
                     torch.cuda.synchronize()

@@ -25,6 +25,7 @@ import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from attnscope.profile import occupancy
 from attnscope.profile.tensor_cores import name_verdict
 
 # Category names in current Kineto, and the older capitalised ones (PyTorch <= 1.9 traces).
@@ -33,7 +34,7 @@ _CATEGORY_ALIASES = {"kernel": "kernel", "gpu_memcpy": "gpu_memcpy", "memcpy": "
                      "cuda_runtime": "cuda_runtime", "runtime": "cuda_runtime",
                      "cuda_driver": "cuda_driver", "driver": "cuda_driver",
                      "user_annotation": "user_annotation",
-                     "gpu_user_annotation": "gpu_user_annotation"}
+                     "gpu_user_annotation": "gpu_user_annotation", "cpu_op": "cpu_op"}
 GPU_OP_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 PROFILER_STEP_PREFIX = "ProfilerStep"
@@ -45,6 +46,16 @@ class TraceError(ValueError):
 
 def load_events(path) -> list[dict]:
     """The trace's events from a .json or .json.gz file (object with traceEvents, or bare list)."""
+    return _events_of(_load_document(path))
+
+
+def _events_of(data) -> list[dict]:
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    return [e for e in events if isinstance(e, dict)]
+
+
+def _load_document(path):
+    """The whole JSON document (metadata included), checked to hold a traceEvents list."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -66,7 +77,7 @@ def load_events(path) -> list[dict]:
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise TraceError(f"trace {path} has no traceEvents list; is it a Kineto/Chrome trace?")
-    return [e for e in events if isinstance(e, dict)]
+    return data
 
 
 def _complete_events(events):
@@ -95,9 +106,10 @@ def _avg(values):
     return sum(values) / len(values) if values else None
 
 
-def _kernel_summary(name, ops, launches_of, forwards):
+def _kernel_summary(name, ops, launches_of, forwards, devices=None):
     """One row per kernel name: count and time per forward, launch API, resources from args."""
     args = ops[0].get("args") or {}
+    occ = _occupancy(args, (devices or {}).get(args.get("device")))
     apis = Counter(launches_of[_correlation(op)]["name"] for op in ops)
     total = sum(op.get("dur", 0) for op in ops)
     return {
@@ -110,19 +122,39 @@ def _kernel_summary(name, ops, launches_of, forwards):
         "shared_memory": args.get("shared memory"),
         "grid": args.get("grid"),
         "block": args.get("block"),
-        "occupancy_pct": args.get("est. achieved occupancy %"),
+        **occ,
         "tensor_cores": name_verdict(name),
     }
 
 
-def _analyze_range(instances, launches_by_thread, ops_by_correlation, launches_of,
-                   gpu_annotations, has_gpu):
-    per_forward_ops = []
-    for r in instances:
-        starts, launches = launches_by_thread.get(_thread(r), ([], []))
-        lo, hi = bisect.bisect_left(starts, r["ts"]), bisect.bisect_right(starts, _end(r))
-        per_forward_ops.append([op for launch in launches[lo:hi]
-                                for op in ops_by_correlation.get(_correlation(launch), ())])
+def _occupancy(args, props):
+    """`occupancy_pct`: Kineto's `est. achieved occupancy %` where it is non-zero, else our
+    estimate (`occupancy_source` says which): Kineto writes 0 for every kernel with more than
+    48 KiB of shared memory. `occupancy_est_pct`: the estimate, whenever the trace's
+    deviceProperties allow it (see occupancy.py)."""
+    kineto, est = args.get("est. achieved occupancy %"), occupancy.estimate(props, args)
+    if kineto or (est is None and kineto is not None
+                  and (args.get("shared memory") or 0) <= occupancy.KINETO_SMEM_LIMIT):
+        pct, source = kineto, "kineto"
+    else:
+        pct, source = est, (occupancy.SOURCE if est is not None else None)
+    return {"occupancy_pct": pct, "occupancy_source": source, "occupancy_est_pct": est}
+
+
+def _launches_in(r, idx):
+    """The launches made inside range instance `r` (on its thread), in time order."""
+    starts, launches = idx["launches_by_thread"].get(_thread(r), ([], []))
+    return launches[bisect.bisect_left(starts, r["ts"]):bisect.bisect_right(starts, _end(r))]
+
+
+def _ops_launched_by(launches, idx):
+    return [op for launch in launches
+            for op in idx["ops_by_correlation"].get(_correlation(launch), ())]
+
+
+def _analyze_range(instances, idx, gpu_annotations):
+    launches_of, has_gpu = idx["launches_of"], bool(idx["ops"])
+    per_forward_ops = [_ops_launched_by(_launches_in(r, idx), idx) for r in instances]
     n = len(instances)
     all_ops = [op for ops in per_forward_ops for op in ops]
     by_cat = Counter(op["_cat"] for op in all_ops)
@@ -130,7 +162,7 @@ def _analyze_range(instances, launches_by_thread, ops_by_correlation, launches_o
     for op in all_ops:
         if op["_cat"] == "kernel":
             kernels_by_name[op["name"]].append(op)
-    kernels = sorted((_kernel_summary(name, ops, launches_of, n)
+    kernels = sorted((_kernel_summary(name, ops, launches_of, n, idx.get("devices"))
                       for name, ops in kernels_by_name.items()),
                      key=lambda k: k["total_us"], reverse=True)
     apis = Counter(launches_of[_correlation(op)]["name"] for op in all_ops)
@@ -154,8 +186,9 @@ def _analyze_range(instances, launches_by_thread, ops_by_correlation, launches_o
     }
 
 
-def analyze_events(events, ranges=None) -> dict:
-    """Per-forward figures for each named range (default: every non-ProfilerStep user range)."""
+def _index(events) -> dict:
+    """What attribution needs: GPU ops by correlation, their launches (by thread, sorted) and the
+    user ranges by name, each list in time order."""
     cats = _complete_events(events)
     ops = [dict(op, _cat=cat) for cat in GPU_OP_CATS for op in cats[cat]]
     ops_by_correlation = defaultdict(list)
@@ -174,19 +207,33 @@ def analyze_events(events, ranges=None) -> dict:
         starts, items = launches_by_thread[_thread(e)]
         starts.append(e["ts"])
         items.append(e)
-
     instances = defaultdict(list)
     for r in sorted(cats["user_annotation"], key=lambda e: e["ts"]):
         if not str(r.get("name", "")).startswith(PROFILER_STEP_PREFIX):
             instances[r["name"]].append(r)
+    return {"cats": cats, "ops": ops, "ops_by_correlation": ops_by_correlation,
+            "launches_of": launches_of, "launches_by_thread": launches_by_thread,
+            "instances": instances}
+
+
+def _check_ranges(instances, ranges):
+    missing = [name for name in ranges if name not in instances]
+    if missing:
+        found = ", ".join(sorted(instances)) or "none"
+        raise TraceError(f"no range named {', '.join(map(repr, missing))} in the trace; "
+                         f"ranges found: {found}")
+
+
+def analyze_events(events, ranges=None, device_properties=None) -> dict:
+    """Per-forward figures for each named range (default: every non-ProfilerStep user range).
+    `device_properties`: the trace's `deviceProperties` list, for occupancy estimates."""
+    idx = _index(events)
+    idx["devices"] = {p.get("id"): p for p in device_properties or () if isinstance(p, dict)}
+    ops, launches_of, instances = idx["ops"], idx["launches_of"], idx["instances"]
     if ranges is not None:
-        missing = [name for name in ranges if name not in instances]
-        if missing:
-            found = ", ".join(sorted(instances)) or "none"
-            raise TraceError(f"no range named {', '.join(map(repr, missing))} in the trace; "
-                             f"ranges found: {found}")
+        _check_ranges(instances, ranges)
     gpu_annotations = defaultdict(list)
-    for e in cats["gpu_user_annotation"]:
+    for e in idx["cats"]["gpu_user_annotation"]:
         gpu_annotations[e.get("name")].append(e)
 
     has_gpu = bool(ops)
@@ -198,12 +245,61 @@ def analyze_events(events, ranges=None) -> dict:
         "self_cuda_time_total_us": sum(op.get("dur", 0) for op in ops) if has_gpu else None,
         # GPU ops whose launch was not found; >0 means the trace lost events or lacks runtime rows.
         "unlaunched_gpu_ops": sum(1 for op in ops if _correlation(op) not in launched),
-        "ranges": {name: _analyze_range(instances[name], launches_by_thread, ops_by_correlation,
-                                        launches_of, gpu_annotations[name], has_gpu)
+        "ranges": {name: _analyze_range(instances[name], idx, gpu_annotations[name])
                    for name in names},
     }
 
 
+def _top_level_cpu_ops(r, cats):
+    """The CPU ops called directly inside range `r` on its thread (nested ops left out)."""
+    inside = sorted((e for e in cats["cpu_op"] if _thread(e) == _thread(r)
+                     and r["ts"] <= e["ts"] and _end(e) <= _end(r)),
+                    key=lambda e: (e["ts"], -e.get("dur", 0)))
+    top, covered_until = [], float("-inf")
+    for e in inside:
+        if e["ts"] >= covered_until:
+            top.append(e)
+            covered_until = _end(e)
+    return top
+
+
+def forward_events(events, range_name) -> list[dict]:
+    """Each forward of a range with the events that drawing it needs, attributed exactly as
+    analyze_events attributes them: {"range", "cpu_ops" (top level), "launches", "ops"}."""
+    idx = _index(events)
+    _check_ranges(idx["instances"], [range_name])
+    forwards = []
+    for r in idx["instances"][range_name]:
+        launches = _launches_in(r, idx)
+        forwards.append({"range": r, "cpu_ops": _top_level_cpu_ops(r, idx["cats"]),
+                         "launches": launches, "ops": _ops_launched_by(launches, idx)})
+    return forwards
+
+
+def annotate_kernels(path, fields_by_name: dict[str, dict]) -> int:
+    """Add `fields_by_name[kernel name]` to the args of each kernel event of the trace at `path`
+    (what a reader sees on clicking the kernel in Perfetto), rewriting it in place, gzipped as
+    before. Returns how many events were annotated."""
+    path = Path(path)
+    data = _load_document(path)
+    with path.open("rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    events = data.get("traceEvents") if isinstance(data, dict) else data
+    annotated = 0
+    for e in events:
+        if (isinstance(e, dict) and _CATEGORY_ALIASES.get(str(e.get("cat", "")).lower()) == "kernel"
+                and e.get("name") in fields_by_name):
+            e["args"] = {**(e.get("args") or {}), **fields_by_name[e["name"]]}
+            annotated += 1
+    raw = json.dumps(data).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(gzip.compress(raw) if gzipped else raw)
+    tmp.replace(path)  # one step: an interrupted rewrite leaves the original trace
+    return annotated
+
+
 def analyze_file(path, ranges=None) -> dict:
-    result = analyze_events(load_events(path), ranges)
+    data = _load_document(path)
+    props = data.get("deviceProperties") if isinstance(data, dict) else None
+    result = analyze_events(_events_of(data), ranges, props)
     return {"trace": str(path), **result}

@@ -1,0 +1,463 @@
+"""`report RESULTS_DIR [-o report.html]`: one self-contained HTML page from a `compare` folder.
+
+Sections: the comparison table and the run's env; bar charts (time, kernels and TFLOP/s per
+forward); a sweep plot when the folder holds a `bench --json` file named bench.json; for each
+implementation a timeline of one forward drawn from its trace (trace.forward_events, the same
+attribution as the table's figures) with its kernels and their Tensor Core evidence; the fused
+kernel's Triton source beside what it compiled to (artifacts.py: config, registers, instruction
+mix, and the source lines PTX `.loc` directives tie to matrix instructions); links to the traces.
+
+Everything is inline (CSS, PNG data URIs), so the page opens without a network.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from attnscope.profile import artifacts, compare
+from attnscope.profile.tensor_cores import name_verdict, short_name
+from attnscope.profile.trace import TraceError, forward_events, load_events
+
+HELP = ("HTML report from a compare folder: table, charts, per-forward timelines, the fused "
+        "kernel's source beside its compiled code, trace links")
+DEFAULT_NAME = "report.html"
+BENCH_FILE = "bench.json"
+NEEDS = ("matplotlib", "pygments")
+MAX_PTX_SHOWN = 40  # instructions listed per source line; the .4.ptx file has them all
+
+
+class ReportError(RuntimeError):
+    """The report cannot be written; the message says why and what to do."""
+
+
+def add_arguments(p):
+    p.add_argument("results_dir", metavar="RESULTS_DIR",
+                   help="a folder written by `compare` (holds results.json and the traces)")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help=f"where to write the HTML (default RESULTS_DIR/{DEFAULT_NAME})")
+
+
+def require_dependencies():
+    missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ReportError(f"the report needs {' and '.join(missing)}: "
+                          f"pip install 'attnscope[report]'")
+
+
+def run(args) -> int:
+    folder = Path(args.results_dir)
+    try:
+        path = write_report(folder, Path(args.output) if args.output else folder / DEFAULT_NAME)
+    except ReportError as e:
+        print(f"attnscope report: error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
+def write_report(folder, output) -> Path:
+    require_dependencies()
+    folder, output = Path(folder), Path(output)
+    try:
+        results = json.loads((folder / "results.json").read_text())
+    except OSError as e:
+        raise ReportError(f"no results.json in {folder} ({e.strerror or e}); run "
+                          f"`python -m attnscope.profile compare --out {folder}` first") from None
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{folder / 'results.json'} is not valid JSON: {e}") from None
+    page = _Page(results, folder, output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(page.render())
+    return output
+
+
+# Free-text columns of compare.COLUMNS, left-aligned; the others hold numbers.
+TEXT_COLUMNS = ("impl", "Tensor Cores", "launch API", "status")
+
+
+def _e(value) -> str:
+    return html.escape(str(value))
+
+
+def _section(anchor, title, body) -> str:
+    return f'<section id="{anchor}"><h2>{_e(title)}</h2>\n{body}\n</section>'
+
+
+def _kv_table(pairs) -> str:
+    rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e('-' if v is None else v)}</td></tr>"
+                   for k, v in pairs)
+    return f'<table class="kv">{rows}</table>'
+
+
+def _img(uri, alt) -> str:
+    return f'<img class="chart" src="{uri}" alt="{_e(alt)}">'
+
+
+def _note(text) -> str:
+    return f'<p class="note">{_e(text)}</p>'
+
+
+class _Page:
+    def __init__(self, results, folder: Path, output: Path):
+        self.results, self.folder, self.output = results, folder, output
+        self.rows = results.get("rows", [])
+        self.ok = [r for r in self.rows if r.get("status") == "ok"]
+        self.device = results.get("device", "cpu")
+        self.gpu = any(r.get("kernels") for r in self.ok)
+
+    def render(self) -> str:
+        from pygments.formatters import HtmlFormatter
+
+        shape = self.results.get("shape", {})
+        title = (f"attnscope: {', '.join(f'{k} {v}' for k, v in shape.items())}, "
+                 f"{self.results.get('dtype')}, {self.device}")
+        sections = [self.table(), self.charts(), self.sweep(), self.timelines(),
+                    self.fused_kernel(), self.traces()]
+        nav = "".join(f'<a href="#{a}">{t}</a>' for a, t in (
+            ("table", "table"), ("charts", "charts"), ("sweep", "sweep"),
+            ("timelines", "timelines"), ("fused", "fused kernel"), ("traces", "traces")))
+        css = CSS + HtmlFormatter(style="default").get_style_defs(".src")
+        return (f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+                f"<title>{_e(title)}</title><style>{css}</style></head><body>\n"
+                f"<h1>{_e(title)}</h1><nav>{nav}</nav>\n" + "\n".join(sections)
+                + "\n</body></html>\n")
+
+    # --- table and env ------------------------------------------------------------------------
+
+    def table(self) -> str:
+        headers = [h for h, _, _ in compare.COLUMNS]
+        align = ['' if h in TEXT_COLUMNS else ' class="num"' for h in headers]
+        head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+        body = "".join("<tr>" + "".join(f"<td{a}>{_e(c)}</td>" for a, c in zip(align, cells))
+                       + "</tr>" for cells in compare.table_cells(self.rows, self.device))
+        notes = [UNITS]
+        if self.device == "cpu":
+            notes.append(compare.CPU_NOTE)
+        env = dict(self.results.get("env") or {})
+        gpu = env.pop("gpu", None) or {}
+        pairs = list(env.items()) + [(f"gpu.{k}", v) for k, v in gpu.items()]
+        if not gpu:
+            pairs.append(("gpu", "none (CPU run)"))
+        return _section("table", "Comparison per forward",
+                        f'<table class="results"><thead><tr>{head}</tr></thead>'
+                        f"<tbody>{body}</tbody></table>" + "".join(map(_note, notes))
+                        + "<h3>Environment</h3>" + _kv_table(pairs))
+
+    # --- charts -------------------------------------------------------------------------------
+
+    def charts(self) -> str:
+        from attnscope.profile import charts
+
+        names = [r["impl"] for r in self.ok]
+        if not names:
+            return _section("charts", "Charts", _note("no implementation ran: nothing to plot"))
+        parts = [_img(charts.bars(
+            names, {"CUDA (busy GPU time)": [r.get("cuda_time_avg_us") for r in self.ok],
+                    "CPU (range duration)": [r.get("cpu_time_avg_us") for r in self.ok]},
+            "Time per forward", "us per forward", value_fmt="{:,.1f}"), "time per forward")]
+        if not self.gpu:
+            parts.append(_note("kernels per forward and TFLOP/s: n/a, this run had no GPU "
+                               "(CPU rows only; the CUDA bars above are absent for that reason)"))
+            return _section("charts", "Charts", f'<div class="charts">{"".join(parts)}</div>')
+        parts.append(_img(charts.bars(
+            names, {"kernels": [r.get("kernels_per_forward") for r in self.ok]},
+            "GPU kernels per forward", "kernels per forward", value_fmt="{:g}"),
+            "kernels per forward"))
+        peak = ((self.results.get("env") or {}).get("gpu") or {}).get("measured_bf16_peak_tflops")
+        reference = None
+        if peak and self.results.get("dtype") in ("bf16", "fp16"):
+            reference = (peak, f"measured bf16 matmul peak {peak:g} TFLOP/s")
+        else:
+            parts.append(_note("no measured peak for this GPU and dtype: TFLOP/s without a "
+                               "reference line"))
+        parts.append(_img(charts.bars(
+            names, {"TFLOP/s": [r.get("tflops") for r in self.ok]},
+            "TFLOP/s (causal FLOPs / busy CUDA time)", "TFLOP/s", value_fmt="{:.1f}",
+            reference=reference), "TFLOP/s"))
+        return _section("charts", "Charts", f'<div class="charts">{"".join(parts)}</div>')
+
+    def sweep(self) -> str:
+        from attnscope.profile import charts
+
+        path = self.folder / BENCH_FILE
+        if not path.is_file():
+            return _section("sweep", "Shape sweep", _note(
+                f"no {BENCH_FILE} in this folder: run `python -m attnscope.profile bench --json "
+                f"{path}` to add a sweep plot"))
+        bench = json.loads(path.read_text())
+        timer = (bench.get("timing") or {}).get("timer", "")
+        ylabel = "TFLOP/s" + (" (CPU wall time)" if bench.get("device") == "cpu" else "")
+        body = _img(charts.sweep(bench.get("rows", []), ylabel,
+                                 f"bench sweep {bench.get('sweep', '')!r}: {timer}"), "sweep")
+        summary = bench.get("summary") or {}
+        if summary:
+            body += _kv_table((f"{name}: geometric mean ratio to the best peer",
+                               f"{s['geomean_ratio_to_best_peer']:.3f} over {s['shapes']} shapes")
+                              for name, s in summary.items())
+        return _section("sweep", "Shape sweep", body)
+
+    # --- timelines ----------------------------------------------------------------------------
+
+    def _trace_path(self, row) -> Path | None:
+        """The row's trace where compare wrote it, else under this folder (moved or copied)."""
+        if not row.get("trace"):
+            return None
+        written = Path(row["trace"])
+        for candidate in (written, self.folder / row["impl"] / written.name):
+            if candidate.is_file():
+                return candidate
+        return None
+
+    def timelines(self) -> str:
+        parts = [_note("One forward per implementation, to scale: the forward whose busy GPU "
+                       "time (CPU duration on a CPU run) is the median of the profiled ones. A "
+                       "kernel belongs to the forward whose range launched it; grey lines join "
+                       "each launch call to the GPU op it started.")]
+        parts += [self._timeline(row) for row in self.ok]
+        return _section("timelines", "Timelines: one forward each", "".join(parts))
+
+    def _timeline(self, row) -> str:
+        from attnscope.profile import charts
+
+        heading = f'<h3 id="timeline-{_e(row["impl"])}">{_e(row["impl"])}</h3>'
+        path = self._trace_path(row)
+        if path is None:
+            return heading + _note(f"trace not found: {row.get('trace')}")
+        try:
+            forwards = forward_events(load_events(path), row["impl"])
+        except TraceError as e:
+            return heading + _note(str(e))
+        gpu_busy = [sum(op.get("dur", 0) for op in f["ops"]) for f in forwards]
+        key = gpu_busy if any(gpu_busy) else [f["range"].get("dur", 0) for f in forwards]
+        index = key.index(statistics.median_low(key))
+        forward = forwards[index]
+        by_name = {k["name"]: k for k in row.get("kernels", [])}
+        ops = sorted(forward["ops"], key=lambda op: op["ts"])
+        numbered = []
+        table = []
+        for number, op in enumerate(ops, 1):
+            is_kernel = op["_cat"] == "kernel"
+            verdict = ((by_name.get(op["name"]) or {}).get("tensor_cores")
+                       or name_verdict(op["name"])) if is_kernel else None
+            numbered.append((number, op, verdict["verdict"] if verdict else None))
+            table.append((number, op, verdict))
+        title = (f"{row['impl']}: forward {index + 1} of {len(forwards)}, "
+                 f"{sum(1 for op in ops if op['_cat'] == 'kernel')} kernels, "
+                 f"{len(ops) - sum(1 for op in ops if op['_cat'] == 'kernel')} other GPU ops")
+        image = _img(charts.timeline(forward, numbered, title), f"timeline of {row['impl']}")
+        return heading + _note(row.get("description", "")) + image + self._op_table(
+            forward, table)
+
+    def _op_table(self, forward, numbered) -> str:
+        if not numbered:
+            return ""
+        t0 = forward["range"]["ts"]
+        head = ("<tr><th>#</th><th>GPU op</th><th>start us</th><th>duration us</th>"
+                "<th>Tensor Cores</th><th>how we know</th></tr>")
+        body = []
+        for number, op, verdict in numbered:
+            cls = f'tc-{verdict["verdict"]}' if verdict else "tc-copy"
+            body.append(
+                f'<tr><td>{number}</td><td title="{_e(op["name"])}"><code>'
+                f'{_e(_display_name(op["name"]))}</code></td>'
+                f'<td class="num">{op["ts"] - t0:.1f}</td>'
+                f'<td class="num">{op.get("dur", 0):.1f}</td>'
+                f'<td class="{cls}">{_e(verdict["verdict"]) if verdict else "-"}</td>'
+                f'<td>{_e(compare.evidence_text(verdict)) if verdict else "copy/set"}</td></tr>')
+        return f'<table class="ops">{head}{"".join(body)}</table>'
+
+    # --- fused kernel ---------------------------------------------------------------------------
+
+    def fused_kernel(self) -> str:
+        folder = self.results.get("kernel_artifacts")
+        candidates = [Path(folder)] if folder else []
+        candidates.append(self.folder / compare.KERNEL_DIR)
+        found = next((a for a in map(artifacts.load, candidates) if a), None)
+        source = (found or {}).get("source") or artifacts.source_file().read_text()
+        lines = {}
+        if found and found.get("ptx"):
+            lines = artifacts.ptx_line_map(found["ptx"], artifacts.SOURCE_PATH)
+        compiled = self._compiled(found, lines) if found else _note(
+            "compiled artifacts need a GPU run: `compare` on CUDA writes the fused kernel's "
+            f"TTIR, TTGIR, LLIR, PTX and SASS to OUT/{compare.KERNEL_DIR.as_posix()}/, and this "
+            "panel then shows its launch config, registers, spills, shared memory, instruction "
+            "mix and which source lines became matrix instructions. This folder has none.")
+        where = (found or {}).get("meta", {}).get("source") or artifacts.source_location(source)
+        body = (f'<p>Triton source: <code>{_e(where)}</code> (<code>def {artifacts.KERNEL}'
+                f"</code>), from its first <code>@triton.jit</code> function on. Lines marked "
+                f"in green became matrix (Tensor Core) instructions; "
+                f"the badges count the PTX instructions the compiler's line info ties to each "
+                f"line and link to them.</p>"
+                f'<div class="pair"><div class="srcpane">{_source_html(source, lines)}</div>'
+                f'<div class="compiled">{compiled}</div></div>')
+        return _section("fused", f"Fused kernel: {artifacts.KERNEL}", body)
+
+    def _compiled(self, found, lines) -> str:
+        meta = found["meta"]
+        config, compiled = meta.get("config", {}), meta.get("compiled", {})
+        parts = ["<h3>Compiled for this shape</h3>", _kv_table(
+            [("kernel", meta.get("kernel")), ("shape [b, h, s, d]", meta.get("shape")),
+             ("dtype", meta.get("dtype"))]
+            + list(config.items())
+            + [("compiled num_warps", compiled.get("num_warps")),
+               ("compiled num_stages", compiled.get("num_stages")),
+               ("registers / thread", compiled.get("registers_per_thread")),
+               ("spills", compiled.get("spills")),
+               ("shared memory (bytes)", compiled.get("shared_memory_bytes")),
+               ("target", compiled.get("target")),
+               ("Tensor Cores", compare.evidence_text(meta["tensor_cores"])
+                if meta.get("tensor_cores") else None)])]
+        mixes = {kind: artifacts.instruction_mix(found[kind], kind)
+                 for kind in ("sass", "ptx") if found.get(kind)}
+        if mixes:
+            head = "".join(f"<th>{kind.upper()}</th>" for kind in mixes)
+            body = "".join(f"<tr><th>{_e(cls)}</th>"
+                           + "".join(f'<td class="num">{mix[cls]}</td>' for mix in mixes.values())
+                           + "</tr>" for cls in artifacts.MIX_CLASSES)
+            parts += ["<h3>Instruction mix (static counts)</h3>",
+                      f'<table class="kv"><tr><th>class</th>{head}</tr>{body}</table>']
+            if "sass" not in mixes:
+                parts.append(_note("no SASS: no cuobjdump was found on the GPU machine"))
+        parts += ["<h3>Source lines and what they became</h3>", _line_list(lines)]
+        links = [f'<a href="{_e(self._href(found["folder"] / name))}">{_e(name)}</a>'
+                 for name in sorted(os.listdir(found["folder"]))
+                 if name.startswith(artifacts.KERNEL + ".")]
+        parts.append("<p>Artifacts: " + ", ".join(links) + "</p>")
+        return "".join(parts)
+
+    # --- traces -------------------------------------------------------------------------------
+
+    def _href(self, path: Path) -> str:
+        return Path(os.path.relpath(path.resolve(), self.output.parent.resolve())).as_posix()
+
+    def traces(self) -> str:
+        items = []
+        for row in self.ok:
+            path = self._trace_path(row)
+            if path is None:
+                items.append(f"<li>{_e(row['impl'])}: trace not found ({_e(row.get('trace'))})"
+                             "</li>")
+                continue
+            table = path.with_name(path.name.removesuffix(".json.gz") + ".txt")
+            extra = (f' &middot; <a href="{_e(self._href(table))}">key_averages table</a>'
+                     if table.is_file() else "")
+            items.append(f'<li>{_e(row["impl"])}: <a href="{_e(self._href(path))}">'
+                         f"{_e(path.name)}</a> ({path.stat().st_size / 1024:.1f} KiB){extra}</li>")
+        body = (f"<ul>{''.join(items)}</ul>" + f"<p>{PERFETTO}</p>") if items else _note(
+            "no traces: no implementation ran")
+        return _section("traces", "Traces", body)
+
+
+def _display_name(kernel_name: str) -> str:
+    # short_name stops at the first '(', which an anonymous namespace puts mid-name.
+    return short_name(kernel_name.replace("(anonymous namespace)::", ""))
+
+
+def _badges(entry) -> str:
+    if not entry:
+        return ""
+    classes, inlined = entry["classes"], entry["inlined"]
+    shown = [(classes.get("matrix"), "mma", "b-mma"), (classes.get("exp2"), "ex2", "b-exp"),
+             (classes.get("global loads"), "ld", "b-mem"),
+             (classes.get("global stores"), "st", "b-mem"),
+             (inlined.get("matrix"), "mma inlined", "b-call")]
+    return "".join(f'<span class="badge {css}">{n} {label}</span>' for n, label, css in shown if n)
+
+
+def _source_html(source: str, lines: dict) -> str:
+    """The source, highlighted line by line, with an anchor per line and the PTX badges.
+    HtmlFormatter closes its spans at each line end, so its output splits into lines."""
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+
+    code = highlight(source, PythonLexer(), HtmlFormatter(nowrap=True)).split("\n")
+    # From the first @triton.jit on: the module docstring and imports compile to nothing.
+    first = next((i for i, line in enumerate(source.splitlines()) if "@triton.jit" in line), 0)
+    rows = []
+    for number, text in enumerate(code[first:source.count("\n") + 1], first + 1):
+        entry = lines.get(number)
+        hot = " hot" if entry and entry["classes"].get("matrix") else ""
+        badges = _badges(entry)
+        if badges:
+            badges = f'<a href="#ptx-L{number}">{badges}</a>'
+        rows.append(f'<tr id="src-L{number}" class="line{hot}"><td class="ln">{number}</td>'
+                    f'<td class="bd">{badges}</td><td class="code">{text}</td></tr>')
+    return f'<table class="src">{"".join(rows)}</table>'
+
+
+def _line_list(lines: dict) -> str:
+    """Source lines that became matrix or exp2 instructions, or call inlined code that did,
+    each with the PTX attributed to it."""
+    picked = [(n, e) for n, e in sorted(lines.items())
+              if e["classes"].get("matrix") or e["classes"].get("exp2")
+              or e["inlined"].get("matrix")]
+    if not picked:
+        return _note("the PTX carries no line info for this source file (TRITON_DISABLE_LINE_INFO "
+                     "set?), or none of its lines became matrix or exp2 instructions")
+    items = []
+    for number, entry in picked:
+        what = "; ".join(filter(None, (
+            ", ".join(f"{n} {cls}" for cls, n in entry["classes"].most_common()),
+            "call site of inlined code: " + ", ".join(
+                f"{n} {cls}" for cls, n in entry["inlined"].most_common())
+            if entry["inlined"] else "")))
+        shown = entry["instructions"][:MAX_PTX_SHOWN]
+        more = len(entry["instructions"]) - len(shown)
+        listing = _e("\n".join(shown) + (f"\n... {more} more" if more > 0 else ""))
+        items.append(f'<li id="ptx-L{number}"><a href="#src-L{number}">line {number}</a>: '
+                     f"{_e(what)}"
+                     + (f"<details><summary>PTX</summary><pre>{listing}</pre></details>"
+                        if shown else "") + "</li>")
+    return f'<ul class="lines">{"".join(items)}</ul>'
+
+
+UNITS = ("Units: times in microseconds per forward (CUDA us/fwd: busy GPU time, the sum of the "
+         "forward's GPU op durations; CPU us/fwd: the record_function range on the CPU); TFLOP/s "
+         "= causal attention FLOPs / CUDA time; % peak of the measured bf16 matmul peak; peak MB "
+         "= CUDA high-water mark in MiB; max abs err against a float64 reference. Tensor Cores: "
+         "the forward's verdict (yes / no / partial: which kernels) and its evidence tiers "
+         "(counters > sass/ptx > name).")
+PERFETTO = ("To explore a trace: open <a href=\"https://ui.perfetto.dev\">ui.perfetto.dev</a>, "
+            "choose <b>Open trace file</b> and pick the .json.gz (no need to unzip it). Click a "
+            "kernel on the GPU track: its args show <code>attnscope tensor cores</code> and "
+            "<code>attnscope evidence</code>, and for <code>_attn_fwd</code> its source line and "
+            "compiled configuration. The file links above are relative to this report.")
+CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 16px;
+color:#212121}
+h1{font-size:22px}h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;
+margin-top:32px}h3{font-size:15px;margin:18px 0 6px}
+nav a{margin-right:14px}
+table{border-collapse:collapse;font-size:12px}
+td,th{border:1px solid #e0e0e0;padding:3px 6px;text-align:left;vertical-align:top}
+td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+table.results{width:100%}
+table.results td:not(.num){overflow-wrap:anywhere}
+table.results td:first-child{white-space:nowrap;overflow-wrap:normal}
+table.kv th{background:#fafafa;font-weight:600}
+.note{color:#616161;font-size:12px;max-width:1100px}
+.charts{display:flex;flex-wrap:wrap;gap:12px;align-items:flex-start}
+img.chart{display:block;max-width:100%;margin:10px 0}
+.tc-yes{color:#2e7d32;font-weight:600}.tc-no{color:#757575}.tc-unknown{color:#ef6c00}
+.pair{display:flex;gap:16px;align-items:flex-start}
+.srcpane{flex:3;max-height:900px;overflow:auto;border:1px solid #e0e0e0}
+.compiled{flex:2;min-width:380px}
+table.src{font:12px/1.35 ui-monospace,monospace;border:none;width:100%}
+table.src td{border:none;padding:0 6px;white-space:pre}
+table.src td.ln{color:#9e9e9e;text-align:right;user-select:none}
+table.src tr.hot td{background:#e8f5e9}
+table.src td.bd{white-space:nowrap;width:1%}
+.badge{display:inline-block;border-radius:3px;padding:0 4px;margin-right:3px;font-size:10px;
+color:#fff}
+.b-mma{background:#2e7d32}.b-exp{background:#6a1b9a}.b-mem{background:#1565c0}
+.b-call{background:#81c784}
+ul.lines li{margin:4px 0}
+pre{font-size:11px;overflow:auto;max-height:300px;background:#fafafa;padding:6px}
+"""
