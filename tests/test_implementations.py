@@ -135,3 +135,17 @@ def test_hub_adapter_with_local_kernel(clean_hub_env, fake_kernels_package, tmp_
     flash = hub._load(kernel_dir)
     b, h, s, d = SHAPE
     assert flash.calls == [((b, s, h, d), True, True)]
+
+
+@pytest.mark.parametrize("name", ["sdpa_auto", "sdpa_math", "sdpa_flash", "fused"])
+def test_gqa_inputs_run_where_the_backend_supports_them(name):
+    # 4 query heads sharing 2 k/v heads: SDPA gets enable_gqa, the fused op reads k/v per group.
+    q, k, v = (torch.randn(1, h, 16, 16) for h in (4, 2, 2))
+    out = IMPLEMENTATIONS[name].prepare(q, k, v)()
+    assert (out.double() - attention_reference(q, k, v)).abs().max().item() < 1e-5
+
+
+def test_naive_refuses_gqa_instead_of_timing_a_copy():
+    q, k, v = (torch.randn(1, h, 16, 16) for h in (4, 2, 2))
+    with pytest.raises(NotImplementedError, match="4 q heads, 2 k/v heads"):
+        IMPLEMENTATIONS["naive"].prepare(q, k, v)

@@ -47,7 +47,8 @@ def _prepare(q, k, v):
     block_mask = create_block_mask(_causal, B=None, H=None, Q_LEN=q.shape[2], KV_LEN=k.shape[2],
                                    device=q.device)
     flex = _compiled_flex()
-    return lambda: flex(q, k, v, block_mask=block_mask)
+    gqa = k.shape[1] != q.shape[1]  # fewer k/v heads than q heads: GQA/MQA
+    return lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
 register(Implementation(

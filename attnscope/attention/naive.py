@@ -54,6 +54,10 @@ def _compile_available(device):
 
 def _preparer(fn, compile_it=False):
     def prepare(q, k, v):
+        if k.shape[1] != q.shape[1]:
+            # The blog's scripts have one k/v head per query head; repeating k/v would time a copy.
+            raise NotImplementedError(f"GQA/MQA not supported: {q.shape[1]} q heads, "
+                                      f"{k.shape[1]} k/v heads")
         mask = _causal_fill_mask(q, k)
         scale = 1.0 / math.sqrt(q.shape[-1])
         f = torch.compile(fn) if compile_it else fn
