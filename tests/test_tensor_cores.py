@@ -461,13 +461,6 @@ def test_ncu_merge_into_real_results(tmp_path):
     assert "tensor_cores" not in rows["naive_inplace"]  # not run under ncu: left as it was
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ncu._name_key matches ncu and Kineto kernel names after dropping 'void ' and whitespace "
-    "only; the two demangle differently (ncu: 'at::' for 'at::native::', '<unnamed>' for "
-    "'(anonymous namespace)', template placeholders 'T1, T2' for parameter types, 0/1 for "
-    "false/true, no 'pytorch_flash::' or 'cutlass::' qualifiers), so the elementwise/softmax "
-    "kernels of naive and SDPA math and the flash and efficient kernels keep their name "
-    "verdict"))
 def test_ncu_merge_gives_every_profiled_kernel_counter_evidence(tmp_path):
     from attnscope.profile import ncu
 
@@ -481,3 +474,93 @@ def test_ncu_merge_gives_every_profiled_kernel_counter_evidence(tmp_path):
     assert rows["sdpa_flash"]["tensor_cores"]["verdict"] == "yes"
     assert rows["sdpa_efficient"]["tensor_cores"]["verdict"] == "yes"
     assert rows["sdpa_math"]["tensor_cores"]["verdict"] == "no"
+    # without the traces at hand (results.json moved), by name: every pairing is exact
+    for impl in NCU_IMPLS:
+        for k in rows[impl]["kernels"]:
+            assert k["tensor_cores"]["matched_by"] == "name"
+            assert ncu._name_key(k["tensor_cores"]["ncu_kernel"]) == ncu._name_key(k["name"])
+    flash = rows["sdpa_flash"]["kernels"][0]["tensor_cores"]
+    assert flash["ncu_kernel"].startswith("void flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128")
+    assert flash["other"] == {"name": "yes"}
+
+
+def test_ncu_merge_by_launch_order(tmp_path):
+    """With the traces beside results.json and ncu's launches, kernels pair by launch order:
+    SDPA math's 20 launches of 13 kernels, whose 5 `vectorized_elementwise_kernel`s and 2
+    `elementwise_kernel`s share base names, pair one to one."""
+    import shutil
+
+    from attnscope.profile import ncu
+
+    path = _compare_output(tmp_path)
+    for impl in NCU_IMPLS:
+        trace = next((DATA / "h200_seed" / impl).glob("*.json.gz"))
+        (tmp_path / impl).mkdir()
+        shutil.copy(trace, tmp_path / impl / trace.name)
+    ncu.merge_into_results(path, {impl: _counters(impl) for impl in NCU_IMPLS},
+                           {impl: _launches(impl) for impl in NCU_IMPLS})
+    rows = {row["impl"]: row for row in json.loads(path.read_text())["rows"]}
+    for impl in NCU_IMPLS:
+        for k in rows[impl]["kernels"]:
+            v = k["tensor_cores"]
+            assert (v["evidence"], v["matched_by"]) == ("counters", "launch order"), k["name"]
+            assert ncu._name_key(v["ncu_kernel"]) == ncu._name_key(k["name"])
+    assert rows["sdpa_math"]["tensor_cores"] == {"verdict": "no", "evidence": "counters"}
+
+
+def test_ncu_and_kineto_names_of_one_kernel_share_a_key():
+    from attnscope.profile import ncu
+
+    pairs = [  # (Kineto, ncu), from the H200 recordings
+        ("void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, false, false>"
+         "(float*, float const*, int, int, int, bool const*, int, bool)",
+         "void <unnamed>::softmax_warp_forward<float, float, float, 10, 0, 0>(T2 *, const T1 *, "
+         "int, int, int, const bool *, int, bool)"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<bool>, "
+         "std::array<char*, 1ul> >(int, at::native::FillFunctor<bool>, std::array<char*, 1ul>)",
+         "void at::vectorized_elementwise_kernel<4, at::FillFunctor<bool>, std::array<char *, 1>>"
+         "(int, T2, T3)"),
+        ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+         "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
+         "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(AttentionKernel<bfloat16_t, Sm80, 1, 64, 64, "
+         "64, 1, 1>::Params)"),
+    ]
+    for kineto, ncu_name in pairs:
+        assert ncu._name_key(kineto) == ncu._name_key(ncu_name)
+        assert ncu.base_name(kineto) == ncu.base_name(ncu_name)
+    assert [ncu.base_name(k) for k, _ in pairs] == [
+        "softmax_warp_forward", "vectorized_elementwise_kernel",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80"]
+    # another instantiation of the same template keeps a different key
+    assert ncu._name_key(pairs[1][0]) != ncu._name_key(pairs[1][0].replace("<bool>", "<float>"))
+
+
+def test_match_kernels_never_lends_counters_to_another_kernel():
+    from attnscope.profile import ncu
+
+    where = "void at::native::elementwise_kernel<128, 2, where_kernel_impl>(int)"
+    add = "void at::elementwise_kernel<128, 2, CUDAFunctor_add<float>>(int, T1)"
+    gemm = "nvjet_sm90_tst_64x512_64x2_1x2_h_bz_coopB_NNT"
+    # one elementwise kernel each, different ones: launch counts differ, so no base-name match
+    assert ncu.match_kernels({where: 2.0, gemm: 1.0}, {add: 1, gemm: 1}) == {
+        gemm: (gemm, "name")}
+    # two per side with one base name and keys that differ: ambiguous, nothing attached
+    where2 = "void at::elementwise_kernel<128, 2, where_kernel_impl>(int, T1)"
+    fill = "void at::native::elementwise_kernel<128, 4, FillFunctor<float>>(int)"
+    assert ncu.match_kernels({fill: 1.0, add.replace("at::", "at::native::"): 1.0},
+                             {where2: 1, add.replace("float", "double"): 1}) == {}
+    # base name alone, where the demanglers disagree beyond what the key evens out (here a type
+    # spelled two ways) and the launch counts agree (two profiled forwards)
+    bf16 = where.replace("where_kernel_impl", "where_kernel_impl<c10::BFloat16>")
+    nv_bf16 = where2.replace("where_kernel_impl", "where_kernel_impl<__nv_bfloat16>")
+    assert ncu.match_kernels({bf16: 2.0, gemm: 1.0}, {nv_bf16: 4, gemm: 2}) == {
+        bf16: (nv_bf16, "base name"), gemm: (gemm, "name")}
+    assert ncu.match_kernels({bf16: 2.0, gemm: 1.0}, {nv_bf16: 1, gemm: 1}) == {
+        gemm: (gemm, "name")}
+    # launch order: a sequence that does not line up on base names is not used, nor one whose
+    # pairs contradict the names
+    order_t = [gemm, where, where]
+    assert ncu._order_pairs(order_t, [where2, gemm, where2]) == {}
+    assert ncu._order_pairs([gemm, where, fill], [gemm, fill.replace("native::", ""), where2]) == {}
+    assert ncu._order_pairs(order_t, [gemm, where2, where2] * 2) == {gemm: gemm, where: where2}
+    assert ncu._order_pairs(order_t, [gemm, where2]) == {}  # not whole forwards

@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "ncu").mkdir(parents=True, exist_ok=True)
 
     verdicts: dict[str, dict[str, dict]] = {}
+    all_launches: dict[str, list[dict]] = {}
     for i, impl in enumerate(impls, 1):
         ok, reason = impl.available(torch.device("cuda"))
         if not ok:
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             continue
         verdicts[impl.name] = tc.counter_verdicts(launches)
+        all_launches[impl.name] = launches
         for name, v in verdicts[impl.name].items():
             figures = v["metrics"]
             print(f"    {v['verdict']:>7}  matrix inst {figures.get('matrix_instructions', '?')}"
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{tc.short_name(name)}", file=sys.stderr)
     results = out / "results.json"
     if results.exists() and verdicts:
-        merge_into_results(results, verdicts)
+        merge_into_results(results, verdicts, all_launches)
         print(f"merged counter verdicts into {results}", file=sys.stderr)
     print(f"ncu CSVs in {out / 'ncu'}", file=sys.stderr)
     return 0 if verdicts else 1
@@ -149,24 +151,174 @@ def _last_error(output: str) -> str:
     return (errors or output.strip().splitlines()[-1:] or [""])[-1].strip()
 
 
+# ncu and Kineto demangle the same kernel differently: ncu writes `at::` for `at::native::`,
+# `<unnamed>` for `(anonymous namespace)`, `[lambda(int) (instance 1)]` for `{lambda(int)#1}`,
+# T1, T2 placeholders for parameter types, 0/1 for false/true, `const T *` for `T const*`, and
+# drops qualifiers such as `pytorch_flash::`, `cutlass::` and `PyTorchMemEffAttention::`.
+_ANONYMOUS = re.compile(r"\(anonymous namespace\)::|<unnamed>::")
+_LAMBDA_KINETO = re.compile(r"\{lambda\(([^(){}]*)\)#(\d+)\}")
+_LAMBDA_NCU = re.compile(r"\[lambda\(([^()\[\]]*)\) \(instance (\d+)\)\]")
+_QUALIFIER = re.compile(r"\b[A-Za-z_]\w*::")
+_INT_SUFFIX = re.compile(r"\b(\d+)(?:[uU][lL]{0,2}|[lL]{1,2}[uU]?)\b")
+
+
+def base_name(name: str) -> str:
+    """The kernel's function identifier, without namespaces, template arguments or parameters:
+    `void at::native::elementwise_kernel<...>(...)` -> `elementwise_kernel`."""
+    n = _ANONYMOUS.sub("", name.strip().removeprefix("void "))
+    return re.split(r"[<(]", n, maxsplit=1)[0].rsplit("::", 1)[-1].strip() or n
+
+
 def _name_key(name: str) -> str:
-    # ncu and Kineto may differ in a leading return type and in whitespace inside templates.
-    return re.sub(r"\s+", "", name.removeprefix("void "))
+    """A kernel name as both demanglers agree on it: no namespaces, no parameter lists (ncu
+    writes placeholders there), lambdas, booleans and integer literals in one spelling, no
+    `const`, no whitespace. Template arguments and lambda numbers stay, so instantiations of one
+    function template keep distinct keys."""
+    n = _ANONYMOUS.sub("", name.strip().removeprefix("void "))
+    n = _LAMBDA_KINETO.sub(r"lambda#\2", n)
+    n = _LAMBDA_NCU.sub(r"lambda#\2", n)
+    n = _without_parameters(n)
+    n = _QUALIFIER.sub("", n)
+    n = re.sub(r"\bfalse\b", "0", n)
+    n = re.sub(r"\btrue\b", "1", n)
+    n = _INT_SUFFIX.sub(r"\1", n)
+    n = re.sub(r"\b(?:const|void)\b", "", n)
+    return re.sub(r"\s+", "", n)
 
 
-def merge_into_results(path: Path, verdicts: dict[str, dict[str, dict]]) -> None:
+def _without_parameters(name: str) -> str:
+    """Every parenthesised list emptied (`f(int, T1 &)::g` -> `f()::g`) and the kernel's own
+    parameter list, the last top-level one, dropped."""
+    out, depth = [], 0
+    for ch in name:
+        if ch == "(":
+            if depth == 0:
+                out.append("()")
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out).removesuffix("()")
+
+
+def match_kernels(trace_kernels: dict[str, float | None], ncu_kernels: dict[str, int | None],
+                  trace_order: list[str] | None = None,
+                  ncu_order: list[str] | None = None) -> dict[str, tuple[str, str]]:
+    """{trace kernel name: (ncu kernel name, how)} for the kernels both saw, each ncu name given
+    to one trace kernel at most. `trace_kernels`: {name: launches per forward};
+    `ncu_kernels`: {name: launches profiled}. `how`, strongest first:
+    - "launch order": `ncu_order` (ncu's launches by ID, one or more profiled forwards) lined up
+      with `trace_order` (one forward's kernel launches in the trace), every position agreeing
+      on the base name, and the pairing one to one;
+    - "name": the same `_name_key`, unique on both sides;
+    - "base name": the same `base_name`, unique among all kernels on both sides, and as many
+      launches per profiled forward under ncu as per forward in the trace (a generic template
+      such as `elementwise_kernel` could otherwise lend one kernel's counters to another).
+    A trace kernel with none of these gets no counters."""
+    matched: dict[str, tuple[str, str]] = {}
+    taken: set[str] = set()
+    total_t = sum(v or 0 for v in trace_kernels.values())
+    forwards = round(sum(v or 0 for v in ncu_kernels.values()) / total_t) if total_t else 0
+
+    def same_count(t, n):
+        return bool(forwards and trace_kernels[t] and ncu_kernels[n]
+                    and ncu_kernels[n] == trace_kernels[t] * forwards)
+
+    def take(t, n, how):
+        matched[t] = (n, how)
+        taken.add(n)
+
+    for t, n in _order_pairs(trace_order, ncu_order).items():
+        if t in trace_kernels and n in ncu_kernels:
+            take(t, n, "launch order")
+    for key_of, how in ((_name_key, "name"), (base_name, "base name")):
+        left_t = [t for t in trace_kernels if t not in matched]
+        left_n = [n for n in ncu_kernels if n not in taken]
+        # "name": unique among the kernels still unmatched; "base name": among all of them
+        by_t = _group(left_t if how == "name" else trace_kernels, key_of)
+        by_n = _group(left_n if how == "name" else ncu_kernels, key_of)
+        for t in left_t:
+            key = key_of(t)
+            if len(by_t.get(key, ())) == 1 and len(by_n.get(key, ())) == 1:
+                (n,) = by_n[key]
+                if n not in taken and (how == "name" or same_count(t, n)):
+                    take(t, n, how)
+    return matched
+
+
+def _group(names, key_of) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name in names:
+        out.setdefault(key_of(name), []).append(name)
+    return out
+
+
+def _order_pairs(trace_order, ncu_order) -> dict[str, str]:
+    """Trace kernel -> ncu kernel by launch position; {} unless ncu's launches are whole
+    forwards of the trace's sequence, agreeing on the base name at every position, one to one,
+    and no pair contradicting the names (its kernels' keys differ while one of them equals the
+    key of another kernel in the sequence)."""
+    if not trace_order or not ncu_order or len(ncu_order) % len(trace_order):
+        return {}
+    pairs = {(trace_order[i % len(trace_order)], n) for i, n in enumerate(ncu_order)}
+    if any(base_name(t) != base_name(n) for t, n in pairs):
+        return {}
+    forward = dict(pairs)
+    if len(forward) != len(pairs) or len(set(forward.values())) != len(forward):
+        return {}  # one name on a side paired with two on the other: not the same sequence
+    keys_t = {_name_key(t) for t in forward}
+    keys_n = {_name_key(n) for n in forward.values()}
+    for t, n in forward.items():
+        if _name_key(t) != _name_key(n) and (_name_key(n) in keys_t or _name_key(t) in keys_n):
+            return {}
+    return forward
+
+
+def trace_kernel_order(results: Path, row: dict) -> list[str] | None:
+    """One forward's kernel names in launch order, from the row's trace (its recorded path, or
+    the same file name under <results folder>/<impl>/, for a results folder moved elsewhere)."""
+    from attnscope.profile.trace import TraceError, forward_events, load_events
+
+    recorded = row.get("trace")
+    if not recorded:
+        return None
+    for path in (Path(recorded), results.parent / row["impl"] / Path(recorded).name):
+        if path.is_file():
+            try:
+                forwards = forward_events(load_events(path), row["impl"])
+            except TraceError:
+                return None
+            orders = [[op["name"] for op in f["ops"] if op.get("_cat") == "kernel"]
+                      for f in forwards]
+            return next((order for order in orders if order), None)
+    return None
+
+
+def merge_into_results(path: Path, verdicts: dict[str, dict[str, dict]],
+                       launches: dict[str, list[dict]] | None = None) -> None:
     """Attach counter verdicts to results.json rows ({"impl", "kernels": [{"name",
-    "tensor_cores"}]}, as a list or under "rows"), keeping weaker evidence under `other`."""
+    "tensor_cores"}]}, as a list or under "rows"), keeping weaker evidence under `other`.
+    `launches` ({impl: ncu launches, as parse_ncu_csv gives them}) lets kernels be matched by
+    launch order against the row's trace; without it, or when the orders disagree, by name
+    (see match_kernels). Each kernel's verdict records `ncu_kernel` and `matched_by`."""
     data = json.loads(path.read_text())
     rows = data.get("rows", []) if isinstance(data, dict) else data
     for row in rows:
-        per_kernel = {_name_key(n): v for n, v in verdicts.get(row.get("impl"), {}).items()}
-        if not per_kernel or not row.get("kernels"):
+        counters = verdicts.get(row.get("impl"), {})
+        if not counters or not row.get("kernels"):
             continue
+        ncu_order = [launch["kernel"] for launch in
+                     sorted((launches or {}).get(row["impl"], ()), key=lambda r: r["id"])]
+        trace_order = trace_kernel_order(path, row) if ncu_order else None
+        matches = match_kernels({k["name"]: k.get("per_forward") for k in row["kernels"]},
+                                {n: v.get("launches") for n, v in counters.items()},
+                                trace_order, ncu_order)
         for kernel in row["kernels"]:
-            counters = per_kernel.get(_name_key(kernel["name"]))
-            if counters:
-                kernel["tensor_cores"] = tc.combine(counters, kernel.get("tensor_cores"))
+            if kernel["name"] in matches:
+                ncu_name, how = matches[kernel["name"]]
+                evidence = {**counters[ncu_name], "ncu_kernel": ncu_name, "matched_by": how}
+                kernel["tensor_cores"] = tc.combine(evidence, kernel.get("tensor_cores"))
         row["tensor_cores"] = tc.forward_summary(row["kernels"])
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2))

@@ -266,7 +266,7 @@ def compiled_triton_kernels(jit_functions=None) -> dict[str, list]:
             from triton.compiler import CompiledKernel
         except ImportError:
             return {}
-        kernels = [o for o in gc.get_objects() if isinstance(o, CompiledKernel)]
+        kernels = [o for o in gc.get_objects() if _is_instance(o, CompiledKernel)]
     by_name: dict[str, list] = {}
     for kernel in kernels:
         name = getattr(kernel, "name", None) or getattr(getattr(kernel, "metadata", None),
@@ -274,6 +274,15 @@ def compiled_triton_kernels(jit_functions=None) -> dict[str, list]:
         if name:
             by_name.setdefault(name, []).append(kernel)
     return by_name
+
+
+def _is_instance(obj, cls):
+    # gc's objects include weakref proxies; isinstance on a dead one raises ReferenceError
+    # (seen on the H200 with torch 2.11).
+    try:
+        return isinstance(obj, cls)
+    except ReferenceError:
+        return False
 
 
 def triton_verdicts(names, jit_functions=None) -> dict[str, dict]:

@@ -133,8 +133,8 @@ def _occupancy(args, props):
     48 KiB of shared memory. `occupancy_est_pct`: the estimate, whenever the trace's
     deviceProperties allow it (see occupancy.py)."""
     kineto, est = args.get("est. achieved occupancy %"), occupancy.estimate(props, args)
-    if kineto or (est is None and kineto is not None
-                  and (args.get("shared memory") or 0) <= occupancy.KINETO_SMEM_LIMIT):
+    if (kineto or 0) > 0 or (est is None and kineto == 0
+                             and (args.get("shared memory") or 0) <= occupancy.KINETO_SMEM_LIMIT):
         pct, source = kineto, "kineto"
     else:
         pct, source = est, (occupancy.SOURCE if est is not None else None)
