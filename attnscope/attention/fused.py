@@ -101,8 +101,7 @@ def _shapes_only(kernels, t):
     return True
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   bottom_right: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
     kernels = _kernels()
     if q.device.type == "cpu" and not kernels.is_interpreted():
         # Checked here rather than in _validate: this body is not traced by dynamo.
@@ -118,14 +117,17 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
     if _shapes_only(kernels, q):
         return out, lse
     kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
-                          causal_offset=offset, wrap=wrap_triton)
+                          causal_offset=offset, wrap=wrap)
     return out, lse
 
 
-# What torch.compile and autograd see. Plain eager inference calls _forward directly instead:
-# the dispatcher round trip of a Python custom op costs ~30 us per call, half the seed-shape
-# kernel's own time (notes/kernel.md, v4).
-_attention_fwd = triton_op("attnscope::attention_fwd", mutates_args=())(_forward)
+@triton_op("attnscope::attention_fwd", mutates_args=())
+def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                   bottom_right: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What torch.compile and autograd see. Plain eager inference calls _forward directly: the
+    dispatcher round trip of a Python custom op and wrap_triton's eager launch cost more than
+    the seed-shape kernel itself (notes/kernel.md, v4)."""
+    return _forward(q, k, v, causal, scale, bottom_right, layout, wrap=wrap_triton)
 
 
 

@@ -234,18 +234,20 @@ def _scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=lambda kernel: kernel):
+def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None):
     """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
     batch, heads, q_len, head_dim = q.shape
     block_m, block_n, num_warps, num_stages, warp_specialize, use_tma = config_for(head_dim)
-    use_tma = use_tma and _tma_ok(k) and _tma_ok(v)
+    # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no
+    # address to check) and inductor's launch provides no scratch for device-side descriptors.
+    use_tma = use_tma and wrap is None and _tma_ok(k) and _tma_ok(v)
     if use_tma:
         triton.set_allocator(_scratch)
     grid = (batch * heads, triton.cdiv(q_len, block_m))
-    return wrap(_attn_fwd)[grid](
+    return (_attn_fwd if wrap is None else wrap(_attn_fwd))[grid](
         q, k, v, out, lse,  #
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),  #
         heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
