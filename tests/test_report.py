@@ -14,6 +14,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnscope.profile import artifacts, compare, report
 from attnscope.profile import tensor_cores as tc
@@ -379,3 +380,18 @@ def test_missing_dependencies_say_what_to_install(gpu_folder, monkeypatch, capsy
 def test_report_without_results(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no results.json in" in capsys.readouterr().err
+
+
+def test_compile_for_names_every_config_field(monkeypatch):
+    # The artifact meta must follow the kernel's config tuple as it grows (a 5-field unpack broke
+    # the H200 run when use_tma was added).
+    from attnscope.kernels import attention_fwd as kernels
+    from attnscope.profile import artifacts
+
+    monkeypatch.setattr(kernels, "is_interpreted", lambda: False)
+    monkeypatch.setattr(kernels, "attention_fwd", lambda *a, **kw: "compiled")
+    q = torch.randn(1, 2, 8, 16)
+    kernel, config = artifacts.compile_for(q, q, q)
+    assert kernel == "compiled"
+    assert list(config) == list(kernels.CONFIG_FIELDS)
+    assert tuple(config.values()) == kernels.config_for(16)

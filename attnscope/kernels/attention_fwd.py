@@ -185,6 +185,7 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
 # several, and each launch skips the autotuner's per-call bookkeeping (~40 us measured at the seed
 # shape, more than half the kernel's own time there). Wider heads need smaller tiles: the fp32
 # accumulator is BLOCK_M x BLOCK_D registers spread over the program's threads.
+CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_specialize", "use_tma")
 CONFIGS = {
     64: (128, 64, 8, 3, False, False),
     128: (128, 64, 8, 3, False, False),

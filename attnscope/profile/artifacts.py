@@ -55,8 +55,7 @@ def source_location(source: str | None = None) -> str:
 
 
 def compile_for(q, k, v):
-    """The CompiledKernel and (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) that
-    the fused op launches for these [batch, heads, seq, head_dim] inputs (causal, default
+    """The CompiledKernel and the launch config (kernels.CONFIG_FIELDS) that the fused op launches for these [batch, heads, seq, head_dim] inputs (causal, default
     scale, top-left alignment, as the `fused` registry entry calls it)."""
     import torch
 
@@ -68,19 +67,17 @@ def compile_for(q, k, v):
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     kernel = kernels.attention_fwd(q, k, v, out, lse, causal=True,
                                    scale=1.0 / math.sqrt(q.shape[-1]), causal_offset=0)
-    return kernel, kernels.config_for(q.shape[-1])
+    return kernel, dict(zip(kernels.CONFIG_FIELDS, kernels.config_for(q.shape[-1])))
 
 
 def _meta(kernel, config, q, sass_written: bool) -> dict:
-    block_m, block_n, num_warps, num_stages, warp_specialize = config
     metadata = kernel.metadata
     source = source_file().read_text()
     return {
         "kernel": getattr(metadata, "name", KERNEL),
         "source": source_location(source),
         "shape": list(q.shape), "dtype": str(q.dtype).removeprefix("torch."),
-        "config": {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps,
-                   "num_stages": num_stages, "warp_specialize": warp_specialize},
+        "config": config,  # as requested; use_tma also needs 16-byte aligned K/V
         # What the compiler settled on; these can differ from the request (e.g. num_stages).
         "compiled": {"num_warps": getattr(metadata, "num_warps", None),
                      "num_stages": getattr(metadata, "num_stages", None),
