@@ -1,0 +1,258 @@
+"""
+Fused attention forward (FlashAttention-2 algorithm) in Triton
+==============================================================
+
+One program computes a BLOCK_M x HEAD_DIM tile of the output for one (batch, query head): it
+keeps the Q tile in registers, streams K and V through in BLOCK_N-row tiles, and keeps the
+softmax online (running max `m_i`, running sum `l_i`, unnormalised accumulator `acc`, all fp32),
+so the L x S score matrix never reaches device memory.
+
+Details that matter for exactness:
+- Scores are scaled by `scale * log2(e)` once, so every exponential is an `exp2`.
+- Causal attention splits the K/V loop: blocks every query row of the tile fully sees run without
+  any mask arithmetic; the blocks on the diagonal (and the ragged last block) run with masks.
+  Nothing right of the diagonal is loaded.
+- Query i sees key j when j <= i + CAUSAL_OFFSET: 0 is SDPA's top-left alignment, S - L the
+  bottom-right alignment of flash-attn. A row that sees no key (bottom-right with L > S) ends with
+  l_i == 0 and is written as zeros with LSE -inf instead of 0/0.
+- Any head_dim: tiles are BLOCK_D = next power of two wide and the extra columns load as zeros.
+- Any sequence length: rows and keys past the end are masked, so no multiple-of-block rule.
+- GQA/MQA: query head h reads K/V head h // GROUP; nothing is repeated in memory.
+- fp32 inputs use IEEE fp32 dots (Triton's default would be tf32, ~1e-3 relative error).
+
+Limits: forward only; head_dim <= 256 (registers); inputs must live on one CUDA device, or on
+the CPU with TRITON_INTERPRET=1 set before this module is imported.
+"""
+
+import contextlib
+
+import torch
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.44269504  # 1/ln(2): exp(x) == exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts the log2-domain LSE back to natural log
+
+
+@triton.jit
+def _load(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    # Masks cost instructions in the hot loop, so only the checks a tile needs are emitted.
+    if CHECK_ROWS and CHECK_COLS:
+        return tl.load(ptrs, mask=rows_ok & cols_ok, other=0.0)
+    elif CHECK_ROWS:
+        return tl.load(ptrs, mask=rows_ok, other=0.0)
+    elif CHECK_COLS:
+        return tl.load(ptrs, mask=cols_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src,  #
+                    stride_kn, stride_kk, stride_vn, stride_vk,  #
+                    offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
+                    INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                    USE_TMA: tl.constexpr):
+    # k_src/v_src are tensor descriptors when USE_TMA (the copy engine zero-fills rows past
+    # N_CTX_K and columns past HEAD_DIM), else base pointers of this (batch, kv head).
+    d_ok = offs_d < HEAD_DIM
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_CTX_K
+        # -- scores: q @ k^T, K as a [BLOCK_D, BLOCK_N] tile --
+        if USE_TMA:
+            k = tl.trans(k_src.load([start_n, 0]))
+        else:
+            k_ptrs = k_src + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk
+            k = _load(k_ptrs, n_ok[None, :], d_ok[:, None], MASKED, HEAD_DIM != BLOCK_D)
+        qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
+        if MASKED:
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # A row with no visible key so far keeps m == -inf; subtracting 0 instead keeps
+            # exp2(-inf - -inf) = NaN out of p and alpha (both become exactly 0).
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            qk = qk - m_sub[:, None]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_ij
+            qk = qk * qk_scale - m_sub[:, None]
+        p = tl.math.exp2(qk)
+        # -- rescale what has been accumulated to the new running max --
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if USE_TMA:
+            v = v_src.load([start_n, 0])
+        else:
+            v_ptrs = v_src + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk
+            v = _load(v_ptrs, n_ok[:, None], d_ok[None, :], MASKED, HEAD_DIM != BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse,  #
+              stride_qz, stride_qh, stride_qm, stride_qk,  #
+              stride_kz, stride_kh, stride_kn, stride_kk,  #
+              stride_vz, stride_vh, stride_vn, stride_vk,  #
+              stride_oz, stride_oh, stride_om, stride_ok,  #
+              H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+              INPUT_PRECISION: tl.constexpr,  #
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,  #
+              USE_TMA: tl.constexpr):
+    # Heads run along grid axis 0 and query blocks along axis 1, last block first: under a causal
+    # mask the last query blocks have the most keys, and the hardware starts programs in grid
+    # order, so the longest programs start in the first wave instead of being the tail.
+    # torch.compile passes Python floats as fp64; one fp32 scale keeps every score op in fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    off_hz = tl.program_id(0)
+    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    off_hkv = off_h // GROUP
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < N_CTX_Q
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh
+              + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk)
+    q = _load(q_ptrs, m_ok[:, None], d_ok[None, :], True, HEAD_DIM != BLOCK_D)
+    k_src = K + off_z * stride_kz + off_hkv * stride_kh
+    v_src = V + off_z * stride_vz + off_hkv * stride_vh
+    if USE_TMA:
+        # One [N_CTX_K, HEAD_DIM] descriptor per (batch, kv head): K/V tiles then arrive through
+        # the bulk tensor copy engine instead of per-thread cp.async address arithmetic.
+        k_src = tl.make_tensor_descriptor(k_src, shape=[N_CTX_K, HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_src, shape=[N_CTX_K, HEAD_DIM], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key ranges. Every row of this tile sees keys j <= first_row + CAUSAL_OFFSET; those whole
+    # blocks need no mask. The rest, up to what the last row sees, is the masked diagonal band
+    # (it also holds the ragged end of K when N_CTX_K is not a multiple of BLOCK_N).
+    first_row = start_m * BLOCK_M
+    if CAUSAL:
+        full_hi = tl.maximum(tl.minimum(first_row + CAUSAL_OFFSET + 1, N_CTX_K), 0)
+        masked_hi = tl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K)
+    else:
+        full_hi = N_CTX_K
+        masked_hi = N_CTX_K
+    full_hi = full_hi // BLOCK_N * BLOCK_N
+
+    # stage 1: blocks left of the diagonal, no masking
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src,  #
+                                    stride_kn, stride_kk, stride_vn, stride_vk,  #
+                                    offs_m, offs_d, 0, full_hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+                                    False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                                    WARP_SPECIALIZE, USE_TMA)
+    # stage 2: the diagonal band and the ragged end of K, masked
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src,  #
+                                    stride_kn, stride_kk, stride_vn, stride_vk,  #
+                                    offs_m, offs_d, full_hi, masked_hi, N_CTX_K, CAUSAL_OFFSET,
+                                    qk_scale,  #
+                                    True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                                    WARP_SPECIALIZE, USE_TMA)
+
+    # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * LN2  # log2 domain -> natural log
+    tl.store(Lse + off_hz * N_CTX_Q + offs_m, lse, mask=m_ok)
+    o_ptrs = (Out + off_z * stride_oz + off_h * stride_oh
+              + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok)
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+# Launch configs: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, use_tma) per head-dim
+# class, chosen offline by benchmarks/fused_lab.py on the H200 (notes/kernel.md has the sweeps).
+# A fixed table instead of triton.autotune: a first call compiles one kernel instead of timing
+# several, and each launch skips the autotuner's per-call bookkeeping (~40 us measured at the seed
+# shape, more than half the kernel's own time there). Wider heads need smaller tiles: the fp32
+# accumulator is BLOCK_M x BLOCK_D registers spread over the program's threads.
+CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_specialize", "use_tma")
+CONFIGS = {
+    64: (128, 64, 8, 3, False, False),
+    128: (128, 64, 8, 3, False, False),
+    256: (64, 32, 4, 2, False, True),  # TMA: +3.7 % here, slower at D <= 128 (notes, v3)
+}
+# The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross
+# several blocks and a diagonal band that spans two K blocks.
+INTERPRETER_CONFIG = (32, 16, 4, 1, False, False)
+_pinned = None
+
+
+@contextlib.contextmanager
+def pinned_config(block_m, block_n, num_warps=4, num_stages=2, warp_specialize=False,
+                  use_tma=False):
+    """Launch every forward with this config instead of the table's (tests, the lab)."""
+    global _pinned
+    previous = _pinned
+    _pinned = (block_m, block_n, num_warps, num_stages, warp_specialize, use_tma)
+    try:
+        yield
+    finally:
+        _pinned = previous
+
+
+def is_interpreted():
+    """True when the kernels were defined under TRITON_INTERPRET=1 and so run on CPU tensors."""
+    return not isinstance(_attn_fwd, triton.runtime.JITFunction)
+
+
+def config_for(head_dim):
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, use_tma) a launch uses."""
+    if _pinned is not None:
+        return _pinned
+    if is_interpreted():
+        return INTERPRETER_CONFIG
+    return CONFIGS[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
+
+
+def _tma_ok(t):
+    # The copy engine needs a unit last stride and 16-byte aligned rows and base addresses.
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
+
+
+def _scratch(size, alignment, stream):
+    # Device-side tensor descriptors are written to global scratch memory Triton asks for here.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None):
+    """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
+    k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
+    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
+    Returns what the launch returns (the compiled kernel, when called eagerly)."""
+    batch, heads, q_len, head_dim = q.shape
+    block_m, block_n, num_warps, num_stages, warp_specialize, use_tma = config_for(head_dim)
+    # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no
+    # address to check) and inductor's launch provides no scratch for device-side descriptors.
+    use_tma = use_tma and wrap is None and _tma_ok(k) and _tma_ok(v)
+    if use_tma:
+        triton.set_allocator(_scratch)
+    grid = (batch * heads, triton.cdiv(q_len, block_m))
+    return (_attn_fwd if wrap is None else wrap(_attn_fwd))[grid](
+        q, k, v, out, lse,  #
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),  #
+        heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal,  #
+        INPUT_PRECISION="ieee" if q.dtype.itemsize == 4 else "tf32",  # tf32 is unused for 16-bit
+        BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=warp_specialize, USE_TMA=use_tma,  #
+        num_warps=num_warps, num_stages=num_stages)
