@@ -19,7 +19,7 @@ setup(
     install_requires=["torch>=2.6", "triton>=3.4", "einops>=0.7", "numpy"],
     extras_require={
         # The report's tests render real charts and highlighted source.
-        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.8", "pygments>=2.15"],
+        "test": ["pytest>=8", "matplotlib>=3.8", "pygments>=2.15"],
         "report": ["matplotlib>=3.8", "pygments>=2.15"],
         "hub": ["kernels>=0.4"],
     },

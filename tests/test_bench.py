@@ -181,7 +181,7 @@ def test_cpu_run_writes_rows_with_the_schema(fakes, tmp_path, capsys):
     for gqa in (False, True):
         fused, slow = by["fused", gqa], by["peer_slow", gqa]
         b, h, s, d = fused["shape"]
-        assert fused["status"] == "ok" and fused["dtype"] == "bf16" and fused["causal"] is True
+        assert fused["status"] == "ok" and fused["dtype"] == "fp32" and fused["causal"] is True
         assert fused["tflops"] == pytest.approx(
             attention_flops(b, h, s, s, d) / (fused["median_ms"] * 1e-3) / 1e12)
         assert 0 < fused["error"] < 0.05  # bf16 eager against float64
@@ -368,3 +368,16 @@ def test_backward_modes_budget_more_score_memory():
 def test_unknown_mode_is_refused():
     with pytest.raises(SystemExit):
         _parse("--mode", "backward")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_real_entries_on_cpu(tmp_path, causal):
+    # The registered fused and SDPA entries, not fakes: the CPU default dtype must be one the
+    # interpreter gets right (fp32), and --no-causal must reach their prepare().
+    out = tmp_path / "b.json"
+    argv = ["--sweep", "cpu", "--impl", "sdpa_math", "fused", "--json", str(out), *FAST]
+    assert bench.run(_parse(*argv, *([] if causal else ["--no-causal"]))) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["dtype"] for r in rows} == {"fp32"}
+    assert all(r["status"] == "ok" and r["causal"] is causal for r in rows)
+    assert all(r["error"] < 1e-5 for r in rows)

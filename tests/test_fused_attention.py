@@ -135,6 +135,8 @@ def test_tensor_descriptor_path(layout):
     # K/V through tensor descriptors (the D=256 configs' path on the GPU): ragged length and a
     # head_dim the descriptor's block pads, so the zero fill past both edges is exercised.
     q, k, v = make_qkv(1, 2, 1, 45, 70, 48, torch.float16, CPU, layout)
+    k4, v4 = (fused._as_bhsd(t, layout) for t in (k, v))
+    assert kernels._tma_ok(k4) and kernels._tma_ok(v4)  # else the launch falls back to pointers
     with kernels.pinned_config(32, 16, 4, 1, use_tma=True):
         check(q, k, v, 1e-3, 1e-3, layout=layout, causal_alignment="bottom_right")
 
@@ -224,6 +226,12 @@ def test_bad_input(args, kwargs, error, match):
         fused_attention(args["q"], args["k"], args["v"], **kwargs)
 
 
+def test_bf16_on_the_interpreter_is_refused_not_wrong():
+    q, k, v = make_qkv(1, 1, 1, 8, 8, 16, torch.bfloat16, CPU)
+    with pytest.raises(TypeError, match="bfloat16 is not supported on CPU"):
+        fused_attention(q, k, v)
+
+
 def test_bshd_shapes_are_named_in_errors():
     with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\] for layout='bshd'"):
         fused_attention(torch.randn(8, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16),
@@ -231,7 +239,7 @@ def test_bshd_shapes_are_named_in_errors():
 
 
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
-    monkeypatch.setattr(fused._kernels(), "is_interpreted", lambda: False)
+    monkeypatch.setattr(fused._kernels(), "interpreter_ready", lambda: False)
     q, k, v = make_qkv(1, 1, 1, 4, 4, 16, torch.float32, CPU)
     with pytest.raises(ValueError, match="CPU tensors but the Triton interpreter is off"):
         fused_attention(q, k, v)

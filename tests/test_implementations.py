@@ -128,8 +128,10 @@ def test_hub_adapter_with_local_kernel(clean_hub_env, fake_kernels_package, tmp_
     (kernel_dir / "__init__.py").write_text(FAKE_FLASH)
     monkeypatch.setenv(hub.LOCAL_DIR_ENV, str(kernel_dir))
     impl = IMPLEMENTATIONS["hub_flash_attn"]
-    assert impl.available(torch.device("cpu"))[0]
-    out = impl.prepare(*qkv)()
+    assert impl.available(torch.device("cuda"))[0]
+    assert impl.available(torch.device("cpu")) == (False, "FlashAttention from the kernel hub "
+                                                          "runs on CUDA only")
+    out = impl.prepare(*qkv)()  # the adapter itself runs anywhere the fake kernel does
     assert out.shape == SHAPE  # back in [batch, heads, seq, dim]
     torch.testing.assert_close(out.double(), attention_reference(*qkv), atol=2e-5, rtol=2e-5)
     flash = hub._load(kernel_dir)

@@ -43,9 +43,9 @@ def _available(device):
     return True, "inductor's CPU template (slow to compile: tens of seconds)"
 
 
-def _prepare(q, k, v):
+def _prepare(q, k, v, causal=True):
     block_mask = create_block_mask(_causal, B=None, H=None, Q_LEN=q.shape[2], KV_LEN=k.shape[2],
-                                   device=q.device)
+                                   device=q.device) if causal else None
     flex = _compiled_flex()
     gqa = k.shape[1] != q.shape[1]  # fewer k/v heads than q heads: GQA/MQA
     return lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)

@@ -6,6 +6,7 @@ layouts, and registers the launch as a PyTorch custom op so torch.compile traces
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 
@@ -22,10 +23,16 @@ ALIGNMENTS = ("top_left", "bottom_right")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
+_kernel_module = None
+
+
 def _kernels():
-    # Imported on first use, not with the package: Triton decides at definition time whether a
-    # kernel is interpreted, so TRITON_INTERPRET set after `import attnscope` still takes effect.
-    return importlib.import_module("attnscope.kernels.attention_fwd")
+    # Imported on first use: importing the package should not compile-check Triton source, and
+    # a process that never calls the op never needs it.
+    global _kernel_module
+    if _kernel_module is None:
+        _kernel_module = importlib.import_module("attnscope.kernels.attention_fwd")
+    return _kernel_module
 
 
 def _validate(q, k, v, causal, scale, layout, causal_alignment):
@@ -55,8 +62,9 @@ def _validate(q, k, v, causal, scale, layout, causal_alignment):
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
-    qb, qh, ql, qd = _as_bhsd(q, layout).shape
-    kb, kh, kl, kd = _as_bhsd(k, layout).shape
+    seq, heads = (2, 1) if layout == "bhsd" else (1, 2)  # dims read in place: no views built
+    qb, qh, ql, qd = q.shape[0], q.shape[heads], q.shape[seq], q.shape[3]
+    kb, kh, kl, kd = k.shape[0], k.shape[heads], k.shape[seq], k.shape[3]
     if kb != qb:
         raise ValueError(f"q and k/v must have the same batch size, got {qb} and {kb}")
     if kd != qd:
@@ -84,6 +92,11 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _on_device(t):
+    # Triton launches on the current CUDA device; inputs may live on another one.
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _shapes_only(kernels, t):
     """True when an interpreted kernel is being traced: the call can then only give shapes.
 
@@ -101,12 +114,23 @@ def _shapes_only(kernels, t):
     return True
 
 
+def _check_interpreter(kernels, q):
+    # Checked in the op body rather than in _validate: this body is not traced by dynamo.
+    if q.device.type != "cpu":
+        return
+    if not kernels.interpreter_ready():
+        raise ValueError("q, k, v are CPU tensors but the Triton interpreter is off: move them to "
+                         "a CUDA device, or start Python with TRITON_INTERPRET=1 (Triton reads it "
+                         "when it is first imported)")
+    if q.dtype == torch.bfloat16:
+        raise TypeError("bfloat16 is not supported on CPU: the Triton interpreter's tl.dot is "
+                        "wrong for bf16 (it multiplies raw bits; triton issue #11584). Use float16 "
+                        "or float32 on CPU, bfloat16 on CUDA")
+
+
 def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
     kernels = _kernels()
-    if q.device.type == "cpu" and not kernels.is_interpreted():
-        # Checked here rather than in _validate: this body is not traced by dynamo.
-        raise ValueError("q, k, v are CPU tensors but the Triton interpreter is off: move them to "
-                         "a CUDA device, or set TRITON_INTERPRET=1 before the first call")
+    _check_interpreter(kernels, q)
     # The output is allocated contiguous in the caller's layout; the kernel sees every tensor as
     # a [batch, heads, seq, head_dim] view, whatever its strides.
     out = _empty(q.shape, q.dtype, q.device)
@@ -116,8 +140,9 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
         return out, lse
-    kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
-                          causal_offset=offset, wrap=wrap)
+    with _on_device(q):
+        kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
+                              causal_offset=offset, wrap=wrap)
     return out, lse
 
 
@@ -156,8 +181,9 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
         return dq, dk, dv
-    kernels.attention_bwd(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta, causal=causal,
-                          scale=scale, causal_offset=offset, wrap=wrap_triton)
+    with _on_device(q):
+        kernels.attention_bwd(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta, causal=causal,
+                              scale=scale, causal_offset=offset, wrap=wrap_triton)
     return dq, dk, dv
 
 
@@ -219,14 +245,15 @@ def _available(device):
         ok = torch.cuda.is_available()
         return ok, "Triton kernel on CUDA" if ok else "no CUDA device"
     if device.type == "cpu":
-        ok = _kernels().is_interpreted()
-        return ok, ("Triton interpreter (TRITON_INTERPRET=1): correct but slow" if ok
-                    else "CPU needs TRITON_INTERPRET=1 set before the kernel is first used")
+        ok = _kernels().interpreter_ready()
+        return ok, ("Triton interpreter (TRITON_INTERPRET=1): correct but slow; fp16/fp32 only"
+                    if ok else "CPU needs Python started with TRITON_INTERPRET=1 (Triton reads it "
+                    "when first imported)")
     return False, f"unsupported device {device}"
 
 
-def _prepare(q, k, v):
-    return lambda: fused_attention(q, k, v, causal=True)
+def _prepare(q, k, v, causal=True):
+    return lambda: fused_attention(q, k, v, causal=causal)
 
 
 register(Implementation(

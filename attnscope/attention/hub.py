@@ -15,6 +15,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+import torch
+
 from attnscope.attention.registry import Implementation, register
 
 REPO_ID = "kernels-community/flash-attn"
@@ -45,6 +47,8 @@ def find_local_kernel() -> Path | None:
 
 
 def _available(device):
+    if torch.device(device).type != "cuda":
+        return False, "FlashAttention from the kernel hub runs on CUDA only"
     if importlib.util.find_spec("kernels") is None:
         return False, "the Hugging Face `kernels` package is not installed (pip install kernels)"
     path = find_local_kernel()

@@ -13,13 +13,14 @@ import shutil
 
 import torch
 
+from attnscope.attention.reference import causal_mask
 from attnscope.attention.registry import Implementation, register
 
 
 def _causal_fill_mask(q, k):
     # True where a key is in the future of its query: those scores become -inf. Built once in
     # prepare, as 04_a does, so the profiled forward holds no mask construction.
-    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+    return ~causal_mask(q.shape[2], k.shape[2], "top_left", device=q.device)
 
 
 def naive_attention(q, k, v, mask, scale):

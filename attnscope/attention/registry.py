@@ -24,6 +24,7 @@ class Implementation:
     # available(device) -> (ok, reason); reason says why not, or what will run.
     available: Callable[[torch.device], tuple[bool, str]]
     # prepare(q, k, v) -> forward; q/k/v are [batch, heads, seq, head_dim], causal attention.
+    # Entries that can also do full attention accept prepare(q, k, v, causal=False).
     # The forward returns the output as a [batch, heads, seq, head_dim] tensor (a view is fine).
     prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Forward]
 

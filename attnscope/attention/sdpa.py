@@ -35,15 +35,15 @@ def _anywhere(what):
 
 
 def _preparer(backend):
-    def prepare(q, k, v):
+    def prepare(q, k, v, causal=True):
         # GQA/MQA inputs (fewer k/v heads) need enable_gqa; equal heads keep the blog's exact call.
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         if backend is None:
-            return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+            return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
 
         def forward():
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
         return forward
     return prepare
 

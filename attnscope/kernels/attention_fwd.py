@@ -20,8 +20,9 @@ Details that matter for exactness:
 - GQA/MQA: query head h reads K/V head h // GROUP; nothing is repeated in memory.
 - fp32 inputs use IEEE fp32 dots (Triton's default would be tf32, ~1e-3 relative error).
 
-Limits: forward only; head_dim <= 256 (registers); inputs must live on one CUDA device, or on
-the CPU with TRITON_INTERPRET=1 set before this module is imported.
+Limits: head_dim <= 256 (registers); inputs must live on one CUDA device, or on the CPU with
+TRITON_INTERPRET=1 set before triton is imported (fp16/fp32 there: the interpreter's bf16 dot is
+wrong). The backward is attention_bwd.py.
 """
 
 import contextlib
@@ -215,6 +216,13 @@ def is_interpreted():
     return not isinstance(_attn_fwd, triton.runtime.JITFunction)
 
 
+def interpreter_ready():
+    """True when CPU tensors can run: our kernels and Triton's own library functions (tl.max,
+    tl.sum, ... are jit functions too) were all defined under the interpreter. Setting
+    TRITON_INTERPRET after triton was imported interprets ours but not Triton's."""
+    return is_interpreted() and not isinstance(tl.standard.max, triton.runtime.JITFunction)
+
+
 def config_for(head_dim):
     """The (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, use_tma) a launch uses."""
     if _pinned is not None:
@@ -231,8 +239,18 @@ def _tma_ok(t):
 
 
 def _scratch(size, alignment, stream):
-    # Device-side tensor descriptors are written to global scratch memory Triton asks for here.
+    # Device-side tensor descriptors are written to global scratch memory Triton asks for here,
+    # on the current device (the op launches inside torch.cuda.device(q.device)).
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+_allocator_set = False
+
+
+def _set_scratch_allocator():
+    global _allocator_set
+    triton.set_allocator(_scratch)
+    _allocator_set = True
 
 
 def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None):
@@ -245,8 +263,8 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no
     # address to check) and inductor's launch provides no scratch for device-side descriptors.
     use_tma = use_tma and wrap is None and _tma_ok(k) and _tma_ok(v)
-    if use_tma:
-        triton.set_allocator(_scratch)
+    if use_tma and not _allocator_set:
+        _set_scratch_allocator()
     grid = (batch * heads, triton.cdiv(q_len, block_m))
     return (_attn_fwd if wrap is None else wrap(_attn_fwd))[grid](
         q, k, v, out, lse,  #

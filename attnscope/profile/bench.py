@@ -39,13 +39,14 @@ import torch
 
 from attnscope.attention import registry
 from attnscope.attention.reference import attention_reference
+from attnscope.profile import compare
+from attnscope.profile.capture import DTYPES
 from attnscope.profile.env import collect_env
 from attnscope.profile.flops import attention_flops
 
 HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
         "float64, first-call cost")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PEAK_DTYPE = "bf16"  # env's measured peak is a bf16 matmul; other dtypes get no % of peak
 
 # Ours; every other registry entry is a peer for ratio_to_best_peer.
@@ -425,8 +426,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--impl", nargs="+", metavar="NAME",
                         help="implementations to time, in this order (default: every registered "
                         "one; `attnscope list` names them)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
-                        help="input dtype (default: bf16, as in the peers' measurements)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="input dtype (default: bf16 on CUDA, as in the peers' measurements; "
+                        "fp32 on the CPU, where the Triton interpreter gets bf16 wrong)")
     parser.add_argument("--no-causal", dest="causal", action="store_false",
                         help="full attention instead of causal; entries whose prepare() takes no "
                         "`causal` argument are rows with status 'unsupported'")
@@ -452,9 +454,8 @@ def add_arguments(parser) -> None:
 
 
 def _resolve(args):
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch sees no CUDA device")
+    device = torch.device(compare.resolve_device(args.device))
+    args.dtype = args.dtype or compare.DEFAULT_DTYPE[device.type]
     sweep = args.sweep or ("default" if device.type == "cuda" else "cpu")
     cases = resolve_sweep(sweep, args.kv_heads)
     impls = [registry.get(n) for n in args.impl] if args.impl else list(

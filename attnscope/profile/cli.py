@@ -29,15 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
-        qualified = f"attnscope.profile.{module_name}"
-        try:
-            module = importlib.import_module(qualified)
-        except ModuleNotFoundError as e:
-            # A subcommand whose module is not written yet is left out; a dependency missing
-            # inside an existing module is a real error and still raises.
-            if e.name != qualified:
-                raise
-            continue
+        module = importlib.import_module(f"attnscope.profile.{module_name}")
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)

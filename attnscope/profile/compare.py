@@ -71,13 +71,22 @@ def add_arguments(p):
 
 
 def resolve_device(requested):
+    # On the CPU the fused kernel needs Triton's interpreter, which importing attnscope turns on
+    # for machines without CUDA; elsewhere the `fused` row says how to get it.
     device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but torch sees no CUDA device")
-    if device == "cpu":
-        # The fused kernel is defined on first use; it reads this then (see attention/fused.py).
-        os.environ["TRITON_INTERPRET"] = "1"
     return device
+
+
+def resolve_shape(args, device):
+    """(batch, heads, seq, head_dim): the flags where given, else the device's default shape."""
+    given = (args.batch, args.heads, args.seq, args.head_dim)
+    shape = tuple(fallback if g is None else g for g, fallback in zip(given, SHAPES[device]))
+    for flag, value in zip(("--batch", "--heads", "--seq", "--head-dim"), shape):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    return shape
 
 
 def check_writable(out: Path):
@@ -270,6 +279,7 @@ def run(args) -> int:
     try:
         impls = [get(name) for name in (args.impl or IMPLEMENTATIONS)]
         device = resolve_device(args.device)
+        shape = resolve_shape(args, device)
         out = Path(args.out)
         check_writable(out)
         if args.report:
@@ -280,9 +290,6 @@ def run(args) -> int:
     if args.dump_kernel and device == "cpu":
         _progress("--dump-kernel: needs a CUDA GPU; on the CPU the fused kernel runs in the "
                   "Triton interpreter, which compiles nothing. Skipped.")
-    default = SHAPES[device]
-    shape = tuple(given or fallback for given, fallback in
-                  zip((args.batch, args.heads, args.seq, args.head_dim), default))
     dtype_name = args.dtype or DEFAULT_DTYPE[device]
     env = collect_env()
     q, k, v = make_inputs(*shape, DTYPES[dtype_name], device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from attnscope.attention import IMPLEMENTATIONS
@@ -19,7 +21,7 @@ def run(args) -> int:
     try:
         device = torch.device(resolve_device(args.device))
     except ValueError as e:
-        print(f"attnscope list: error: {e}", flush=True)
+        print(f"attnscope list: error: {e}", file=sys.stderr, flush=True)
         return 2
     width = max(map(len, IMPLEMENTATIONS))
     print(f"implementations on {device.type}:")

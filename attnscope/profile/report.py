@@ -13,7 +13,7 @@ Everything is inline (CSS, PNG data URIs), so the page opens without a network.
 from __future__ import annotations
 
 import html
-import importlib
+import importlib.util
 import json
 import os
 import statistics
