@@ -284,10 +284,9 @@ def annotate_kernels(path, fields_by_name: dict[str, dict]) -> int:
     data = _load_document(path)
     with path.open("rb") as f:
         gzipped = f.read(2) == b"\x1f\x8b"
-    events = data.get("traceEvents") if isinstance(data, dict) else data
     annotated = 0
-    for e in events:
-        if (isinstance(e, dict) and _CATEGORY_ALIASES.get(str(e.get("cat", "")).lower()) == "kernel"
+    for e in _events_of(data):  # the same dicts as in `data`, so edits land in the document
+        if (_CATEGORY_ALIASES.get(str(e.get("cat", "")).lower()) == "kernel"
                 and e.get("name") in fields_by_name):
             e["args"] = {**(e.get("args") or {}), **fields_by_name[e["name"]]}
             annotated += 1
