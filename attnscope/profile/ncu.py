@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 
 from attnscope.profile import tensor_cores as tc
+from attnscope.profile.capture import DTYPES, make_inputs
 
 HELP = "re-run implementations under Nsight Compute; Tensor Core verdicts from hardware counters"
 RANGE = "attnscope_fwd"  # the NVTX push/pop range around each profiled forward
-DTYPES = ("bf16", "fp16", "fp32")
 WARMUP_CALLS = 3  # as in the seed scripts: enough for compilation and autotuning to settle
 
 
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=16, help="attention heads (default: 16)")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default: 1024)")
     parser.add_argument("--head-dim", type=int, default=64, help="head dimension (default: 64)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="input dtype "
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="input dtype "
                         "(default: bf16)")
     parser.add_argument("--forwards", type=int, default=1, help="profiled forwards per "
                         "implementation; ncu replays every kernel once per metric pass, so one "
@@ -332,11 +332,10 @@ def run_target(args: argparse.Namespace) -> int:
 
     from attnscope.attention import get
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     impl = get(args.target)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (args.batch, args.heads, args.seq, args.head_dim)
-    q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for _ in range(3))
+    # The same inputs compare profiles, so the counters describe the kernels in its traces.
+    q, k, v = make_inputs(args.batch, args.heads, args.seq, args.head_dim, DTYPES[args.dtype],
+                          "cuda")
     with torch.no_grad():
         forward = impl.prepare(q, k, v)
         for _ in range(WARMUP_CALLS):
