@@ -20,7 +20,8 @@ def causal_mask(q_len: int, kv_len: int, alignment: str, device=None) -> torch.T
     so the last query sees every key; with q_len > kv_len the first q_len - kv_len rows see none.
     """
     if alignment not in ("top_left", "bottom_right"):
-        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
+        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', "
+                         f"got {alignment!r}")
     offset = 0 if alignment == "top_left" else kv_len - q_len
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)[None, :]

@@ -55,7 +55,8 @@ def source_location(source: str | None = None) -> str:
 
 
 def compile_for(q, k, v):
-    """The CompiledKernel and the launch config (kernels.CONFIG_FIELDS) that the fused op launches for these [batch, heads, seq, head_dim] inputs (causal, default
+    """The CompiledKernel and the launch config (kernels.CONFIG_FIELDS) that the fused op
+    launches for these [batch, heads, seq, head_dim] inputs (causal, default
     scale, top-left alignment, as the `fused` registry entry calls it)."""
     import torch
 

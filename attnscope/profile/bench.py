@@ -390,15 +390,11 @@ def _write_json(path: str, header: dict, rows: list[dict], complete: bool) -> No
     os.replace(tmp, path)  # atomic: an interrupt mid-write leaves the previous complete file
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _progress(i: int, total: int, row: dict) -> str:
     shape = "x".join(map(str, row["shape"]))
     if row["status"] == "ok":
         what = (f"{row['median_ms']:.4f} ms  {row['tflops']:.1f} TFLOP/s  "
-                f"err {_fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
+                f"err {compare.fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
     else:
         what = f"{row['status']}: {row['reason']}"
     return f"[{i}/{total}] {shape} kv{row['kv_heads']} {row['impl']}: {what}"
@@ -408,9 +404,10 @@ def format_table(rows: list[dict], time_label: str) -> str:
     head = ["shape B,H,S,D", "kv", "impl", "status", time_label, "TFLOP/s", "% peak",
             "x best peer", "max err", "1st call ms"]
     body = [[",".join(map(str, r["shape"])), str(r["kv_heads"]), r["impl"], r["status"],
-             _fmt(r["median_ms"], ".4f"), _fmt(r["tflops"], ".1f"), _fmt(r["pct_of_peak"], ".1f"),
-             _fmt(r["ratio_to_best_peer"], ".3f"), _fmt(r["error"], ".2e"),
-             _fmt(r["first_call_ms"], ".1f")] for r in rows]
+             *(compare.fmt(r[key], spec) for key, spec in (
+                 ("median_ms", ".4f"), ("tflops", ".1f"), ("pct_of_peak", ".1f"),
+                 ("ratio_to_best_peer", ".3f"), ("error", ".2e"), ("first_call_ms", ".1f")))]
+            for r in rows]
     widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))

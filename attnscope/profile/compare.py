@@ -175,8 +175,8 @@ def evidence_text(verdict: dict) -> str:
     evidence = verdict.get("evidence", "name")
     if evidence == "counters":
         metrics = verdict.get("metrics", {})
-        text = (f"counters: {_fmt(metrics.get('matrix_instructions'), ',.0f')} matrix "
-                f"instructions executed, tensor pipe {_fmt(metrics.get(tc.TENSOR_PIPE_PCT), '.1f')}"
+        text = (f"counters: {fmt(metrics.get('matrix_instructions'), ',.0f')} matrix "
+                f"instructions executed, tensor pipe {fmt(metrics.get(tc.TENSOR_PIPE_PCT), '.1f')}"
                 f"% active")
     elif evidence in ("sass", "ptx"):
         counts = {k: n for k, n in verdict.get("counts", {}).items() if n and k != "instructions"}
@@ -220,7 +220,8 @@ def _dump_kernel(q, k, v, folder: Path):
     return json.loads(written[-1].read_text())
 
 
-def _fmt(value, spec):
+def fmt(value, spec):
+    """A table cell: the number formatted, or "-" when there is none."""
     return "-" if value is None else format(value, spec)
 
 
@@ -232,15 +233,15 @@ def _verdict_cell(summary):
 # (header, value of an "ok" row, GPU-only?). GPU-only columns read "n/a" on a CPU run.
 COLUMNS = (
     ("impl", lambda r: r["impl"], False),
-    ("kernels/fwd", lambda r: _fmt(r["kernels_per_forward"], "g"), True),
-    ("GPU ops/fwd", lambda r: _fmt(r["gpu_ops_per_forward"], "g"), True),
+    ("kernels/fwd", lambda r: fmt(r["kernels_per_forward"], "g"), True),
+    ("GPU ops/fwd", lambda r: fmt(r["gpu_ops_per_forward"], "g"), True),
     ("Tensor Cores", lambda r: _verdict_cell(r.get("tensor_cores")), True),
-    ("CUDA us/fwd", lambda r: _fmt(r["cuda_time_avg_us"], ".1f"), True),
-    ("CPU us/fwd", lambda r: _fmt(r["cpu_time_avg_us"], ".1f"), False),
-    ("TFLOP/s", lambda r: _fmt(r["tflops"], ".1f"), True),
-    ("% peak", lambda r: _fmt(r["pct_of_peak"], ".0f"), True),
-    ("peak MB", lambda r: _fmt(r["peak_memory_mb"], ".0f"), True),
-    ("max abs err", lambda r: _fmt(r["max_abs_error"], ".1e"), False),
+    ("CUDA us/fwd", lambda r: fmt(r["cuda_time_avg_us"], ".1f"), True),
+    ("CPU us/fwd", lambda r: fmt(r["cpu_time_avg_us"], ".1f"), False),
+    ("TFLOP/s", lambda r: fmt(r["tflops"], ".1f"), True),
+    ("% peak", lambda r: fmt(r["pct_of_peak"], ".0f"), True),
+    ("peak MB", lambda r: fmt(r["peak_memory_mb"], ".0f"), True),
+    ("max abs err", lambda r: fmt(r["max_abs_error"], ".1e"), False),
     ("launch API", lambda r: ",".join(r["launch_apis"]) or "-", True),
     ("status", lambda r: r["status"] + (f": {r['reason']}" if r["status"] != "ok" else ""),
      False),

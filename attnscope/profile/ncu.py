@@ -278,21 +278,17 @@ def _order_pairs(trace_order, ncu_order) -> dict[str, str]:
 def trace_kernel_order(results: Path, row: dict) -> list[str] | None:
     """One forward's kernel names in launch order, from the row's trace (its recorded path, or
     the same file name under <results folder>/<impl>/, for a results folder moved elsewhere)."""
-    from attnscope.profile.trace import TraceError, forward_events, load_events
+    from attnscope.profile.trace import TraceError, find_row_trace, forward_events, load_events
 
-    recorded = row.get("trace")
-    if not recorded:
+    path = find_row_trace(results.parent, row)
+    if path is None:
         return None
-    for path in (Path(recorded), results.parent / row["impl"] / Path(recorded).name):
-        if path.is_file():
-            try:
-                forwards = forward_events(load_events(path), row["impl"])
-            except TraceError:
-                return None
-            orders = [[op["name"] for op in f["ops"] if op.get("_cat") == "kernel"]
-                      for f in forwards]
-            return next((order for order in orders if order), None)
-    return None
+    try:
+        forwards = forward_events(load_events(path), row["impl"])
+    except TraceError:
+        return None
+    orders = [[op["name"] for op in f["ops"] if op.get("_cat") == "kernel"] for f in forwards]
+    return next((order for order in orders if order), None)
 
 
 def merge_into_results(path: Path, verdicts: dict[str, dict[str, dict]],

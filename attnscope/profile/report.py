@@ -22,7 +22,7 @@ from pathlib import Path
 
 from attnscope.profile import artifacts, compare
 from attnscope.profile.tensor_cores import name_verdict, short_name
-from attnscope.profile.trace import TraceError, forward_events, load_events
+from attnscope.profile.trace import TraceError, find_row_trace, forward_events, load_events
 
 HELP = ("HTML report from a compare folder: table, charts, per-forward timelines, the fused "
         "kernel's source beside its compiled code, trace links")
@@ -204,16 +204,6 @@ class _Page:
 
     # --- timelines ----------------------------------------------------------------------------
 
-    def _trace_path(self, row) -> Path | None:
-        """The row's trace where compare wrote it, else under this folder (moved or copied)."""
-        if not row.get("trace"):
-            return None
-        written = Path(row["trace"])
-        for candidate in (written, self.folder / row["impl"] / written.name):
-            if candidate.is_file():
-                return candidate
-        return None
-
     def timelines(self) -> str:
         parts = [_note("One forward per implementation, to scale: the forward whose busy GPU "
                        "time (CPU duration on a CPU run) is the median of the profiled ones. A "
@@ -226,7 +216,7 @@ class _Page:
         from attnscope.profile import charts
 
         heading = f'<h3 id="timeline-{_e(row["impl"])}">{_e(row["impl"])}</h3>'
-        path = self._trace_path(row)
+        path = find_row_trace(self.folder, row)
         if path is None:
             return heading + _note(f"trace not found: {row.get('trace')}")
         try:
@@ -339,7 +329,7 @@ class _Page:
     def traces(self) -> str:
         items = []
         for row in self.ok:
-            path = self._trace_path(row)
+            path = find_row_trace(self.folder, row)
             if path is None:
                 items.append(f"<li>{_e(row['impl'])}: trace not found ({_e(row.get('trace'))})"
                              "</li>")

@@ -40,6 +40,18 @@ LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 PROFILER_STEP_PREFIX = "ProfilerStep"
 
 
+def find_row_trace(folder, row) -> Path | None:
+    """A results row's trace: where compare wrote it, else the same file name under
+    <folder>/<impl>/ (a results folder moved or copied elsewhere). None when neither exists."""
+    if not row.get("trace"):
+        return None
+    written = Path(row["trace"])
+    for candidate in (written, Path(folder) / row["impl"] / written.name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 class TraceError(ValueError):
     """The file is not a readable Kineto/Chrome trace; the message says what is wrong."""
 
