@@ -6,13 +6,11 @@ as a user would build it once per sequence length, so the forward holds only the
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from attnscope.attention.registry import Implementation, register
+from attnscope.attention.registry import Implementation, inductor_available, register
 
 _compiled = None
 
@@ -31,16 +29,8 @@ def _causal(batch, head, q_idx, kv_idx):
 
 
 def _available(device):
-    device = torch.device(device)
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return (True, "inductor-generated Triton") if has_triton() else (
-            False, "compiled FlexAttention on CUDA needs Triton")
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        return False, f"compiled FlexAttention on CPU needs a C++ compiler ({cxx} not found)"
-    return True, "inductor's CPU template (slow to compile: tens of seconds)"
+    return inductor_available(device, "compiled FlexAttention",
+                              "inductor's CPU template (slow to compile: tens of seconds)")
 
 
 def _prepare(q, k, v, causal=True):

@@ -8,13 +8,11 @@ that is the cost the fused implementations remove, and what their traces show.
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import torch
 
 from attnscope.attention.reference import causal_mask
-from attnscope.attention.registry import Implementation, register
+from attnscope.attention.registry import Implementation, inductor_available, register
 
 
 def _causal_fill_mask(q, k):
@@ -40,17 +38,7 @@ def _always(device):
 
 
 def _compile_available(device):
-    device = torch.device(device)
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return (True, "inductor-generated Triton") if has_triton() else (
-            False, "torch.compile on CUDA needs Triton")
-    # Inductor's CPU backend compiles C++; without a compiler the first call fails.
-    cxx = os.environ.get("CXX", "g++")
-    if shutil.which(cxx) is None:
-        return False, f"torch.compile on CPU needs a C++ compiler ({cxx} not found)"
-    return True, "inductor-generated C++ (CPU)"
+    return inductor_available(device, "torch.compile", "inductor-generated C++ (CPU)")
 
 
 def _preparer(fn, compile_it=False):

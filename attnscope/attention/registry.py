@@ -8,6 +8,8 @@ of the forward shows only the forward.
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +32,21 @@ class Implementation:
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {}
+
+
+def inductor_available(device, what: str, cpu_ok: str) -> tuple[bool, str]:
+    """Whether torch.compile (inductor) can build `what` on `device`: Triton on CUDA, a C++
+    compiler on the CPU (without one the first call fails). `cpu_ok` is the reason when it can."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return (True, "inductor-generated Triton") if has_triton() else (
+            False, f"{what} on CUDA needs Triton")
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        return False, f"{what} on CPU needs a C++ compiler ({cxx} not found)"
+    return True, cpu_ok
 
 
 def register(impl: Implementation) -> Implementation:
