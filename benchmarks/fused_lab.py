@@ -30,13 +30,13 @@ from attnscope.profile.flops import attention_flops
 
 
 # Configs the lab tries per head-dim class:
-# (BLOCK_M, BLOCK_N, num_warps, num_stages[, warp_specialize[, use_tma]]).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, pipeline[, use_tma[, maxnreg]]]).
 EXPLORE = {
-    64: [(128, 64, 8, 3), (128, 64, 8, 3, 0, 1), (128, 64, 8, 3, 1, 1), (128, 128, 8, 3, 0, 1),
-         (128, 128, 8, 3, 1, 1), (64, 64, 4, 3, 0, 1), (128, 64, 8, 4, 0, 1)],
-    128: [(128, 64, 8, 3), (128, 64, 8, 3, 0, 1), (128, 64, 8, 3, 1, 1), (128, 128, 8, 2, 0, 1),
-          (128, 128, 8, 2, 1, 1), (128, 64, 8, 4, 0, 1), (128, 64, 8, 4, 1, 1)],
-    256: [(64, 32, 4, 2), (64, 32, 4, 2, 0, 1), (64, 64, 4, 2, 0, 1), (64, 32, 4, 3, 0, 1)],
+    64: [(128, 64, 8, 3, 0), (128, 64, 8, 3, 1), (128, 64, 8, 2, 1), (128, 64, 8, 3, 1, 0, 128),
+         (64, 64, 4, 3, 1), (64, 64, 4, 2, 1), (64, 64, 4, 3, 0), (128, 128, 8, 2, 1)],
+    128: [(128, 64, 8, 3, 0), (128, 64, 8, 3, 1), (128, 64, 8, 2, 1), (64, 64, 4, 2, 1),
+          (64, 64, 4, 3, 1), (128, 64, 8, 2, 1, 0, 240)],
+    256: [(64, 32, 4, 2, 0, 1), (64, 32, 4, 2, 1, 1), (64, 32, 4, 2, 1, 0), (64, 64, 4, 2, 1, 1)],
 }
 
 
@@ -76,8 +76,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"], help="B,H,S,D (bf16, causal)")
     p.add_argument("--configs", nargs="*", default=None,
-                   help="BM,BN,warps,stages[,ws[,tma]] to pin (ws=1: warp-specialized loop, tma=1: "
-                   "K/V through tensor descriptors); default: "
+                   help="BM,BN,warps,stages[,pipeline[,tma[,maxnreg]]] to pin (pipeline=1: "
+                   "software-pipelined loop, tma=1: K/V through tensor descriptors, maxnreg: "
+                   "register cap); default: "
                    "the exploration list EXPLORE for the head dim's class")
     p.add_argument("--peers", action="store_true", help="also time SDPA cuDNN and flash")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -107,7 +108,8 @@ def main():
                 return o, compiled
             try:
                 if config:
-                    with fwd.pinned_config(*config[:4], *(bool(x) for x in config[4:])):
+                    flags = [bool(x) for x in config[4:6]] + list(config[6:7])
+                    with fwd.pinned_config(*config[:4], *flags):
                         o, compiled = run(q, k, v)
                         ms = timed(lambda *t: run(*t)[0], sets, args.warmup, args.rep)
                 else:

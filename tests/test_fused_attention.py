@@ -141,6 +141,20 @@ def test_tensor_descriptor_path(layout):
         check(q, k, v, 1e-3, 1e-3, layout=layout, causal_alignment="bottom_right")
 
 
+@pytest.mark.parametrize("causal,alignment,q_len,kv_len", [
+    (True, "top_left", 45, 45), (True, "bottom_right", 70, 17), (True, "bottom_right", 17, 70),
+    (False, "top_left", 33, 48),
+])
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_both_loop_schedules(pipeline, causal, alignment, q_len, kv_len):
+    # The GPU table runs the software-pipelined loop (scores of the next K block issued before
+    # this block's p @ V, last block peeled off) at head_dim <= 128 and the plain loop at 256;
+    # both must agree with the reference on ragged, bottom-right and non-causal tiles.
+    q, k, v = make_qkv(1, 2, 2, q_len, kv_len, 24, torch.float16, CPU)
+    with kernels.pinned_config(32, 16, 4, 1, pipeline=pipeline):
+        check(q, k, v, 1e-3, 1e-3, causal=causal, causal_alignment=alignment)
+
+
 def test_lse_is_natural_log_of_the_softmax_denominator():
     q, k, v = make_qkv(1, 1, 1, 5, 5, 16, torch.float32, CPU)
     _, lse = fused_attention(q, k, v, return_lse=True)

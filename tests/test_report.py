@@ -155,8 +155,8 @@ def _source_line(source, needle):
 
 def _ptx(source):
     """PTX with the compiler's line info: one wgmma per tl.dot, inlined into the stage calls."""
-    qk = _source_line(source, "qk = tl.dot(")
-    pv = _source_line(source, "acc = tl.dot(")
+    qk = _source_line(source, "tl.dot(q, k,")
+    pv = _source_line(source, "tl.dot(p.to(")
     exp = _source_line(source, "p = tl.math.exp2(qk)")
     stage1 = _source_line(source, "# stage 1:") + 1
     store = _source_line(source, "tl.store(o_ptrs")

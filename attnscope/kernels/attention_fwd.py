@@ -50,54 +50,92 @@ def _load(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.const
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src,  #
+def _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, CHECK_ROWS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    # q @ k^T for keys [start_n, start_n + BLOCK_N), K as a [BLOCK_D, BLOCK_N] tile. k_src is a
+    # tensor descriptor when USE_TMA (the copy engine zero-fills rows past N_CTX_K and columns
+    # past HEAD_DIM), else the base pointer of this (batch, kv head).
+    if USE_TMA:
+        k = tl.trans(k_src.load([start_n, 0]))
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_ptrs = k_src + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk
+        k = _load(k_ptrs, (offs_n < N_CTX_K)[None, :], (offs_d < HEAD_DIM)[:, None], CHECK_ROWS,
+                  HEAD_DIM != BLOCK_D)
+    return tl.dot(q, k, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K, CAUSAL_OFFSET, qk_scale,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Raw scores of one K block -> probabilities p (relative to the new running max), the factor
+    # alpha that rescales what was accumulated under the old max, and the new running sum / max.
+    if MASKED:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        visible = (offs_n < N_CTX_K)[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        # A row with no visible key so far keeps m == -inf; subtracting 0 instead keeps
+        # exp2(-inf - -inf) = NaN out of p and alpha (both become exactly 0).
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        qk = qk - m_sub[:, None]
+    else:
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_sub = m_ij
+        qk = qk * qk_scale - m_sub[:, None]
+    p = tl.math.exp2(qk)
+    alpha = tl.math.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, l_i, m_ij
+
+
+@triton.jit
+def _accumulate(acc, p, alpha, v_src, start_n, stride_vn, stride_vk, offs_d, N_CTX_K,
+                CHECK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    # acc <- acc * alpha + p @ V for keys [start_n, start_n + BLOCK_N).
+    if USE_TMA:
+        v = v_src.load([start_n, 0])
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        v_ptrs = v_src + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk
+        v = _load(v_ptrs, (offs_n < N_CTX_K)[:, None], (offs_d < HEAD_DIM)[None, :], CHECK_ROWS,
+                  HEAD_DIM != BLOCK_D)
+    acc = acc * alpha[:, None]
+    return tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
                     stride_kn, stride_kk, stride_vn, stride_vk,  #
                     offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
-                    INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, PIPELINE: tl.constexpr,
                     USE_TMA: tl.constexpr):
-    # k_src/v_src are tensor descriptors when USE_TMA (the copy engine zero-fills rows past
-    # N_CTX_K and columns past HEAD_DIM), else base pointers of this (batch, kv head).
-    d_ok = offs_d < HEAD_DIM
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    # K/V blocks [lo, hi). Without PIPELINE each block runs q @ k^T, softmax, p @ V in turn.
+    # With PIPELINE, `qk` holds block lo's scores on entry and block hi's on return (the caller
+    # guarantees block hi exists), and each step orders the work so that the tensor cores are
+    # busy during the exponentials: the softmax of block j runs while the wgmma p @ V of block
+    # j-1, issued asynchronously at the end of the previous step, is still in flight; then
+    # q @ k^T of block j+1 is issued (Triton waits for it at once, which also retires p @ V of
+    # block j-1), and p @ V of block j is issued and left in flight.
+    for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N_CTX_K
-        # -- scores: q @ k^T, K as a [BLOCK_D, BLOCK_N] tile --
-        if USE_TMA:
-            k = tl.trans(k_src.load([start_n, 0]))
-        else:
-            k_ptrs = k_src + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk
-            k = _load(k_ptrs, n_ok[None, :], d_ok[:, None], MASKED, HEAD_DIM != BLOCK_D)
-        qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
-        if MASKED:
-            visible = n_ok[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            # A row with no visible key so far keeps m == -inf; subtracting 0 instead keeps
-            # exp2(-inf - -inf) = NaN out of p and alpha (both become exactly 0).
-            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            qk = qk - m_sub[:, None]
-        else:
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_sub = m_ij
-            qk = qk * qk_scale - m_sub[:, None]
-        p = tl.math.exp2(qk)
-        # -- rescale what has been accumulated to the new running max --
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if USE_TMA:
-            v = v_src.load([start_n, 0])
-        else:
-            v_ptrs = v_src + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk
-            v = _load(v_ptrs, n_ok[:, None], d_ok[None, :], MASKED, HEAD_DIM != BLOCK_D)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
-        m_i = m_ij
-    return acc, l_i, m_i
+        if not PIPELINE:
+            qk = _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, MASKED,
+                         HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+        p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K,
+                                             CAUSAL_OFFSET, qk_scale, MASKED, CAUSAL, BLOCK_N)
+        if PIPELINE:
+            qk = _scores(q, k_src, start_n + BLOCK_N, stride_kn, stride_kk, offs_d, N_CTX_K, True,
+                         HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+        acc = _accumulate(acc, p, alpha, v_src, start_n, stride_vn, stride_vk, offs_d, N_CTX_K,
+                          MASKED, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+    return acc, l_i, m_i, qk
 
 
 @triton.jit
@@ -109,7 +147,7 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
               H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
               INPUT_PRECISION: tl.constexpr,  #
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,  #
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,  #
               USE_TMA: tl.constexpr):
     # Heads run along grid axis 0 and query blocks along axis 1, last block first: under a causal
     # mask the last query blocks have the most keys, and the hardware starts programs in grid
@@ -156,19 +194,38 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
         masked_hi = N_CTX_K
     full_hi = full_hi // BLOCK_N * BLOCK_N
 
+    if PIPELINE:
+        # The last block (start `last`) is peeled off the loops: it has no next block to
+        # prefetch. A tile that sees no key at all (masked_hi <= 0) runs no block.
+        last = (tl.cdiv(masked_hi, BLOCK_N) - 1) * BLOCK_N
+        split = tl.minimum(full_hi, last)
+        end = last
+        qk = _scores(q, k_src, 0, stride_kn, stride_kk, offs_d, N_CTX_K, True, HEAD_DIM, BLOCK_D,
+                     BLOCK_N, INPUT_PRECISION, USE_TMA)
+    else:
+        split = full_hi
+        end = masked_hi
+        qk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # unused without PIPELINE
     # stage 1: blocks left of the diagonal, no masking
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src,  #
-                                    stride_kn, stride_kk, stride_vn, stride_vk,  #
-                                    offs_m, offs_d, 0, full_hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
-                                    False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                                    WARP_SPECIALIZE, USE_TMA)
+    acc, l_i, m_i, qk = _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
+                                        stride_kn, stride_kk, stride_vn, stride_vk,  #
+                                        offs_m, offs_d, 0, split, N_CTX_K, CAUSAL_OFFSET,
+                                        qk_scale,  #
+                                        False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                                        PIPELINE, USE_TMA)
     # stage 2: the diagonal band and the ragged end of K, masked
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_src, v_src,  #
-                                    stride_kn, stride_kk, stride_vn, stride_vk,  #
-                                    offs_m, offs_d, full_hi, masked_hi, N_CTX_K, CAUSAL_OFFSET,
-                                    qk_scale,  #
-                                    True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                                    WARP_SPECIALIZE, USE_TMA)
+    acc, l_i, m_i, qk = _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
+                                        stride_kn, stride_kk, stride_vn, stride_vk,  #
+                                        offs_m, offs_d, split, end, N_CTX_K, CAUSAL_OFFSET,
+                                        qk_scale,  #
+                                        True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                                        PIPELINE, USE_TMA)
+    if PIPELINE:
+        if masked_hi > 0:  # the peeled last block, masked
+            p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, offs_m, last, N_CTX_K,
+                                                 CAUSAL_OFFSET, qk_scale, True, CAUSAL, BLOCK_N)
+            acc = _accumulate(acc, p, alpha, v_src, last, stride_vn, stride_vk, offs_d, N_CTX_K,
+                              True, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
 
     # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -180,31 +237,31 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-# Launch configs: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, use_tma) per head-dim
+# Launch configs: (BLOCK_M, BLOCK_N, num_warps, num_stages, pipeline, use_tma, maxnreg) per head-dim
 # class, chosen offline by benchmarks/fused_lab.py on the H200 (notes/kernel.md has the sweeps).
 # A fixed table instead of triton.autotune: a first call compiles one kernel instead of timing
 # several, and each launch skips the autotuner's per-call bookkeeping (~40 us measured at the seed
 # shape, more than half the kernel's own time there). Wider heads need smaller tiles: the fp32
 # accumulator is BLOCK_M x BLOCK_D registers spread over the program's threads.
-CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_specialize", "use_tma")
+CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "pipeline", "use_tma", "maxnreg")
 CONFIGS = {
-    64: (128, 64, 8, 3, False, False),
-    128: (128, 64, 8, 3, False, False),
-    256: (64, 32, 4, 2, False, True),  # TMA: +3.7 % here, slower at D <= 128 (notes, v3)
+    64: (128, 64, 8, 3, True, False, None),
+    128: (128, 64, 8, 2, True, False, None),
+    256: (64, 32, 4, 2, False, True, None),  # TMA: +3.7 % here, slower at D <= 128 (notes, v3)
 }
 # The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross
 # several blocks and a diagonal band that spans two K blocks.
-INTERPRETER_CONFIG = (32, 16, 4, 1, False, False)
+INTERPRETER_CONFIG = (32, 16, 4, 1, True, False, None)
 _pinned = None
 
 
 @contextlib.contextmanager
-def pinned_config(block_m, block_n, num_warps=4, num_stages=2, warp_specialize=False,
-                  use_tma=False):
+def pinned_config(block_m, block_n, num_warps=4, num_stages=2, pipeline=False,
+                  use_tma=False, maxnreg=None):
     """Launch every forward with this config instead of the table's (tests, the lab)."""
     global _pinned
     previous = _pinned
-    _pinned = (block_m, block_n, num_warps, num_stages, warp_specialize, use_tma)
+    _pinned = (block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg)
     try:
         yield
     finally:
@@ -224,7 +281,7 @@ def interpreter_ready():
 
 
 def config_for(head_dim):
-    """The (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, use_tma) a launch uses."""
+    """The (BLOCK_M, BLOCK_N, num_warps, num_stages, pipeline, use_tma, maxnreg) a launch uses."""
     if _pinned is not None:
         return _pinned
     if is_interpreted():
@@ -259,18 +316,21 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
     batch, heads, q_len, head_dim = q.shape
-    block_m, block_n, num_warps, num_stages, warp_specialize, use_tma = config_for(head_dim)
+    block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg = config_for(head_dim)
     # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no
     # address to check) and inductor's launch provides no scratch for device-side descriptors.
     use_tma = use_tma and wrap is None and _tma_ok(k) and _tma_ok(v)
     if use_tma and not _allocator_set:
         _set_scratch_allocator()
     grid = (batch * heads, triton.cdiv(q_len, block_m))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:  # a register cap (ptxas .maxnreg), e.g. to fit two programs per SM
+        options["maxnreg"] = maxnreg
     return (_attn_fwd if wrap is None else wrap(_attn_fwd))[grid](
         q, k, v, out, lse,  #
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),  #
         heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal,  #
         INPUT_PRECISION="ieee" if q.dtype.itemsize == 4 else "tf32",  # tf32 is unused for 16-bit
-        BLOCK_M=block_m, BLOCK_N=block_n, WARP_SPECIALIZE=warp_specialize, USE_TMA=use_tma,  #
-        num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,  #
+        **options)
