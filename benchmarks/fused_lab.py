@@ -9,6 +9,7 @@ wgmma shows as such.
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import re
@@ -16,8 +17,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-
-import time
 
 import torch
 import triton
@@ -30,13 +29,15 @@ from attnscope.profile.flops import attention_flops
 
 
 # Configs the lab tries per head-dim class:
-# (BLOCK_M, BLOCK_N, num_warps, num_stages[, pipeline[, use_tma[, maxnreg]]]).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, pipeline[, use_tma[, maxnreg (0: none)[, poly_exp]]]]).
 EXPLORE = {
-    64: [(128, 64, 8, 3, 0), (128, 64, 8, 3, 1), (128, 64, 8, 2, 1), (128, 64, 8, 3, 1, 0, 128),
-         (64, 64, 4, 3, 1), (64, 64, 4, 2, 1), (64, 64, 4, 3, 0), (128, 128, 8, 2, 1)],
-    128: [(128, 64, 8, 3, 0), (128, 64, 8, 3, 1), (128, 64, 8, 2, 1), (64, 64, 4, 2, 1),
-          (64, 64, 4, 3, 1), (128, 64, 8, 2, 1, 0, 240)],
-    256: [(64, 32, 4, 2, 0, 1), (64, 32, 4, 2, 1, 1), (64, 32, 4, 2, 1, 0), (64, 64, 4, 2, 1, 1)],
+    64: [(128, 64, 8, 3), (128, 64, 8, 3, 0, 0, 0, 2), (128, 64, 8, 3, 0, 0, 0, 4),
+         (64, 64, 4, 3), (64, 64, 4, 3, 0, 0, 0, 2), (64, 64, 4, 3, 0, 0, 0, 4),
+         (128, 64, 8, 4, 1), (128, 64, 8, 4, 1, 0, 0, 4)],
+    128: [(128, 64, 8, 3), (128, 64, 8, 3, 0, 0, 0, 2), (128, 64, 8, 3, 0, 0, 0, 4),
+          (128, 64, 8, 4, 1), (128, 64, 8, 4, 1, 0, 0, 4)],
+    256: [(64, 32, 4, 2, 0, 1), (64, 32, 4, 2, 1, 1), (64, 32, 4, 2, 1, 1, 0, 4),
+          (64, 32, 4, 3, 1, 1)],
 }
 
 
@@ -76,13 +77,16 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"], help="B,H,S,D (bf16, causal)")
     p.add_argument("--configs", nargs="*", default=None,
-                   help="BM,BN,warps,stages[,pipeline[,tma[,maxnreg]]] to pin (pipeline=1: "
-                   "software-pipelined loop, tma=1: K/V through tensor descriptors, maxnreg: "
-                   "register cap); default: "
+                   help="BM,BN,warps,stages[,pipeline[,tma[,maxnreg[,poly_exp]]]] to pin "
+                   "(pipeline=1: software-pipelined loop, tma=1: K/V through tensor descriptors, "
+                   "maxnreg: register cap, 0 for none, poly_exp=N: 1/N of the unmasked "
+                   "exponentials on the FMA units); default: "
                    "the exploration list EXPLORE for the head dim's class")
     p.add_argument("--peers", action="store_true", help="also time SDPA cuDNN and flash")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timing rounds over all candidates; the median is reported")
     p.add_argument("--out", default=None, help="append JSON lines here")
     args = p.parse_args()
     out = open(args.out, "a") if args.out else None
@@ -99,65 +103,62 @@ def main():
         configs = ([tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs
                    else EXPLORE[cls])
         variants = [(f"fused{c}", c) for c in configs] + [("fused-table", None)]
+        timers, rows = {}, {}
         for name, config in variants:
-            def run(q, k, v):
+            def run(q, k, v, config=config):
                 o = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-                compiled = fwd.attention_fwd(q, k, v, o, lse, causal=True, scale=d ** -0.5,
-                                             causal_offset=0)
+                pin = contextlib.nullcontext()
+                if config:
+                    flags = [bool(x) for x in config[4:6]] + [config[6] or None
+                                                              for _ in config[6:7]]
+                    pin = fwd.pinned_config(*config[:4], *flags, *config[7:8])
+                with pin:
+                    compiled = fwd.attention_fwd(q, k, v, o, lse, causal=True, scale=d ** -0.5,
+                                                 causal_offset=0)
                 return o, compiled
             try:
-                if config:
-                    flags = [bool(x) for x in config[4:6]] + list(config[6:7])
-                    with fwd.pinned_config(*config[:4], *flags):
-                        o, compiled = run(q, k, v)
-                        ms = timed(lambda *t: run(*t)[0], sets, args.warmup, args.rep)
-                else:
-                    o, compiled = run(q, k, v)
-                    ms = timed(lambda *t: run(*t)[0], sets, args.warmup, args.rep)
-                err = (o.float() - ref).abs().max().item()
-                extra = {"regs": getattr(compiled, "n_regs", None),
-                         "spills": getattr(compiled, "n_spills", None),
-                         "smem": compiled.metadata.shared if hasattr(compiled, "metadata") else None,
-                         "sass": sass_counts(compiled)}
+                o, compiled = run(q, k, v)
+                torch.cuda.synchronize()
             except Exception as e:  # one bad config must not end the sweep
                 print(f"{shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            row = {"shape": shape, "impl": name, "ms": ms, "tflops": flops / ms / 1e9,
-                   "err": err, **extra}
-            print(f"{shape} {name:28s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s err {err:.2e} "
-                  f"regs {extra['regs']} spills {extra['spills']} smem {extra['smem']} "
-                  f"sass {extra['sass']}", flush=True)
-            if out:
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-        # The public op (validation + custom-op dispatch + launch): its time minus fused-table's is
-        # what the Python around the kernel costs when the GPU waits for it.
-        op = lambda q, k, v: attnscope.fused_attention(q, k, v)
-        ms = timed(op, sets, args.warmup, args.rep)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i in range(200):
-            op(*sets[i % len(sets)])
-        host_us = (time.perf_counter() - t0) / 200 * 1e6
-        torch.cuda.synchronize()
-        print(f"{shape} {'fused_attention (public op)':28s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} "
-              f"TFLOP/s host {host_us:.1f} us/call (enqueue, unsynchronized)", flush=True)
-        if out:
-            out.write(json.dumps({"shape": shape, "impl": "fused_attention", "ms": ms,
-                                  "tflops": flops / ms / 1e9, "host_us": host_us}) + "\n")
+            timers[name] = lambda *t, run=run: run(*t)[0]
+            rows[name] = {"shape": shape, "impl": name, "err": (o.float() - ref).abs().max().item(),
+                          "regs": getattr(compiled, "n_regs", None),
+                          "spills": getattr(compiled, "n_spills", None),
+                          "smem": getattr(getattr(compiled, "metadata", None), "shared", None),
+                          "sass": sass_counts(compiled)}
+        # The public op (validation + custom-op dispatch + launch): its time minus fused-table's
+        # is what the Python around the kernel costs when the GPU waits for it.
+        timers["fused_attention (public op)"] = lambda q, k, v: attnscope.fused_attention(q, k, v)
+        rows["fused_attention (public op)"] = {"shape": shape, "impl": "fused_attention"}
         if args.peers:
             for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
                 def peer(q, k, v, backend=backend):
                     with sdpa_kernel(backend):
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v,
                                                                                 is_causal=True)
-                ms = timed(peer, sets, args.warmup, args.rep)
-                print(f"{shape} {backend.name:28s} {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s",
-                      flush=True)
-                if out:
-                    out.write(json.dumps({"shape": shape, "impl": backend.name, "ms": ms,
-                                          "tflops": flops / ms / 1e9}) + "\n")
+                timers[backend.name] = peer
+                rows[backend.name] = {"shape": shape, "impl": backend.name}
+        # Rounds over all candidates, so that drift of the machine between candidates (clocks,
+        # temperature; up to 8 % between runs of one config, notes/kernel.md) hits all alike.
+        times = {name: [] for name in timers}
+        for _ in range(args.repeat):
+            for name, fn in timers.items():
+                times[name].append(timed(fn, sets, args.warmup, args.rep))
+        for name, row in rows.items():
+            ts = sorted(times[name])
+            ms = ts[len(ts) // 2]
+            row.update(ms=ms, ms_all=ts, tflops=flops / ms / 1e9)
+            extra = "".join(f" {key} {row[key]}" for key in ("regs", "spills", "smem", "sass")
+                            if key in row)
+            err = f" err {row['err']:.2e}" if "err" in row else ""
+            print(f"{shape} {name:32s} {ms:8.4f} ms (min {ts[0]:.4f} max {ts[-1]:.4f}) "
+                  f"{flops / ms / 1e9:7.1f} TFLOP/s{err}{extra}", flush=True)
+            if out:
+                out.write(json.dumps(row) + "\n")
+                out.flush()
         del sets, ref
         torch.cuda.empty_cache()
     return 0
