@@ -29,15 +29,11 @@ from attnscope.profile.flops import attention_flops
 
 
 # Configs the lab tries per head-dim class:
-# (BLOCK_M, BLOCK_N, num_warps, num_stages[, pipeline[, use_tma[, maxnreg (0: none)[, poly_exp]]]]).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, pipeline[, use_tma[, maxnreg (0: none)]]]).
 EXPLORE = {
-    64: [(128, 64, 8, 3), (128, 64, 8, 3, 0, 0, 0, 2), (128, 64, 8, 3, 0, 0, 0, 4),
-         (64, 64, 4, 3), (64, 64, 4, 3, 0, 0, 0, 2), (64, 64, 4, 3, 0, 0, 0, 4),
-         (128, 64, 8, 4, 1), (128, 64, 8, 4, 1, 0, 0, 4)],
-    128: [(128, 64, 8, 3), (128, 64, 8, 3, 0, 0, 0, 2), (128, 64, 8, 3, 0, 0, 0, 4),
-          (128, 64, 8, 4, 1), (128, 64, 8, 4, 1, 0, 0, 4)],
-    256: [(64, 32, 4, 2, 0, 1), (64, 32, 4, 2, 1, 1), (64, 32, 4, 2, 1, 1, 0, 4),
-          (64, 32, 4, 3, 1, 1)],
+    64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, 1), (128, 64, 8, 4, 1)],
+    128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3, 1), (128, 64, 8, 4, 1)],
+    256: [(64, 32, 4, 2, 0, 1), (64, 32, 4, 2, 1, 1), (64, 32, 4, 3, 1, 1)],
 }
 
 
@@ -77,10 +73,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"], help="B,H,S,D (bf16, causal)")
     p.add_argument("--configs", nargs="*", default=None,
-                   help="BM,BN,warps,stages[,pipeline[,tma[,maxnreg[,poly_exp]]]] to pin "
-                   "(pipeline=1: software-pipelined loop, tma=1: K/V through tensor descriptors, "
-                   "maxnreg: register cap, 0 for none, poly_exp=N: 1/N of the unmasked "
-                   "exponentials on the FMA units); default: "
+                   help="BM,BN,warps,stages[,pipeline[,tma[,maxnreg]]] to pin (pipeline=1: "
+                   "software-pipelined loop, tma=1: K/V through tensor descriptors, maxnreg: "
+                   "register cap, 0 for none); default: "
                    "the exploration list EXPLORE for the head dim's class")
     p.add_argument("--peers", action="store_true", help="also time SDPA cuDNN and flash")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -112,7 +107,7 @@ def main():
                 if config:
                     flags = [bool(x) for x in config[4:6]] + [config[6] or None
                                                               for _ in config[6:7]]
-                    pin = fwd.pinned_config(*config[:4], *flags, *config[7:8])
+                    pin = fwd.pinned_config(*config[:4], *flags)
                 with pin:
                     compiled = fwd.attention_fwd(q, k, v, o, lse, causal=True, scale=d ** -0.5,
                                                  causal_offset=0)

@@ -157,7 +157,7 @@ def _ptx(source):
     """PTX with the compiler's line info: one wgmma per tl.dot, inlined into the stage calls."""
     qk = _source_line(source, "tl.dot(q, k,")
     pv = _source_line(source, "tl.dot(p.to(")
-    exp = _source_line(source, "return tl.math.exp2(x)")
+    exp = _source_line(source, "p = tl.math.exp2(qk)")
     stage1 = _source_line(source, "# stage 1:") + 1
     store = _source_line(source, "tl.store(o_ptrs")
     inl = ", function_name $L__info_string0, inlined_at 1 {} 21"

@@ -67,46 +67,8 @@ def _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, CHECK_ROWS
 
 
 @triton.jit
-def _exp2_poly(x):
-    # 2^x on the FMA units instead of the MUFU unit: x = j + f with j = round(x), f in
-    # [-0.5, 0.5]; 2^f from a cubic fitted to relative error (7.5e-5 at most, below the 16-bit
-    # rounding that p gets before p @ V), 2^j added into the exponent bits. Unmasked scores only
-    # (x finite, <= 0); the clamp keeps the exponent field from wrapping (2^-126 ~ 1e-38 ~ 0).
-    x = tl.maximum(x, -126.0)
-    t = x + 12582912.0  # 1.5 * 2^23: the sum rounds x to the integer j, held in t's low bits
-    j = t - 12582912.0
-    f = x - j
-    p = ((0.0551716685295105 * f + 0.24261115491390228) * f + 0.6932609677314758) * f \
-        + 0.9999280571937561
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POLY_EXP: tl.constexpr):
-    # exp2 of a [BLOCK_M, BLOCK_N] score tile with 1/POLY_EXP of it (0: none) on the FMA units,
-    # so the MUFU unit, which bounds the softmax at head_dim 64, gets fewer exponentials. The
-    # share is taken by column bits 3 (and 4): a thread of a wgmma accumulator holds columns
-    # c and c + 8 (c + 16, c + 24) together, so the reshapes and splits move no data.
-    if POLY_EXP == 2:
-        x = tl.permute(tl.reshape(x, [BLOCK_M, BLOCK_N // 16, 2, 8]), [0, 1, 3, 2])
-        x0, x1 = tl.split(x)
-        y = tl.join(tl.math.exp2(x0), _exp2_poly(x1))
-        return tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
-    elif POLY_EXP == 4:
-        x = tl.permute(tl.reshape(x, [BLOCK_M, BLOCK_N // 32, 2, 2, 8]), [0, 1, 4, 2, 3])
-        x0, x1 = tl.split(x)  # column bit 3 clear / set
-        x10, x11 = tl.split(x1)  # of those with bit 3 set: bit 4 clear / set
-        y = tl.join(tl.math.exp2(x0), tl.join(tl.math.exp2(x10), _exp2_poly(x11)))
-        return tl.reshape(tl.permute(y, [0, 1, 3, 4, 2]), [BLOCK_M, BLOCK_N])
-    else:
-        return tl.math.exp2(x)
-
-
-@triton.jit
 def _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K, CAUSAL_OFFSET, qk_scale,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, POLY_EXP: tl.constexpr):
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
     # Raw scores of one K block -> probabilities p (relative to the new running max), the factor
     # alpha that rescales what was accumulated under the old max, and the new running sum / max.
     if MASKED:
@@ -124,8 +86,7 @@ def _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K, CAUSAL_OFFSET, qk_sc
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_sub = m_ij
         qk = qk * qk_scale - m_sub[:, None]
-    # masked tiles hold -inf scores, which must give exactly 0: MUFU exp2 only
-    p = _exp2(qk, BLOCK_M, BLOCK_N, 0 if MASKED else POLY_EXP)
+    p = tl.math.exp2(qk)
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, l_i, m_ij
@@ -151,10 +112,10 @@ def _accumulate(acc, p, alpha, v_src, start_n, stride_vn, stride_vk, offs_d, N_C
 def _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
                     stride_kn, stride_kk, stride_vn, stride_vk,  #
                     offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,  #
-                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
                     INPUT_PRECISION: tl.constexpr, PIPELINE: tl.constexpr,
-                    USE_TMA: tl.constexpr, POLY_EXP: tl.constexpr):
+                    USE_TMA: tl.constexpr):
     # K/V blocks [lo, hi). Without PIPELINE each block runs q @ k^T, softmax, p @ V in turn.
     # With PIPELINE, `qk` holds block lo's scores on entry and block hi's on return (the caller
     # guarantees block hi exists), and each step orders the work so that the tensor cores are
@@ -168,8 +129,7 @@ def _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
             qk = _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, MASKED,
                          HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
         p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K,
-                                             CAUSAL_OFFSET, qk_scale, MASKED, CAUSAL, BLOCK_M,
-                                             BLOCK_N, POLY_EXP)
+                                             CAUSAL_OFFSET, qk_scale, MASKED, CAUSAL, BLOCK_N)
         if PIPELINE:
             qk = _scores(q, k_src, start_n + BLOCK_N, stride_kn, stride_kk, offs_d, N_CTX_K, True,
                          HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
@@ -188,7 +148,7 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
               INPUT_PRECISION: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,  #
-              USE_TMA: tl.constexpr, POLY_EXP: tl.constexpr):
+              USE_TMA: tl.constexpr):
     # Heads run along grid axis 0 and query blocks along axis 1, last block first: under a causal
     # mask the last query blocks have the most keys, and the hardware starts programs in grid
     # order, so the longest programs start in the first wave instead of being the tail.
@@ -251,20 +211,19 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
                                         stride_kn, stride_kk, stride_vn, stride_vk,  #
                                         offs_m, offs_d, 0, split, N_CTX_K, CAUSAL_OFFSET,
                                         qk_scale,  #
-                                        False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                        INPUT_PRECISION, PIPELINE, USE_TMA, POLY_EXP)
+                                        False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                                        PIPELINE, USE_TMA)
     # stage 2: the diagonal band and the ragged end of K, masked
     acc, l_i, m_i, qk = _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
                                         stride_kn, stride_kk, stride_vn, stride_vk,  #
                                         offs_m, offs_d, split, end, N_CTX_K, CAUSAL_OFFSET,
                                         qk_scale,  #
-                                        True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
-                                        INPUT_PRECISION, PIPELINE, USE_TMA, POLY_EXP)
+                                        True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
+                                        PIPELINE, USE_TMA)
     if PIPELINE:
         if masked_hi > 0:  # the peeled last block, masked
             p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, offs_m, last, N_CTX_K,
-                                                 CAUSAL_OFFSET, qk_scale, True, CAUSAL, BLOCK_M,
-                                                 BLOCK_N, 0)
+                                                 CAUSAL_OFFSET, qk_scale, True, CAUSAL, BLOCK_N)
             acc = _accumulate(acc, p, alpha, v_src, last, stride_vn, stride_vk, offs_d, N_CTX_K,
                               True, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
 
@@ -278,34 +237,31 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-# Launch configs: (BLOCK_M, BLOCK_N, num_warps, num_stages, pipeline, use_tma, maxnreg, poly_exp) per
-# head-dim
+# Launch configs: (BLOCK_M, BLOCK_N, num_warps, num_stages, pipeline, use_tma, maxnreg) per head-dim
 # class, chosen offline by benchmarks/fused_lab.py on the H200 (notes/kernel.md has the sweeps).
 # A fixed table instead of triton.autotune: a first call compiles one kernel instead of timing
 # several, and each launch skips the autotuner's per-call bookkeeping (~40 us measured at the seed
 # shape, more than half the kernel's own time there). Wider heads need smaller tiles: the fp32
 # accumulator is BLOCK_M x BLOCK_D registers spread over the program's threads.
-CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "pipeline", "use_tma", "maxnreg",
-                 "poly_exp")
+CONFIG_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "pipeline", "use_tma", "maxnreg")
 CONFIGS = {
-    64: (128, 64, 8, 3, False, False, None, 4),
-    128: (128, 64, 8, 3, False, False, None, 0),
-    256: (64, 32, 4, 2, True, True, None, 0),  # TMA: +3.7 % here, slower at D <= 128 (notes, v3)
+    64: (128, 64, 8, 3, False, False, None),
+    128: (128, 64, 8, 3, False, False, None),
+    256: (64, 32, 4, 2, True, True, None),  # TMA: +3.7 % here, slower at D <= 128 (notes, v3)
 }
 # The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross
-# several blocks and a diagonal band that spans two K blocks; BLOCK_N = 32 is the least that
-# poly_exp = 4 splits.
-INTERPRETER_CONFIG = (64, 32, 4, 1, True, False, None, 4)
+# several blocks and a diagonal band that spans two K blocks.
+INTERPRETER_CONFIG = (32, 16, 4, 1, True, False, None)
 _pinned = None
 
 
 @contextlib.contextmanager
 def pinned_config(block_m, block_n, num_warps=4, num_stages=2, pipeline=False,
-                  use_tma=False, maxnreg=None, poly_exp=0):
+                  use_tma=False, maxnreg=None):
     """Launch every forward with this config instead of the table's (tests, the lab)."""
     global _pinned
     previous = _pinned
-    _pinned = (block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg, poly_exp)
+    _pinned = (block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg)
     try:
         yield
     finally:
@@ -360,7 +316,7 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
     batch, heads, q_len, head_dim = q.shape
-    block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg, poly_exp = config_for(head_dim)
+    block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg = config_for(head_dim)
     # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no
     # address to check) and inductor's launch provides no scratch for device-side descriptors.
     use_tma = use_tma and wrap is None and _tma_ok(k) and _tma_ok(v)
@@ -377,5 +333,4 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal,  #
         INPUT_PRECISION="ieee" if q.dtype.itemsize == 4 else "tf32",  # tf32 is unused for 16-bit
         BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,  #
-        POLY_EXP=poly_exp if q.dtype.itemsize == 2 else 0,  # fp32 keeps exact exponentials
         **options)
