@@ -26,6 +26,11 @@ def per_call_us(fn, n=3000):
     return us
 
 
+def on_device(q):
+    with fused._on_device(q):
+        pass
+
+
 def main():
     b, h, s, d = 8, 16, 1024, 64
     q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
@@ -47,7 +52,7 @@ def main():
         ("bare _attn_fwd[grid](...)", lambda: fwd._attn_fwd[grid](*args, **consts)),
         ("_validate", lambda: fused._validate(q, k, v, True, None, "bhsd", "top_left")),
         ("two torch.empty", lambda: (torch.empty_like(q), torch.empty(b, h, s, device="cuda"))),
-        ("torch.cuda.device(q.device) enter/exit", lambda: fused._on_device(q).__enter__()),
+        ("torch.cuda.device(q.device) enter/exit", lambda: on_device(q)),
         ("sdpa cudnn (for scale)", lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True)),
     ]
