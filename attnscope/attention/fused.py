@@ -92,9 +92,12 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _on_device(t):
-    # Triton launches on the current CUDA device; inputs may live on another one.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+def _on_device(device):
+    # Triton launches on the current CUDA device; inputs may live on another one. The context
+    # only when they do: entering it costs ~2-3 us of host time per call on the H200's host.
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _shapes_only(kernels, t):
@@ -115,9 +118,8 @@ def _shapes_only(kernels, t):
 
 
 def _check_interpreter(kernels, q):
-    # Checked in the op body rather than in _validate: this body is not traced by dynamo.
-    if q.device.type != "cpu":
-        return
+    # For CPU tensors. Checked in the op body rather than in _validate: this body is not traced
+    # by dynamo.
     if not kernels.interpreter_ready():
         raise ValueError("q, k, v are CPU tensors but the Triton interpreter is off: move them to "
                          "a CUDA device, or start Python with TRITON_INTERPRET=1 (Triton reads it "
@@ -129,18 +131,25 @@ def _check_interpreter(kernels, q):
 
 
 def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
+    # Eager inference at small shapes is bound by this function's host time (benchmarks/
+    # host_cost.py), so it reads each tensor attribute once and builds no views for bhsd.
     kernels = _kernels()
-    _check_interpreter(kernels, q)
+    device = q.device
+    if device.type == "cpu":
+        _check_interpreter(kernels, q)
     # The output is allocated contiguous in the caller's layout; the kernel sees every tensor as
     # a [batch, heads, seq, head_dim] view, whatever its strides.
-    out = _empty(q.shape, q.dtype, q.device)
-    q4, k4, v4, out4 = (_as_bhsd(t, layout) for t in (q, k, v, out))
+    out = _empty(q.shape, q.dtype, device)
+    if layout == "bhsd":
+        q4, k4, v4, out4 = q, k, v, out
+    else:
+        q4, k4, v4, out4 = (_as_bhsd(t, layout) for t in (q, k, v, out))
     batch, heads, q_len, _ = q4.shape
-    lse = _empty((batch, heads, q_len), torch.float32, q.device)
+    lse = _empty((batch, heads, q_len), torch.float32, device)
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
         return out, lse
-    with _on_device(q):
+    with _on_device(device):
         kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
                               causal_offset=offset, wrap=wrap)
     return out, lse
@@ -181,7 +190,7 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
         return dq, dk, dv
-    with _on_device(q):
+    with _on_device(q.device):
         kernels.attention_bwd(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta, causal=causal,
                               scale=scale, causal_offset=offset, wrap=wrap_triton)
     return dq, dk, dv
