@@ -1,0 +1,105 @@
+"""Compile the fused forward for Hopper (sm_90) on a machine without a GPU and read its SASS.
+
+Triton compiles for a named target without a driver, and its wheel ships ptxas and cuobjdump, so
+registers, spills, shared memory and the instruction mix of any config can be checked before
+spending device time (notes/kernel.md, "Offline compilation"). Use the Triton version the GPU
+machine has (3.6.0 on the H200), e.g. in a side venv; the code generated differs by version.
+
+    python benchmarks/sass_offline.py --head-dim 128 --config 128,64,8,3 [--pipeline] [--tma]
+        [--maxnreg N] [--sass out.sass]
+"""
+import argparse
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+KERNEL_FILE = pathlib.Path(__file__).resolve().parents[1] / "attnscope/kernels/attention_fwd.py"
+COUNTED = ("HGMMA", "WARPGROUP", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "LDGSTS",
+           "UTMALDG", "BAR", "LDL", "STL", "LDS", "STS", "SHFL")
+
+
+def load_kernel_module():
+    # By path, not `import attnscope`: the package turns the interpreter on where no GPU is.
+    spec = importlib.util.spec_from_file_location("attention_fwd_offline", KERNEL_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
+    """The CompiledKernel of _attn_fwd for sm_90, specialised as a contiguous launch would be."""
+    fn = load_kernel_module()._attn_fwd
+    block_m, block_n, num_warps, num_stages = config
+    unit_strides = {"stride_qk", "stride_kk", "stride_vk", "stride_ok"}
+    signature, constants, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr or name in unit_strides:
+            signature[name] = "constexpr"
+            if name in unit_strides:
+                constants[name] = 1
+        elif name in ("Q", "K", "V", "Out", "Lse"):
+            signature[name] = "*fp32" if name == "Lse" else f"*{dtype}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    constants.update(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                     CAUSAL=True, INPUT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n,
+                     PIPELINE=pipeline, USE_TMA=tma)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(ASTSource(fn, signature, constants, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def cuobjdump(compiled, *flags):
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([exe, *flags, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--head-dim", type=int, default=64, help="HEAD_DIM (default 64)")
+    p.add_argument("--config", default="128,64,8,3", help="BLOCK_M,BLOCK_N,num_warps,num_stages")
+    p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
+    p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
+    p.add_argument("--sass", default=None, help="also write the SASS listing here")
+    args = p.parse_args()
+    config = tuple(int(x) for x in args.config.split(","))
+    if len(config) != 4:
+        p.error("--config takes BLOCK_M,BLOCK_N,num_warps,num_stages")
+    compiled = compile_fwd(args.head_dim, config, args.pipeline, args.tma, args.maxnreg,
+                           args.dtype)
+    usage = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", cuobjdump(compiled, "-res-usage"))
+    sass = cuobjdump(compiled, "-sass")
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+    print(f"triton {triton.__version__}, sm_90, head_dim {args.head_dim}, config {config}, "
+          f"pipeline {args.pipeline}, tma {args.tma}, maxnreg {args.maxnreg}")
+    print(f"{usage.group(0) if usage else 'resource usage not found'}, "
+          f"shared memory requested {compiled.metadata.shared} B, {len(ops)} instructions")
+    print("  ".join(f"{op} {sum(o.startswith(op) for o in ops)}" for op in COUNTED))
+    if args.sass:
+        pathlib.Path(args.sass).write_text(sass)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
