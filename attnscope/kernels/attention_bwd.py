@@ -43,7 +43,7 @@ import contextlib
 import triton
 import triton.language as tl
 
-from attnscope.kernels.attention_fwd import LOG2E, _load, is_interpreted
+from attnscope.kernels.attention_fwd import LOG2E, _load, _query_block, is_interpreted
 
 LOG2E_C = tl.constexpr(LOG2E)  # jit functions read module globals only as constexprs
 
@@ -262,14 +262,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta,  #
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
                  INPUT_PRECISION: tl.constexpr,  #
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Grid as in the forward: last query block first, it has the most keys under a causal mask.
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    off_hz = tl.program_id(0)
-    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    off_z = (off_hz // H).to(tl.int64)
-    off_h = (off_hz % H).to(tl.int64)
-    off_hkv = off_h // GROUP
+    off_hz, start_m, off_z, off_h, off_hkv = _query_block(H, GROUP)  # the forward's grid
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)

@@ -50,6 +50,20 @@ def _load(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.const
 
 
 @triton.jit
+def _query_block(H, GROUP):
+    # Which (batch, query head, query block) this program computes, and its K/V head. Heads run
+    # along grid axis 0 and query blocks along axis 1, last block first: under a causal mask the
+    # last query blocks have the most keys, and the hardware starts programs in grid order, so
+    # the longest programs start in the first wave instead of being the tail. (The backward's
+    # dQ kernel uses the same grid.)
+    off_hz = tl.program_id(0)
+    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    return off_hz, start_m, off_z, off_h, off_h // GROUP
+
+
+@triton.jit
 def _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, CHECK_ROWS: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
             INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
@@ -149,16 +163,9 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
               INPUT_PRECISION: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,  #
               USE_TMA: tl.constexpr):
-    # Heads run along grid axis 0 and query blocks along axis 1, last block first: under a causal
-    # mask the last query blocks have the most keys, and the hardware starts programs in grid
-    # order, so the longest programs start in the first wave instead of being the tail.
     # torch.compile passes Python floats as fp64; one fp32 scale keeps every score op in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
-    off_hz = tl.program_id(0)
-    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    off_z = (off_hz // H).to(tl.int64)
-    off_h = (off_hz % H).to(tl.int64)
-    off_hkv = off_h // GROUP
+    off_hz, start_m, off_z, off_h, off_hkv = _query_block(H, GROUP)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
