@@ -1,8 +1,8 @@
 """Compile the fused forward for Hopper (sm_90) on a machine without a GPU and read its SASS.
 
 Triton compiles for a named target without a driver, and its wheel ships ptxas and cuobjdump, so
-registers, spills, shared memory and the instruction mix of any config can be checked before
-spending device time (notes/kernel.md, "Offline compilation"). Use the Triton version the GPU
+registers, spills, shared memory, the instruction mix and ptxas's performance remarks of any
+config can be checked before spending device time (notes/kernel.md, "Offline compilation"). Use the Triton version the GPU
 machine has (3.6.0 on the H200), e.g. in a side venv; the code generated differs by version.
 
     python benchmarks/sass_offline.py --head-dim 128 --config 128,64,8,3 [--pipeline] [--tma]
@@ -73,6 +73,19 @@ def cuobjdump(compiled, *flags):
                               check=True).stdout
 
 
+def ptxas_advice(compiled):
+    """ptxas's own performance remarks on the PTX (e.g. C7515: wgmma serialized because other
+    instructions write the accumulator registers mid-pipeline), which Triton's build discards."""
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = pathlib.Path(tmp, "k.ptx")
+        ptx.write_text(compiled.asm["ptx"])
+        run = subprocess.run([exe, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".o"))],
+                             capture_output=True, text=True)
+    return [line.strip() for line in (run.stdout + run.stderr).splitlines()
+            if "Performance" in line or "error" in line.lower()]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--head-dim", type=int, default=64, help="HEAD_DIM (default 64)")
@@ -96,6 +109,7 @@ def main():
     print(f"{usage.group(0) if usage else 'resource usage not found'}, "
           f"shared memory requested {compiled.metadata.shared} B, {len(ops)} instructions")
     print("  ".join(f"{op} {sum(o.startswith(op) for o in ops)}" for op in COUNTED))
+    print("\n".join(ptxas_advice(compiled)) or "ptxas: no performance remarks")
     if args.sass:
         pathlib.Path(args.sass).write_text(sass)
     return 0
