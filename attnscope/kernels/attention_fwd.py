@@ -20,6 +20,11 @@ Details that matter for exactness:
 - GQA/MQA: query head h reads K/V head h // GROUP; nothing is repeated in memory.
 - fp32 inputs use IEEE fp32 dots (Triton's default would be tf32, ~1e-3 relative error).
 
+Two loop schedules (config field `pipeline`): the plain one computes q @ k^T, softmax and p @ V of
+each K block in turn; the software-pipelined one issues the next block's q @ k^T before this
+block's p @ V so the softmax overlaps an in-flight wgmma, and peels the last block off the loop.
+The H200 table uses the pipelined loop for head_dim 256 only (notes/kernel.md, v5).
+
 Limits: head_dim <= 256 (registers); inputs must live on one CUDA device, or on the CPU with
 TRITON_INTERPRET=1 set before triton is imported (fp16/fp32 there: the interpreter's bf16 dot is
 wrong). The backward is attention_bwd.py.
