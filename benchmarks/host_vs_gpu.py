@@ -1,6 +1,8 @@
 """Host-bound or GPU-bound? The fused op and SDPA cuDNN timed eagerly (triton.testing.do_bench)
 and replayed from a CUDA graph (do_bench_cudagraph: no Python, no launch cost per call), at the
-small shapes of the default sweep. Eager minus graph is what the host adds per call.
+small shapes of the default sweep. Eager minus graph is what the host adds per call plus a
+cache effect: do_bench flushes L2 before each eager call, while the graph replays one input set
+with L2 warm (at the seed shape q, k, v take 50 MB of the 60 MB L2).
 
     python benchmarks/host_vs_gpu.py
 """

@@ -130,14 +130,16 @@ def test_non_contiguous_inputs(dtype, floor, lse_tol):
     check(q, k, v, floor, lse_tol)
 
 
+@pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_tensor_descriptor_path(layout):
-    # K/V through tensor descriptors (the D=256 configs' path on the GPU): ragged length and a
-    # head_dim the descriptor's block pads, so the zero fill past both edges is exercised.
+def test_tensor_descriptor_path(layout, pipeline):
+    # K/V through tensor descriptors (the D=256 class's path on the GPU, pipelined there): ragged
+    # length and a head_dim the descriptor's block pads, so the zero fill past both edges is
+    # exercised.
     q, k, v = make_qkv(1, 2, 1, 45, 70, 48, torch.float16, CPU, layout)
     k4, v4 = (fused._as_bhsd(t, layout) for t in (k, v))
     assert kernels._tma_ok(k4) and kernels._tma_ok(v4)  # else the launch falls back to pointers
-    with kernels.pinned_config(32, 16, 4, 1, use_tma=True):
+    with kernels.pinned_config(32, 16, 4, 1, pipeline=pipeline, use_tma=True):
         check(q, k, v, 1e-3, 1e-3, layout=layout, causal_alignment="bottom_right")
 
 

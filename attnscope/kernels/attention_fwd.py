@@ -309,7 +309,7 @@ def _tma_ok(t):
 
 def _scratch(size, alignment, stream):
     # Device-side tensor descriptors are written to global scratch memory Triton asks for here,
-    # on the current device (the op launches inside torch.cuda.device(q.device)).
+    # on the current device (the op makes the inputs' device current before it launches).
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
