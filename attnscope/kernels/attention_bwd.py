@@ -43,7 +43,8 @@ import contextlib
 import triton
 import triton.language as tl
 
-from attnscope.kernels.attention_fwd import LOG2E, _load, _query_block, is_interpreted
+from attnscope.kernels.attention_fwd import (LOG2E, _key_ranges, _load, _query_block,
+                                              is_interpreted)
 
 LOG2E_C = tl.constexpr(LOG2E)  # jit functions read module globals only as constexprs
 
@@ -283,15 +284,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta,  #
     v_base = V + off_z * stride_vz + off_hkv * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Key ranges exactly as in the forward's kernel.
-    first_row = start_m * BLOCK_M
-    if CAUSAL:
-        full_hi = tl.maximum(tl.minimum(first_row + CAUSAL_OFFSET + 1, N_CTX_K), 0)
-        masked_hi = tl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K)
-    else:
-        full_hi = N_CTX_K
-        masked_hi = N_CTX_K
-    full_hi = full_hi // BLOCK_N * BLOCK_N
+    full_hi, masked_hi = _key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
 
     # stage 1: blocks left of the diagonal, no masking
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #

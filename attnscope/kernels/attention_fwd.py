@@ -69,6 +69,23 @@ def _query_block(H, GROUP):
 
 
 @triton.jit
+def _key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    # Key ranges of query block start_m (the forward's and the dQ kernel's). Every row of the
+    # tile sees keys j <= first_row + CAUSAL_OFFSET; those whole blocks, [0, full_hi), need no
+    # mask. The rest, up to what the last row sees, [full_hi, masked_hi), is the masked diagonal
+    # band (it also holds the ragged end of K when N_CTX_K is not a multiple of BLOCK_N).
+    first_row = start_m * BLOCK_M
+    if CAUSAL:
+        full_hi = tl.maximum(tl.minimum(first_row + CAUSAL_OFFSET + 1, N_CTX_K), 0)
+        masked_hi = tl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K)
+    else:
+        full_hi = N_CTX_K
+        masked_hi = N_CTX_K
+    return full_hi // BLOCK_N * BLOCK_N, masked_hi
+
+
+@triton.jit
 def _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, CHECK_ROWS: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
             INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
@@ -194,17 +211,7 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Key ranges. Every row of this tile sees keys j <= first_row + CAUSAL_OFFSET; those whole
-    # blocks need no mask. The rest, up to what the last row sees, is the masked diagonal band
-    # (it also holds the ragged end of K when N_CTX_K is not a multiple of BLOCK_N).
-    first_row = start_m * BLOCK_M
-    if CAUSAL:
-        full_hi = tl.maximum(tl.minimum(first_row + CAUSAL_OFFSET + 1, N_CTX_K), 0)
-        masked_hi = tl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K)
-    else:
-        full_hi = N_CTX_K
-        masked_hi = N_CTX_K
-    full_hi = full_hi // BLOCK_N * BLOCK_N
+    full_hi, masked_hi = _key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
 
     if PIPELINE:
         # The last block (start `last`) is peeled off the loops: it has no next block to
