@@ -132,7 +132,7 @@ def _check_interpreter(kernels, q):
 
 def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
     # Eager inference at small shapes is bound by this function's host time (benchmarks/
-    # host_cost.py), so it reads each tensor attribute once and builds no views for bhsd.
+    # host_cost.py), so it reads the device once.
     kernels = _kernels()
     device = q.device
     if device.type == "cpu":
@@ -140,10 +140,7 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
     # The output is allocated contiguous in the caller's layout; the kernel sees every tensor as
     # a [batch, heads, seq, head_dim] view, whatever its strides.
     out = _empty(q.shape, q.dtype, device)
-    if layout == "bhsd":
-        q4, k4, v4, out4 = q, k, v, out
-    else:
-        q4, k4, v4, out4 = (_as_bhsd(t, layout) for t in (q, k, v, out))
+    q4, k4, v4, out4 = (_as_bhsd(t, layout) for t in (q, k, v, out))
     batch, heads, q_len, _ = q4.shape
     lse = _empty((batch, heads, q_len), torch.float32, device)
     offset = k4.shape[2] - q_len if bottom_right else 0
