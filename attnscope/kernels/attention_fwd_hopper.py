@@ -1,0 +1,278 @@
+"""
+Fused attention forward for Hopper (sm_90) in Gluon, FlashAttention-3 style
+============================================================================
+
+Same contract and math as attention_fwd.py (online softmax in the exp2 domain, causal split,
+LSE in natural log, rows that see no key written as zeros with LSE -inf), but written one level
+lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of the compiler's:
+
+- One program computes a 128-row query tile of one (batch, head) with three warp partitions:
+  a 1-warp loader and two 4-warp consumer warpgroups, each owning 64 query rows.
+- The loader streams K and V tiles through a STAGES-deep shared-memory ring with TMA. Each slot
+  has a "ready" mbarrier (the copy engine signals it when the bytes land) and an "empty"
+  mbarrier (both consumers arrive on it when their wgmma no longer reads the slot).
+- Each consumer overlaps its softmax with its tensor cores (FA3's intra-warpgroup pipeline):
+  it issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as asynchronous wgmma, waits only for S_j,
+  runs the softmax of block j while the P V wgmma is still running, then waits for it and
+  rescales O. P goes to the second wgmma straight from registers.
+- The two consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its
+  wgmma pair for block j only after the other one has issued its pair for block j - 1 (warp-
+  group 0) or j (warpgroup 1), through two mbarriers, so one warpgroup's softmax tends to run
+  while the other's matrix multiplies do.
+
+What it needs (attention_fwd routes everything else to the Triton kernel): an sm_90 GPU,
+fp16/bf16, head_dim 64 or 128, q/k/v contiguous [batch, heads, seq, head_dim] (the TMA
+descriptors see each tensor as one [rows, head_dim] matrix), an eager call (not torch.compile).
+Tiles that run past a head's end read the next head's rows or the copy engine's zeros; those
+keys are masked and those query rows are never stored.
+"""
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+LOG2E = 1.44269504
+LN2 = gl.constexpr(0.6931471805599453)
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+            v_empty, q_row, kv_row, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + wg * ROWS, 0], q_ready.index(wg),
+                                        q_smem.index(wg))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        # A fresh mbarrier is in phase 0, so waiting for parity 1 passes: the first STAGES
+        # loads do not wait for consumers.
+        phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_smem.index(slot))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, rows, start_n, N_CTX_K, CAUSAL_OFFSET, qk_scale,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    # One block of the online softmax: p = exp2(s * qk_scale - m) with the new running max m,
+    # alpha rescales what was accumulated under the old max. Scale and max subtraction fold
+    # into one FMA per score.
+    if MASKED:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        ok = gl.expand_dims(cols < N_CTX_K, 0)
+        if CAUSAL:
+            ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + CAUSAL_OFFSET, 1))
+        s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if MASKED:  # a row that has seen no key yet keeps m == -inf; subtract 0 instead of -inf
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@gluon.jit
+def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk_scale,
+                   CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    # Blocks every row of this warpgroup sees in full run without mask arithmetic.
+    if j < full_blocks:
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, N_CTX_K, CAUSAL_OFFSET,
+                                      qk_scale, False, CAUSAL, BLOCK_N)
+    else:
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, N_CTX_K, CAUSAL_OFFSET,
+                                      qk_scale, True, CAUSAL, BLOCK_N)
+    return p, alpha, l_i, m_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
+              Out, Lse, stride_om, lse_row, first_row, n_blocks, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
+              qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    m0 = first_row + WG * ROWS
+    rows = m0 + gl.arange(0, ROWS, layout=row_layout)
+    # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
+    if CAUSAL:
+        full_hi = gl.maximum(gl.minimum(m0 + CAUSAL_OFFSET + 1, N_CTX_K), 0)
+    else:
+        full_hi = N_CTX_K
+    full_blocks = full_hi // BLOCK_N
+
+    q = q_smem.index(WG)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+
+    mbarrier.wait(q_ready.index(WG), 0)
+    if n_blocks > 0:
+        mbarrier.wait(k_ready.index(0), 0)
+        if PINGPONG:  # turn k waits for phase k of this warpgroup's turn barrier
+            mbarrier.wait(turn.index(WG), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(0))
+        p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, N_CTX_K,
+                                            CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), j & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
+        # S_j is done; P_{j-1} V_{j-1} may still run while this block's softmax does
+        s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
+        mbarrier.arrive(k_empty.index(slot))
+        p, alpha, l_i, m_i = _block_softmax(s_j, m_i, l_i, rows, j, full_blocks, N_CTX_K,
+                                            CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(prev))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    if n_blocks > 0:
+        last = (n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(last))
+
+    # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
+    lse = (m_i + gl.log2(l_i)) * LN2
+    gl.store(Lse + lse_row + rows, lse, mask=rows < N_CTX_Q)
+    l_safe = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
+    out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
+    o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = Out + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0)
+    gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_CTX_Q, 1))
+
+
+@gluon.jit
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, stride_om,
+                     H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    BLOCK_M: gl.constexpr = 2 * ROWS
+    qk_scale = qk_scale.to(gl.float32)
+    # Heads along grid axis 0, query blocks along axis 1 with the last (longest under a causal
+    # mask) first, as in attention_fwd.py.
+    off_hz = gl.program_id(0)
+    start_m = gl.num_programs(1) - 1 - gl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    first_row = start_m * BLOCK_M
+    q_row = off_hz * N_CTX_Q + first_row
+    kv_row = (off_z * (H // GROUP) + off_h // GROUP) * N_CTX_K
+    if CAUSAL:  # keys the tile's last row sees
+        hi = gl.maximum(gl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K), 0)
+    else:
+        hi = N_CTX_K
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    out = Out + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
+    lse_row = off_hz.to(gl.int64) * N_CTX_Q
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    # warpgroup 0 has the first turn: its turn barrier starts one phase ahead
+    mbarrier.arrive(turn.index(0))
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
+                     out, Lse, stride_om, lse_row, first_row, n_blocks, N_CTX_Q, N_CTX_K,
+                     CAUSAL_OFFSET, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
+                     out, Lse, stride_om, lse_row, first_row, n_blocks, N_CTX_Q, N_CTX_K,
+                     CAUSAL_OFFSET, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                   v_ready, v_empty, q_row, kv_row, n_blocks, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# (BLOCK_N, STAGES, pingpong, consumer registers) per head_dim; notes/kernel.md, v8
+CONFIGS = {64: (128, 3, True, 240), 128: (128, 2, True, 240)}
+_GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
+
+
+def supports(q, k, v, out):
+    """True when this kernel can run the call (see the module docstring)."""
+    import torch
+    tensors = (q, k, v, out)
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and str(q.dtype) in _GL_DTYPES and q.shape[-1] in CONFIGS
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+            and out.stride(-1) == 1 and all(t.dtype == q.dtype for t in tensors))
+
+
+def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, config=None):
+    """Launch the Hopper forward; arguments as attention_fwd.attention_fwd's, plus `config`
+    to override CONFIGS (the lab)."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    block_n, stages, pingpong, regs = config or CONFIGS[head_dim]
+    dtype = _GL_DTYPES[str(q.dtype)]
+    q_layout = gl.NVMMASharedLayout.get_default_for([ROWS.value, head_dim], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
+    q2 = q.view(batch * heads * q_len, head_dim)
+    k2 = k.view(batch * kv_heads * kv_len, head_dim)
+    v2 = v.view(batch * kv_heads * kv_len, head_dim)
+    q_desc = TensorDescriptor(q2, q2.shape, q2.stride(), [ROWS.value, head_dim], q_layout)
+    k_desc = TensorDescriptor(k2, k2.shape, k2.stride(), [block_n, head_dim], kv_layout)
+    v_desc = TensorDescriptor(v2, v2.shape, v2.stride(), [block_n, head_dim], kv_layout)
+    grid = (batch * heads, triton.cdiv(q_len, 2 * ROWS.value))
+    return _attn_fwd_hopper[grid](
+        q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2),
+        heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
+        CONSUMER_REGS=regs, num_warps=4)

@@ -1,0 +1,147 @@
+"""Lab for the Gluon Hopper forward (attnscope/kernels/attention_fwd_hopper.py) on one sm_90 GPU.
+
+Two parts, each optional:
+  --check: the kernel against the float64 reference on odd shapes (causal and not, both causal
+           alignments, GQA, fp16/bf16, output poisoned with NaN first); prints max errors.
+  --time:  median times (triton.testing.do_bench, L2 flushed) of the Gluon kernel under each
+           --configs entry, the Triton kernel (fused op's table config) and cuDNN, in --repeat
+           interleaved rounds; JSON lines to --out.
+
+    python benchmarks/hopper_lab.py --check --time --shapes 8,16,1024,64 --out lab.jsonl
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attnscope.attention.reference import attention_reference
+from attnscope.kernels import attention_fwd as fwd
+from attnscope.kernels import attention_fwd_hopper as hop
+from attnscope.profile.flops import attention_flops
+
+CHECK_CASES = [  # (batch, heads, kv_heads, q_len, kv_len, head_dim, causal, bottom_right, dtype)
+    (2, 3, 3, 1000, 1000, 64, True, False, torch.bfloat16),
+    (2, 3, 3, 1000, 1000, 128, True, False, torch.bfloat16),
+    (1, 4, 2, 333, 333, 64, True, False, torch.float16),
+    (1, 2, 2, 77, 300, 128, True, True, torch.bfloat16),
+    (1, 2, 2, 300, 77, 64, True, True, torch.bfloat16),  # rows that see no key
+    (1, 2, 2, 300, 77, 64, True, False, torch.float16),
+    (2, 2, 1, 257, 513, 128, False, False, torch.bfloat16),
+    (1, 1, 1, 1, 1, 64, True, False, torch.bfloat16),
+    (1, 2, 2, 4096, 4096, 128, True, False, torch.bfloat16),
+    (1, 2, 2, 128, 128, 64, True, False, torch.bfloat16),
+]
+
+
+def _inputs(b, h, hkv, lq, lk, d, dtype):
+    q = torch.randn(b, h, lq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, hkv, lk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, hkv, lk, d, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+def _run(q, k, v, causal, bottom_right, config=None):
+    b, h, lq, d = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, h, lq), float("nan"), device="cuda")
+    offset = k.shape[2] - lq if bottom_right else 0
+    hop.attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=d ** -0.5,
+                             causal_offset=offset, config=config)
+    return out, lse
+
+
+def check(config):
+    worst = 0.0
+    for b, h, hkv, lq, lk, d, causal, br, dtype in CHECK_CASES:
+        torch.manual_seed(lq * 7 + d)
+        q, k, v = _inputs(b, h, hkv, lq, lk, d, dtype)
+        out, lse = _run(q, k, v, causal, br, config)
+        torch.cuda.synchronize()
+        ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=causal,
+                                           causal_alignment="bottom_right" if br else "top_left",
+                                           return_lse=True)
+        err = (out.double() - ref).abs().max().item()
+        finite = torch.isfinite(ref_lse)
+        lse_err = ((lse.double() - ref_lse).abs()[finite].max().item() if finite.any() else 0.0)
+        lse_inf_ok = bool((lse[~finite] == float("-inf")).all())
+        nan = bool(out.isnan().any())
+        print(f"check {b},{h},{hkv},{lq},{lk},{d} causal={causal} br={br} {str(dtype)[6:]}: "
+              f"max|err| {err:.2e} lse {lse_err:.2e} -inf-ok {lse_inf_ok} nan {nan}", flush=True)
+        worst = max(worst, err if not nan else float("inf"))
+    return worst
+
+
+def time_shapes(shapes, configs, repeat, out_path):
+    rows = []
+    for b, h, s, d, hkv in shapes:
+        q, k, v = _inputs(b, h, hkv, s, s, d, torch.bfloat16)
+        flops = attention_flops(b, h, s, s, d, causal=True)
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, s, device="cuda")
+        cands = {f"gluon{c}": (lambda c=c: hop.attention_fwd_hopper(
+            q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c))
+            for c in configs}
+        cands["triton"] = lambda: fwd.attention_fwd(q, k, v, out, lse, causal=True,
+                                                    scale=d ** -0.5, causal_offset=0)
+        kr, vr = (k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1))
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+        cands["cudnn"] = cudnn
+        times = {name: [] for name in cands}
+        for _ in range(repeat):
+            for name, fn in cands.items():
+                try:
+                    times[name].append(triton.testing.do_bench(fn, warmup=25, rep=100))
+                except Exception as e:  # a config that does not compile or launch
+                    print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        for name, t in times.items():
+            if not t:
+                continue
+            ms = statistics.median(t)
+            row = dict(shape=[b, h, s, d], kv_heads=hkv, impl=name, median_ms=ms,
+                       rounds=t, tflops=flops / ms / 1e9)
+            rows.append(row)
+            print(f"{b},{h},{s},{d} kv{hkv} {name:28s} {ms:.4f} ms {row['tflops']:6.1f} TFLOP/s "
+                  f"rounds {' '.join(f'{x:.4f}' for x in t)}", flush=True)
+    if out_path:
+        with open(out_path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--check", action="store_true", help="correctness against float64")
+    p.add_argument("--time", action="store_true", help="time against the Triton kernel, cuDNN")
+    p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"],
+                   help="B,H,S,D[,KV_HEADS] causal bf16 shapes to time")
+    p.add_argument("--configs", nargs="*", default=[],
+                   help="Gluon configs BLOCK_N,STAGES,PINGPONG(0/1),REGS (default: the table's)")
+    p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
+    p.add_argument("--out", help="append JSON lines here")
+    a = p.parse_args(argv)
+    configs = [None] + [tuple(int(x) if i != 2 else bool(int(x)) for i, x in
+                              enumerate(c.split(","))) for c in a.configs]
+    if a.check:
+        for c in configs:
+            print(f"== check config {c or 'table'}", flush=True)
+            worst = check(c)
+            print(f"worst {worst:.2e}", flush=True)
+    if a.time:
+        shapes = []
+        for s in a.shapes:
+            vals = [int(x) for x in s.split(",")]
+            shapes.append(tuple(vals[:4]) + (vals[4] if len(vals) > 4 else vals[1],))
+        time_shapes(shapes, configs, a.repeat, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
