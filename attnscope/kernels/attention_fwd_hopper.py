@@ -6,8 +6,11 @@ Same contract and math as attention_fwd.py (online softmax in the exp2 domain, c
 LSE in natural log, rows that see no key written as zeros with LSE -inf), but written one level
 lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of the compiler's:
 
-- One program computes a 128-row query tile of one (batch, head) with three warp partitions:
-  a 1-warp loader and two 4-warp consumer warpgroups, each owning 64 query rows.
+- Persistent: one program per SM walks 128-row query tiles of (batch, head) pairs, longest
+  (last under a causal mask) first, with three warp partitions: a 1-warp loader and two 4-warp
+  consumer warpgroups, each owning 64 query rows of the tile. The loader brings in the next
+  tile's Q as soon as the consumers' last Q K^T of the current one is done, so a tile's
+  start-up and epilogue overlap its neighbours' work.
 - The loader streams K and V tiles through a STAGES-deep shared-memory ring with TMA. Each slot
   has a "ready" mbarrier (the copy engine signals it when the bytes land) and an "empty"
   mbarrier (both consumers arrive on it when their wgmma no longer reads the slot).
@@ -27,6 +30,8 @@ Tiles that run past a head's end read the next head's rows or the copy engine's 
 keys are masked and those query rows are never stored.
 """
 
+import functools
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -40,25 +45,49 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 til
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-            v_empty, q_row, kv_row, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + wg * ROWS, 0], q_ready.index(wg),
-                                        q_smem.index(wg))
-    for j in range(n_blocks):
-        slot = j % STAGES
-        # A fresh mbarrier is in phase 0, so waiting for parity 1 passes: the first STAGES
-        # loads do not wait for consumers.
-        phase = ((j // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(slot),
-                                        k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(slot),
-                                        v_smem.index(slot))
+def _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    # Tile t of the persistent loop: (batch * head, first query row, number of K/V blocks).
+    # Tiles run last query block first: under a causal mask those have the most keys, so
+    # handing tiles out round-robin in this order balances the programs' total work.
+    off_hz = t % n_hz
+    first_row = (num_m - 1 - t // n_hz) * (2 * ROWS)
+    if CAUSAL:  # keys the tile's last row sees
+        hi = gl.maximum(gl.minimum(first_row + 2 * ROWS + CAUSAL_OFFSET, N_CTX_K), 0)
+    else:
+        hi = N_CTX_K
+    return off_hz, first_row, gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+            v_ready, v_empty, pid, n_programs, n_hz, num_m, H, GROUP, N_CTX_Q, N_CTX_K,
+            CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
+    ti = 0
+    for t in range(pid, n_hz * num_m, n_programs):
+        off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
+                                            BLOCK_N)
+        kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N_CTX_K
+        # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
+        # loads into each buffer wait for nobody.
+        for wg in gl.static_range(2):
+            mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
+            mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_hz * N_CTX_Q + first_row + wg * ROWS, 0],
+                                            q_ready.index(wg), q_smem.index(wg))
+        for j in range(n_blocks):
+            slot = (it + j) % STAGES
+            phase = (((it + j) // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0],
+                                            k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0],
+                                            v_ready.index(slot), v_smem.index(slot))
+        it += n_blocks
+        ti += 1
 
 
 @gluon.jit
@@ -98,10 +127,11 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
-              Out, Lse, stride_om, lse_row, first_row, n_blocks, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-              qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_hz, num_m, H,
+              N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, WG: gl.constexpr,
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -109,101 +139,101 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
-
-    m0 = first_row + WG * ROWS
-    rows = m0 + gl.arange(0, ROWS, layout=row_layout)
-    # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
-    if CAUSAL:
-        full_hi = gl.maximum(gl.minimum(m0 + CAUSAL_OFFSET + 1, N_CTX_K), 0)
-    else:
-        full_hi = N_CTX_K
-    full_blocks = full_hi // BLOCK_N
-
     q = q_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-    p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
 
-    mbarrier.wait(q_ready.index(WG), 0)
-    if n_blocks > 0:
-        mbarrier.wait(k_ready.index(0), 0)
-        if PINGPONG:  # turn k waits for phase k of this warpgroup's turn barrier
-            mbarrier.wait(turn.index(WG), 0)
-        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(0))
-        p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, N_CTX_K,
-                                            CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
+    ti = 0  # tiles so far: Q phase
+    for t in range(pid, n_hz * num_m, n_programs):
+        off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
+                                            BLOCK_N)
+        m0 = first_row + WG * ROWS
+        rows = m0 + gl.arange(0, ROWS, layout=row_layout)
+        # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
+        if CAUSAL:
+            full_hi = gl.maximum(gl.minimum(m0 + CAUSAL_OFFSET + 1, N_CTX_K), 0)
+        else:
+            full_hi = N_CTX_K
+        full_blocks = full_hi // BLOCK_N
 
-    for j in range(1, n_blocks):
-        slot = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), j & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
-        # S_j is done; P_{j-1} V_{j-1} may still run while this block's softmax does
-        s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
-        mbarrier.arrive(k_empty.index(slot))
-        p, alpha, l_i, m_i = _block_softmax(s_j, m_i, l_i, rows, j, full_blocks, N_CTX_K,
-                                            CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(v_empty.index(prev))
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
 
-    if n_blocks > 0:
-        last = (n_blocks - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(v_empty.index(last))
+        mbarrier.wait(q_ready.index(WG), ti & 1)
+        if n_blocks > 0:
+            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+            if PINGPONG:  # turn k waits for phase k of this warpgroup's turn barrier
+                mbarrier.wait(turn.index(WG), it & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG))
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(it % STAGES))
+            p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, N_CTX_K,
+                                                CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
-    lse = (m_i + gl.log2(l_i)) * LN2
-    gl.store(Lse + lse_row + rows, lse, mask=rows < N_CTX_Q)
-    l_safe = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
-    out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
-    o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = Out + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(o_cols, 0)
-    gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_CTX_Q, 1))
+        for j in range(1, n_blocks):
+            g = it + j
+            slot = g % STAGES
+            prev = (g - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), g & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG))
+            # S_j is done; P_{j-1} V_{j-1} may still run while this block's softmax does
+            s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
+            mbarrier.arrive(k_empty.index(slot))
+            p, alpha, l_i, m_i = _block_softmax(s_j, m_i, l_i, rows, j, full_blocks, N_CTX_K,
+                                                CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # Q is no longer read: the loader may bring in the next tile's while this one finishes
+        mbarrier.arrive(q_empty.index(WG))
+
+        if n_blocks > 0:
+            last = (it + n_blocks - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(v_empty.index(last))
+
+        # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
+        lse = (m_i + gl.log2(l_i)) * LN2
+        gl.store(Lse + off_hz.to(gl.int64) * N_CTX_Q + rows, lse, mask=rows < N_CTX_Q)
+        l_safe = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
+        out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
+        o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_base = Out + (off_hz // H).to(gl.int64) * stride_oz + (off_hz % H).to(gl.int64) * stride_oh
+        o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
+                  + gl.expand_dims(o_cols, 0))
+        gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_CTX_Q, 1))
+        it += n_blocks
+        ti += 1
 
 
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, stride_om,
-                     H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,
+                     BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    BLOCK_M: gl.constexpr = 2 * ROWS
+    # Persistent: each program walks tiles pid, pid + n_programs, ... (see _tile).
     qk_scale = qk_scale.to(gl.float32)
-    # Heads along grid axis 0, query blocks along axis 1 with the last (longest under a causal
-    # mask) first, as in attention_fwd.py.
-    off_hz = gl.program_id(0)
-    start_m = gl.num_programs(1) - 1 - gl.program_id(1)
-    off_z = off_hz // H
-    off_h = off_hz % H
-    first_row = start_m * BLOCK_M
-    q_row = off_hz * N_CTX_Q + first_row
-    kv_row = (off_z * (H // GROUP) + off_h // GROUP) * N_CTX_K
-    if CAUSAL:  # keys the tile's last row sees
-        hi = gl.maximum(gl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K), 0)
-    else:
-        hi = N_CTX_K
-    n_blocks = gl.cdiv(hi, BLOCK_N)
-    out = Out + off_z.to(gl.int64) * stride_oz + off_h.to(gl.int64) * stride_oh
-    lse_row = off_hz.to(gl.int64) * N_CTX_Q
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    n_hz = BATCH * H
+    num_m = gl.cdiv(N_CTX_Q, 2 * ROWS)
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
@@ -211,6 +241,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -218,6 +249,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -229,14 +261,17 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
-                     out, Lse, stride_om, lse_row, first_row, n_blocks, N_CTX_Q, N_CTX_K,
-                     CAUSAL_OFFSET, qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
-                     out, Lse, stride_om, lse_row, first_row, n_blocks, N_CTX_Q, N_CTX_K,
-                     CAUSAL_OFFSET, qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                   v_ready, v_empty, q_row, kv_row, n_blocks, BLOCK_N, STAGES)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                     turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_hz,
+                     num_m, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, 0, HEAD_DIM, BLOCK_N,
+                     STAGES, CAUSAL, PINGPONG)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                     turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_hz,
+                     num_m, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, 1, HEAD_DIM, BLOCK_N,
+                     STAGES, CAUSAL, PINGPONG)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                   k_empty, v_ready, v_empty, pid, n_programs, n_hz, num_m, H, GROUP, N_CTX_Q,
+                   N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -270,9 +305,16 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     q_desc = TensorDescriptor(q2, q2.shape, q2.stride(), [ROWS.value, head_dim], q_layout)
     k_desc = TensorDescriptor(k2, k2.shape, k2.stride(), [block_n, head_dim], kv_layout)
     v_desc = TensorDescriptor(v2, v2.shape, v2.stride(), [block_n, head_dim], kv_layout)
-    grid = (batch * heads, triton.cdiv(q_len, 2 * ROWS.value))
+    tiles = batch * heads * triton.cdiv(q_len, 2 * ROWS.value)
+    grid = (min(tiles, _sm_count(q.device)),)
     return _attn_fwd_hopper[grid](
         q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2),
-        heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
+        batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
         CONSUMER_REGS=regs, num_warps=4)
+
+
+@functools.cache
+def _sm_count(device):
+    import torch
+    return torch.cuda.get_device_properties(device).multi_processor_count
