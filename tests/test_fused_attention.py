@@ -316,3 +316,53 @@ def test_gpu_torch_compile_fullgraph(head_dim):
     torch._dynamo.reset()
     expected = attention_reference(q * 2, k, v).sum(-1)
     torch.testing.assert_close(layer(q, k, v).double(), expected, atol=0.1, rtol=0.02)
+
+
+# ---- GPU: the Gluon Hopper kernel (attention_fwd_hopper.py) ---------------------------------
+
+def _on_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+HOPPER_SHAPES = [
+    # (batch, heads, kv_heads, q_len, kv_len, causal, alignment): the kernel's 128-row tiles,
+    # 128-key blocks, the diagonal, ragged ends and the rows past a head's end
+    (2, 3, 3, 1000, 1000, True, "top_left"),
+    (1, 4, 1, 333, 333, True, "top_left"),        # MQA, one ragged tile
+    (1, 2, 2, 77, 300, True, "bottom_right"),     # diagonal off the tile grid
+    (1, 2, 2, 300, 77, True, "bottom_right"),     # rows that see no key, tiles with no block
+    (2, 2, 1, 257, 513, False, "top_left"),       # non-causal, ragged last K block
+    (1, 1, 1, 1, 1, True, "top_left"),
+    (3, 16, 16, 2048, 2048, True, "top_left"),    # more tiles than SMs: the persistent loop
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("shape", HOPPER_SHAPES)
+def test_hopper_kernel(shape, dtype, floor, lse_tol):
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 128, dtype, "cuda")
+    assert kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q))
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_hopper_kernel_only_takes_what_it_supports():
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, "cuda")
+    out = torch.empty_like(q)
+    assert kernels.uses_hopper_kernel(q, k, v, out)
+    assert not kernels.uses_hopper_kernel(q[..., :64], k[..., :64], v[..., :64], out[..., :64])
+    assert not kernels.uses_hopper_kernel(q.float(), k.float(), v.float(), out.float())
+    bshd = rearrange(torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16),
+                     "b s h d -> b h s d")
+    assert not kernels.uses_hopper_kernel(bshd, k, v, out)  # not one [rows, head_dim] matrix
+    with kernels.pinned_config(64, 64):  # a pinned config means the Triton kernel
+        assert not kernels.uses_hopper_kernel(q, k, v, out)
+
+
+def test_hopper_kernel_is_never_used_on_cpu():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 128, torch.float16, CPU)
+    assert not kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q))

@@ -28,9 +28,14 @@ The H200 table uses the pipelined loop for head_dim 256 only (notes/kernel.md, v
 Limits: head_dim <= 256 (registers); inputs must live on one CUDA device, or on the CPU with
 TRITON_INTERPRET=1 set before triton is imported (fp16/fp32 there: the interpreter's bf16 dot is
 wrong). The backward is attention_bwd.py.
+
+On an H200/H100 (sm_90), eager fp16/bf16 calls with head_dim 128 and contiguous inputs run
+attention_fwd_hopper.py instead: the same algorithm written in Gluon with a warp-specialized,
+FlashAttention-3 style schedule (`uses_hopper_kernel` decides; notes/kernel.md, v8).
 """
 
 import contextlib
+import functools
 
 import torch
 
@@ -329,11 +334,36 @@ def _set_scratch_allocator():
     _allocator_set = True
 
 
+@functools.cache
+def _hopper():
+    # The Gluon kernel module, or None where this Triton has no Gluon (or a Gluon whose API
+    # differs from the one it was written for: Triton 3.6).
+    try:
+        from attnscope.kernels import attention_fwd_hopper
+    except Exception:  # ImportError, or an API mismatch surfacing at definition time
+        return None
+    return attention_fwd_hopper
+
+
+def uses_hopper_kernel(q, k, v, out):
+    """True when an eager forward of these tensors runs the Gluon Hopper kernel
+    (attention_fwd_hopper.py) instead of this file's: an sm_90 GPU, Gluon importable, no pinned
+    config, and the inputs that kernel takes (its `supports`)."""
+    if _pinned is not None or not q.is_cuda or is_interpreted():
+        return False
+    hopper = _hopper()
+    return hopper is not None and hopper.supports(q, k, v, out)
+
+
 def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None):
-    """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
+    """Launch the forward (the Gluon kernel where uses_hopper_kernel says so, else this file's
+    Triton kernel). q, out: [batch, heads, q_len, head_dim] views with any strides;
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
+    if wrap is None and uses_hopper_kernel(q, k, v, out):
+        return _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
+                                               causal_offset=causal_offset)
     batch, heads, q_len, head_dim = q.shape
     block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg = config_for(head_dim)
     # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no

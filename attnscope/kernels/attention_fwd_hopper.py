@@ -275,19 +275,23 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-# (BLOCK_N, STAGES, pingpong, consumer registers) per head_dim; notes/kernel.md, v8
-CONFIGS = {64: (128, 3, True, 240), 128: (128, 2, True, 240)}
+# (BLOCK_N, STAGES, pingpong, consumer registers, persistent) per head_dim, measured on the H200 with
+# benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim 64 stays on the Triton kernel: this
+# one measured slower there (0.077 vs 0.065 ms at the seed shape).
+CONFIGS = {128: (128, 2, True, 240, True)}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
 def supports(q, k, v, out):
-    """True when this kernel can run the call (see the module docstring)."""
+    """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
+    CONFIGS, q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned addresses (the
+    TMA descriptors view each as one [rows, head_dim] matrix) and out with unit last stride."""
     import torch
-    tensors = (q, k, v, out)
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
             and str(q.dtype) in _GL_DTYPES and q.shape[-1] in CONFIGS
+            and all(t.dtype == q.dtype for t in (k, v, out))
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
-            and out.stride(-1) == 1 and all(t.dtype == q.dtype for t in tensors))
+            and out.stride(-1) == 1)
 
 
 def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, config=None):
@@ -295,7 +299,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     to override CONFIGS (the lab)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    block_n, stages, pingpong, regs = config or CONFIGS[head_dim]
+    block_n, stages, pingpong, regs, persistent = config or CONFIGS[head_dim]
     dtype = _GL_DTYPES[str(q.dtype)]
     q_layout = gl.NVMMASharedLayout.get_default_for([ROWS.value, head_dim], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
@@ -306,7 +310,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     k_desc = TensorDescriptor(k2, k2.shape, k2.stride(), [block_n, head_dim], kv_layout)
     v_desc = TensorDescriptor(v2, v2.shape, v2.stride(), [block_n, head_dim], kv_layout)
     tiles = batch * heads * triton.cdiv(q_len, 2 * ROWS.value)
-    grid = (min(tiles, _sm_count(q.device)),)
+    # persistent: one program per SM; otherwise one per tile (the tile loop then runs once)
+    grid = (min(tiles, _sm_count(q.device)) if persistent else tiles,)
     return _attn_fwd_hopper[grid](
         q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2),
         batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
