@@ -86,8 +86,13 @@ def time_shapes(shapes, configs, repeat, out_path):
         cands = {f"gluon{c}": (lambda c=c: hop.attention_fwd_hopper(
             q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c))
             for c in configs}
-        cands["triton"] = lambda: fwd.attention_fwd(q, k, v, out, lse, causal=True,
-                                                    scale=d ** -0.5, causal_offset=0)
+        triton_config = fwd.CONFIGS[64 if d <= 64 else 128 if d <= 128 else 256]
+
+        def triton_kernel():  # pinned: an unpinned call would take the Gluon kernel
+            with fwd.pinned_config(*triton_config):
+                return fwd.attention_fwd(q, k, v, out, lse, causal=True, scale=d ** -0.5,
+                                         causal_offset=0)
+        cands["triton"] = triton_kernel
         kr, vr = (k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1))
 
         def cudnn():

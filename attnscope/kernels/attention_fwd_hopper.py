@@ -45,6 +45,15 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 til
 
 
 @gluon.jit
+def _tile_of(r, pid, n_programs):
+    # Round r of program pid's tiles. Rounds alternate direction (program 0 takes the first
+    # tile of even rounds and the last of odd ones): tiles shorten along the order, so a
+    # fixed direction would give low program ids the longer tile of every round (measured
+    # 6 % of imbalance at 16k keys, notes v8).
+    return r * n_programs + gl.where(r % 2 == 0, pid, n_programs - 1 - pid)
+
+
+@gluon.jit
 def _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     # Tile t of the persistent loop: (batch * head, first query row, number of K/V blocks).
     # Tiles run last query block first: under a causal mask those have the most keys, so
@@ -60,11 +69,12 @@ def _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N:
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-            v_ready, v_empty, pid, n_programs, n_hz, num_m, H, GROUP, N_CTX_Q, N_CTX_K,
+            v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, H, GROUP, N_CTX_Q, N_CTX_K,
             CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
-    for t in range(pid, n_hz * num_m, n_programs):
+    for r in range(n_rounds):
+        t = _tile_of(r, pid, n_programs)
         off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
                                             BLOCK_N)
         kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N_CTX_K
@@ -128,8 +138,8 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_hz, num_m, H,
-              N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, WG: gl.constexpr,
+              Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m,
+              H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, WG: gl.constexpr,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -144,7 +154,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_read
 
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
-    for t in range(pid, n_hz * num_m, n_programs):
+    for r in range(n_rounds):
+        t = _tile_of(r, pid, n_programs)
         off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
                                             BLOCK_N)
         m0 = first_row + WG * ROWS
@@ -215,7 +226,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_read
         out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
         o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_base = Out + (off_hz // H).to(gl.int64) * stride_oz + (off_hz % H).to(gl.int64) * stride_oh
+        o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
+                  + (off_hz % H).to(gl.int64) * stride_oh)
         o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
                   + gl.expand_dims(o_cols, 0))
         gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_CTX_Q, 1))
@@ -234,6 +246,11 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     n_programs = gl.num_programs(0)
     n_hz = BATCH * H
     num_m = gl.cdiv(N_CTX_Q, 2 * ROWS)
+    # rounds of this program: all but the last are full; in the last, this program's tile
+    # may be past the end
+    n_rounds = gl.cdiv(n_hz * num_m, n_programs)
+    last_ok = _tile_of(n_rounds - 1, pid, n_programs) < n_hz * num_m
+    n_rounds = n_rounds - 1 + last_ok.to(gl.int32)
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
@@ -260,24 +277,25 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
 
+    # (Partition arguments must be written out: a tuple built with + loses constexpr-ness.)
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                     turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_hz,
-                     num_m, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, 0, HEAD_DIM, BLOCK_N,
-                     STAGES, CAUSAL, PINGPONG)),
+                     turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds,
+                     n_hz, num_m, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, 0, HEAD_DIM,
+                     BLOCK_N, STAGES, CAUSAL, PINGPONG)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                     turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_hz,
-                     num_m, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, 1, HEAD_DIM, BLOCK_N,
-                     STAGES, CAUSAL, PINGPONG)),
+                     turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds,
+                     n_hz, num_m, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, 1, HEAD_DIM,
+                     BLOCK_N, STAGES, CAUSAL, PINGPONG)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                   k_empty, v_ready, v_empty, pid, n_programs, n_hz, num_m, H, GROUP, N_CTX_Q,
-                   N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N, STAGES)),
+                   k_empty, v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, H, GROUP,
+                   N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
-# (BLOCK_N, STAGES, pingpong, consumer registers, persistent) per head_dim, measured on the H200 with
-# benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim 64 stays on the Triton kernel: this
-# one measured slower there (0.077 vs 0.065 ms at the seed shape).
+# (BLOCK_N, STAGES, pingpong, consumer registers, persistent) per head_dim, measured on the
+# H200 with benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim 64 stays on the Triton
+# kernel: this one measured slower there (0.077 vs 0.065 ms at the seed shape).
 CONFIGS = {128: (128, 2, True, 240, True)}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
