@@ -54,33 +54,36 @@ def _tile_of(r, pid, n_programs):
 
 
 @gluon.jit
-def _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr):
     # Tile t of the persistent loop: (batch * head, first query row, number of K/V blocks).
     # Tiles run last query block first: under a causal mask those have the most keys, so
     # handing tiles out round-robin in this order balances the programs' total work.
     off_hz = t % n_hz
-    first_row = (num_m - 1 - t // n_hz) * (2 * ROWS)
+    first_row = (num_m - 1 - t // n_hz) * BLOCK_M
     if CAUSAL:  # keys the tile's last row sees
-        hi = gl.maximum(gl.minimum(first_row + 2 * ROWS + CAUSAL_OFFSET, N_CTX_K), 0)
+        hi = gl.maximum(gl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K), 0)
     else:
         hi = N_CTX_K
     return off_hz, first_row, gl.cdiv(hi, BLOCK_N)
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-            v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, H, GROUP, N_CTX_Q, N_CTX_K,
-            CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _loader(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            NUM_WG: gl.constexpr):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, pid, n_programs, n_rounds, n_hz, num_m, H, GROUP, N_CTX_Q, N_CTX_K,
+     CAUSAL_OFFSET) = args
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
     for r in range(n_rounds):
         t = _tile_of(r, pid, n_programs)
         off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
-                                            BLOCK_N)
+                                            NUM_WG * ROWS, BLOCK_N)
         kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N_CTX_K
         # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
         # loads into each buffer wait for nobody.
-        for wg in gl.static_range(2):
+        for wg in gl.static_range(NUM_WG):
             mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
             mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [off_hz * N_CTX_Q + first_row + wg * ROWS, 0],
@@ -137,11 +140,13 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m,
-              H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, WG: gl.constexpr,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile.
+    (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse,
+     stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m, H, N_CTX_Q, N_CTX_K,
+     CAUSAL_OFFSET, qk_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -157,7 +162,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_read
     for r in range(n_rounds):
         t = _tile_of(r, pid, n_programs)
         off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
-                                            BLOCK_N)
+                                            NUM_WG * ROWS, BLOCK_N)
         m0 = first_row + WG * ROWS
         rows = m0 + gl.arange(0, ROWS, layout=row_layout)
         # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
@@ -180,7 +185,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_read
             s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
             if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG))
+                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
             s = warpgroup_mma_wait(0, deps=[s_tok])
             mbarrier.arrive(k_empty.index(it % STAGES))
             p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, N_CTX_K,
@@ -199,7 +204,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_read
                                   is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG))
+                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
             # S_j is done; P_{j-1} V_{j-1} may still run while this block's softmax does
             s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
             mbarrier.arrive(k_empty.index(slot))
@@ -239,13 +244,14 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_read
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, stride_om,
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    # Persistent: each program walks tiles pid, pid + n_programs, ... (see _tile).
+                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr):
+    # Persistent: program pid walks tiles _tile_of(0, pid), _tile_of(1, pid), ... (see _tile).
     qk_scale = qk_scale.to(gl.float32)
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     n_hz = BATCH * H
-    num_m = gl.cdiv(N_CTX_Q, 2 * ROWS)
+    num_m = gl.cdiv(N_CTX_Q, NUM_WG * ROWS)
     # rounds of this program: all but the last are full; in the last, this program's tile
     # may be past the end
     n_rounds = gl.cdiv(n_hz * num_m, n_programs)
@@ -253,50 +259,58 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     n_rounds = n_rounds - 1 + last_ok.to(gl.int32)
 
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    for i in gl.static_range(2):
+    for i in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=NUM_WG)
     # warpgroup 0 has the first turn: its turn barrier starts one phase ahead
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
 
-    # (Partition arguments must be written out: a tuple built with + loses constexpr-ness.)
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                     turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds,
-                     n_hz, num_m, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, 0, HEAD_DIM,
-                     BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                     turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds,
-                     n_hz, num_m, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, 1, HEAD_DIM,
-                     BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                   k_empty, v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, H, GROUP,
-                   N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+              Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m,
+              H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+             v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, H, GROUP, N_CTX_Q, N_CTX_K,
+             CAUSAL_OFFSET)
+    # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
+    # built with + turns them into runtime values.)
+    if NUM_WG == 2:
+        gl.warp_specialize([
+            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_loader, (loads, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+    else:
+        gl.static_assert(NUM_WG == 3, "two or three consumer warpgroups")
+        gl.warp_specialize([
+            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_consumer, (shared, 2, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_loader, (loads, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
-# (BLOCK_N, STAGES, pingpong, consumer registers, persistent) per head_dim, measured on the
-# H200 with benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim 64 stays on the Triton
-# kernel: this one measured slower there (0.077 vs 0.065 ms at the seed shape).
-CONFIGS = {128: (128, 2, True, 240, True)}
+# (BLOCK_N, STAGES, pingpong, consumer registers, persistent, consumer warpgroups) per
+# head_dim, measured on the H200 with benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim
+# 64 stays on the Triton kernel: this one measured slower there (0.077 vs 0.065 ms at the seed shape).
+CONFIGS = {128: (128, 2, True, 240, True, 2)}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
@@ -317,7 +331,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     to override CONFIGS (the lab)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    block_n, stages, pingpong, regs, persistent = config or CONFIGS[head_dim]
+    block_n, stages, pingpong, regs, persistent, num_wg = config or CONFIGS[head_dim]
     dtype = _GL_DTYPES[str(q.dtype)]
     q_layout = gl.NVMMASharedLayout.get_default_for([ROWS.value, head_dim], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
@@ -327,14 +341,14 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     q_desc = TensorDescriptor(q2, q2.shape, q2.stride(), [ROWS.value, head_dim], q_layout)
     k_desc = TensorDescriptor(k2, k2.shape, k2.stride(), [block_n, head_dim], kv_layout)
     v_desc = TensorDescriptor(v2, v2.shape, v2.stride(), [block_n, head_dim], kv_layout)
-    tiles = batch * heads * triton.cdiv(q_len, 2 * ROWS.value)
+    tiles = batch * heads * triton.cdiv(q_len, num_wg * ROWS.value)
     # persistent: one program per SM; otherwise one per tile (the tile loop then runs once)
     grid = (min(tiles, _sm_count(q.device)) if persistent else tiles,)
     return _attn_fwd_hopper[grid](
         q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2),
         batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-        CONSUMER_REGS=regs, num_warps=4)
+        NUM_WG=num_wg, CONSUMER_REGS=regs, num_warps=4)
 
 
 @functools.cache
