@@ -391,7 +391,29 @@ def test_compile_for_names_every_config_field(monkeypatch):
     monkeypatch.setattr(kernels, "is_interpreted", lambda: False)
     monkeypatch.setattr(kernels, "attention_fwd", lambda *a, **kw: "compiled")
     q = torch.randn(1, 2, 8, 16)
-    kernel, config = artifacts.compile_for(q, q, q)
+    kernel, config, origin = artifacts.compile_for(q, q, q)
     assert kernel == "compiled"
     assert list(config) == list(kernels.CONFIG_FIELDS)
     assert tuple(config.values()) == kernels.config_for(16)
+    assert origin == (artifacts.MODULE, artifacts.SOURCE_PATH, artifacts.KERNEL)
+
+
+def test_compile_for_names_the_gluon_kernel_where_the_op_runs_it(monkeypatch):
+    # Where the op takes the Gluon kernel, the artifacts must carry its source, name and config,
+    # not the Triton kernel's.
+    from attnscope.kernels import attention_fwd as kernels
+    from attnscope.kernels import attention_fwd_hopper as hopper
+    from attnscope.profile import artifacts
+
+    monkeypatch.setattr(kernels, "is_interpreted", lambda: False)
+    monkeypatch.setattr(kernels, "uses_hopper_kernel", lambda *a: True)
+    monkeypatch.setattr(kernels, "attention_fwd", lambda *a, **kw: "compiled")
+    q = torch.randn(1, 2, 8, 128)
+    kernel, config, origin = artifacts.compile_for(q, q, q)
+    assert origin == (artifacts.HOPPER_MODULE, artifacts.HOPPER_SOURCE_PATH,
+                      artifacts.HOPPER_KERNEL)
+    assert list(config) == list(hopper.CONFIG_FIELDS)
+    assert tuple(config.values()) == hopper.CONFIGS[128]
+    source = artifacts.source_file(origin[0]).read_text()
+    assert f"def {artifacts.HOPPER_KERNEL}(" in source
+    assert artifacts.source_location(source, *origin[1:]).startswith(artifacts.HOPPER_SOURCE_PATH)

@@ -26,9 +26,14 @@ from attnscope.profile import tensor_cores as tc
 # One SASS grammar for the Tensor Core verdict and for the instruction mix.
 from attnscope.profile.tensor_cores import _SASS_LINE as SASS_LINE
 
-KERNEL = "_attn_fwd"
+KERNEL = "_attn_fwd"  # the Triton kernel, and the file-name prefix of every artifact
 MODULE = "attnscope.kernels.attention_fwd"
 SOURCE_PATH = "attnscope/kernels/attention_fwd.py"  # as a reader finds it in the repository
+# Where the op runs the Gluon kernel instead (kernels.uses_hopper_kernel), its artifacts are
+# written under the same file names, with this source and kernel name in the meta.
+HOPPER_KERNEL = "_attn_fwd_hopper"
+HOPPER_MODULE = "attnscope.kernels.attention_fwd_hopper"
+HOPPER_SOURCE_PATH = "attnscope/kernels/attention_fwd_hopper.py"
 STAGES = (("ttir", "1.ttir"), ("ttgir", "2.ttgir"), ("llir", "3.llir"), ("ptx", "4.ptx"))
 SOURCE_SUFFIX, SASS_SUFFIX, META_SUFFIX = "0.py", "5.sass", "meta.json"
 
@@ -37,10 +42,10 @@ class NeedsGPU(RuntimeError):
     """There is no compiled kernel to dump: the Triton interpreter compiles nothing."""
 
 
-def source_file() -> Path:
+def source_file(module: str = MODULE) -> Path:
     # find_spec, not import: importing the kernel module defines the kernels (and on a CPU
     # machine, decides they are interpreted).
-    return Path(importlib.util.find_spec(MODULE).origin)
+    return Path(importlib.util.find_spec(module).origin)
 
 
 def def_line(source: str, name: str = KERNEL) -> int | None:
@@ -49,15 +54,18 @@ def def_line(source: str, name: str = KERNEL) -> int | None:
     return source.count("\n", 0, match.start()) + 1 if match else None
 
 
-def source_location(source: str | None = None) -> str:
+def source_location(source: str | None = None, path: str = SOURCE_PATH,
+                    name: str = KERNEL) -> str:
+    """`path:line` of `def name(` (the Triton kernel by default)."""
     source = source_file().read_text() if source is None else source
-    return f"{SOURCE_PATH}:{def_line(source)}"
+    return f"{path}:{def_line(source, name)}"
 
 
 def compile_for(q, k, v):
-    """The CompiledKernel and the launch config (kernels.CONFIG_FIELDS) that the fused op
-    launches for these [batch, heads, seq, head_dim] inputs (causal, default
-    scale, top-left alignment, as the `fused` registry entry calls it)."""
+    """The CompiledKernel, its launch config and its origin (module, source path, kernel name)
+    that the fused op launches for these [batch, heads, seq, head_dim] inputs (causal, default
+    scale, top-left alignment, as the `fused` registry entry calls it): the Triton kernel, or
+    the Gluon one where kernels.uses_hopper_kernel says so."""
     import torch
 
     kernels = importlib.import_module(MODULE)
@@ -66,17 +74,24 @@ def compile_for(q, k, v):
                        "nothing; compiled artifacts need a CUDA GPU run")
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    hopper = kernels.uses_hopper_kernel(q, k, v, out)
     kernel = kernels.attention_fwd(q, k, v, out, lse, causal=True,
                                    scale=1.0 / math.sqrt(q.shape[-1]), causal_offset=0)
-    return kernel, dict(zip(kernels.CONFIG_FIELDS, kernels.config_for(q.shape[-1])))
+    if hopper:
+        module = importlib.import_module(HOPPER_MODULE)
+        config = dict(zip(module.CONFIG_FIELDS, module.CONFIGS[q.shape[-1]]))
+        return kernel, config, (HOPPER_MODULE, HOPPER_SOURCE_PATH, HOPPER_KERNEL)
+    config = dict(zip(kernels.CONFIG_FIELDS, kernels.config_for(q.shape[-1])))
+    return kernel, config, (MODULE, SOURCE_PATH, KERNEL)
 
 
-def _meta(kernel, config, q, sass_written: bool) -> dict:
+def _meta(kernel, config, q, sass_written: bool, origin=(MODULE, SOURCE_PATH, KERNEL)) -> dict:
     metadata = kernel.metadata
-    source = source_file().read_text()
+    module, path, name = origin
+    source = source_file(module).read_text()
     return {
-        "kernel": getattr(metadata, "name", KERNEL),
-        "source": source_location(source),
+        "kernel": getattr(metadata, "name", name),
+        "source": source_location(source, path, name),
         "shape": list(q.shape), "dtype": str(q.dtype).removeprefix("torch."),
         "config": config,  # as requested; use_tma also needs 16-byte aligned K/V
         # What the compiler settled on; these can differ from the request (e.g. num_stages).
@@ -94,11 +109,11 @@ def _meta(kernel, config, q, sass_written: bool) -> dict:
 def dump(q, k, v, folder) -> list[Path]:
     """Write the fused kernel's artifacts for these inputs into `folder`; the written paths.
     Raises NeedsGPU on the interpreter."""
-    kernel, config = compile_for(q, k, v)
+    kernel, config, origin = compile_for(q, k, v)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = [folder / f"{KERNEL}.{SOURCE_SUFFIX}"]
-    shutil.copyfile(source_file(), written[0])
+    shutil.copyfile(source_file(origin[0]), written[0])
     asm = kernel.asm
     for key, suffix in STAGES:
         if isinstance(asm.get(key), str):
@@ -110,7 +125,8 @@ def dump(q, k, v, folder) -> list[Path]:
         written.append(folder / f"{KERNEL}.{SASS_SUFFIX}")
         written[-1].write_text(tc.disassemble(cubin, tool))
     written.append(folder / f"{KERNEL}.{META_SUFFIX}")
-    written[-1].write_text(json.dumps(_meta(kernel, config, q, sass_written), indent=1) + "\n")
+    meta = _meta(kernel, config, q, sass_written, origin)
+    written[-1].write_text(json.dumps(meta, indent=1) + "\n")
     return written
 
 

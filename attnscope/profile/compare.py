@@ -193,8 +193,9 @@ def _kernel_fields(row, fused_meta):
     fields = {k["name"]: {"attnscope tensor cores": k["tensor_cores"]["verdict"],
                           "attnscope evidence": evidence_text(k["tensor_cores"])}
               for k in row["kernels"]}
-    if row["impl"] == FUSED and artifacts.KERNEL in fields:
-        ours = fields[artifacts.KERNEL]
+    ours_name = (fused_meta or {}).get("kernel") or artifacts.KERNEL  # Triton's or Gluon's
+    if row["impl"] == FUSED and ours_name in fields:
+        ours = fields[ours_name]
         ours["attnscope source"] = (fused_meta or {}).get("source") or artifacts.source_location()
         if fused_meta:
             config, compiled = fused_meta["config"], fused_meta["compiled"]

@@ -16,6 +16,7 @@ import html
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -270,23 +271,25 @@ class _Page:
         candidates.append(self.folder / compare.KERNEL_DIR)
         found = next((a for a in map(artifacts.load, candidates) if a), None)
         source = (found or {}).get("source") or artifacts.source_file().read_text()
+        meta = (found or {}).get("meta", {})
+        name = meta.get("kernel") or artifacts.KERNEL  # the Gluon kernel's where the op ran it
+        where = meta.get("source") or artifacts.source_location(source)
         lines = {}
         if found and found.get("ptx"):
-            lines = artifacts.ptx_line_map(found["ptx"], artifacts.SOURCE_PATH)
+            lines = artifacts.ptx_line_map(found["ptx"], where.rsplit(":", 1)[0])
         compiled = self._compiled(found, lines) if found else _note(
             "compiled artifacts need a GPU run: `compare` on CUDA writes the fused kernel's "
             f"TTIR, TTGIR, LLIR, PTX and SASS to OUT/{compare.KERNEL_DIR.as_posix()}/, and this "
             "panel then shows its launch config, registers, spills, shared memory, instruction "
             "mix and which source lines became matrix instructions. This folder has none.")
-        where = (found or {}).get("meta", {}).get("source") or artifacts.source_location(source)
-        body = (f'<p>Triton source: <code>{_e(where)}</code> (<code>def {artifacts.KERNEL}'
-                f"</code>), from its first <code>@triton.jit</code> function on. Lines marked "
+        body = (f'<p>Source: <code>{_e(where)}</code> (<code>def {_e(name)}'
+                f"</code>), from its first jit function on. Lines marked "
                 f"in green became matrix (Tensor Core) instructions; "
                 f"the badges count the PTX instructions the compiler's line info ties to each "
                 f"line and link to them.</p>"
                 f'<div class="pair"><div class="srcpane">{_source_html(source, lines)}</div>'
                 f'<div class="compiled">{compiled}</div></div>')
-        return _section("fused", f"Fused kernel: {artifacts.KERNEL}", body)
+        return _section("fused", f"Fused kernel: {_e(name)}", body)
 
     def _compiled(self, found, lines) -> str:
         meta = found["meta"]
@@ -368,8 +371,10 @@ def _source_html(source: str, lines: dict) -> str:
     from pygments.lexers import PythonLexer
 
     code = highlight(source, PythonLexer(), HtmlFormatter(nowrap=True)).split("\n")
-    # From the first @triton.jit on: the module docstring and imports compile to nothing.
-    first = next((i for i, line in enumerate(source.splitlines()) if "@triton.jit" in line), 0)
+    # From the first jit function on (@triton.jit, or @gluon.jit in the Hopper kernel): the
+    # module docstring and imports compile to nothing.
+    first = next((i for i, line in enumerate(source.splitlines())
+                  if re.match(r"@(triton|gluon)\.jit", line)), 0)
     rows = []
     for number, text in enumerate(code[first:source.count("\n") + 1], first + 1):
         entry = lines.get(number)
