@@ -130,8 +130,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"],
                    help="B,H,S,D[,KV_HEADS] causal bf16 shapes to time")
     p.add_argument("--configs", nargs="*", default=[],
-                   help="Gluon configs BLOCK_N,STAGES,PINGPONG(0/1),REGS,PERSISTENT(0/1),CONSUMER_WARPGROUPS,"
-                        "Q_BUFFERS"
+                   help="Gluon configs BLOCK_N,STAGES,PINGPONG(0/1),REGS,PERSISTENT(0/1),"
+                        "CONSUMER_WARPGROUPS,Q_BUFFERS"
                         " (default: the table's)")
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--out", help="append JSON lines here")
