@@ -131,7 +131,7 @@ def main(argv=None):
                    help="B,H,S,D[,KV_HEADS] causal bf16 shapes to time")
     p.add_argument("--configs", nargs="*", default=[],
                    help="Gluon configs BLOCK_N,STAGES,PINGPONG(0/1),REGS,PERSISTENT(0/1),"
-                        "CONSUMER_WARPGROUPS,Q_BUFFERS"
+                        "CONSUMER_WARPGROUPS"
                         " (default: the table's)")
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--out", help="append JSON lines here")

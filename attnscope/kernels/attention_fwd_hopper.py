@@ -70,7 +70,7 @@ def _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_M:
 
 @gluon.jit
 def _loader(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
+            NUM_WG: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, pid, n_programs, n_rounds, n_hz, num_m, H, GROUP, N_CTX_Q, N_CTX_K,
      CAUSAL_OFFSET) = args
@@ -84,11 +84,10 @@ def _loader(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.conste
         # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
         # loads into each buffer wait for nobody.
         for wg in gl.static_range(NUM_WG):
-            qb = (ti % Q_BUFS) * NUM_WG + wg
-            mbarrier.wait(q_empty.index(qb), ((ti // Q_BUFS) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
+            mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
+            mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [off_hz * N_CTX_Q + first_row + wg * ROWS, 0],
-                                            q_ready.index(qb), q_smem.index(qb))
+                                            q_ready.index(wg), q_smem.index(wg))
         for j in range(n_blocks):
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
@@ -143,7 +142,7 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, Q_BUFS: gl.constexpr):
+              PINGPONG: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile.
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse,
      stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m, H, N_CTX_Q, N_CTX_K,
@@ -155,6 +154,7 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
+    q = q_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
@@ -177,9 +177,7 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
 
-        qb = (ti % Q_BUFS) * NUM_WG + WG
-        q = q_smem.index(qb)
-        mbarrier.wait(q_ready.index(qb), (ti // Q_BUFS) & 1)
+        mbarrier.wait(q_ready.index(WG), ti & 1)
         if n_blocks > 0:
             mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
             if PINGPONG:  # turn k waits for phase k of this warpgroup's turn barrier
@@ -217,7 +215,7 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         # Q is no longer read: the loader may bring in the next tile's while this one finishes
-        mbarrier.arrive(q_empty.index(qb))
+        mbarrier.arrive(q_empty.index(WG))
 
         if n_blocks > 0:
             last = (it + n_blocks - 1) % STAGES
@@ -247,7 +245,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
-                     Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr):
     # Persistent: program pid walks tiles _tile_of(0, pid), _tile_of(1, pid), ... (see _tile).
     qk_scale = qk_scale.to(gl.float32)
     pid = gl.program_id(0)
@@ -261,23 +259,20 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     n_rounds = n_rounds - 1 + last_ok.to(gl.int32)
 
     dtype: gl.constexpr = q_desc.dtype
-    # Q_BUFS = 2: each warpgroup's Q tile is double-buffered, so the next tile's Q lands while
-    # the current tile still runs
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_WG, ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    for i in gl.static_range(Q_BUFS * NUM_WG):
+    for i in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
-    for i in gl.static_range(NUM_WG):
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -298,32 +293,26 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     # built with + turns them into runtime values.)
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         Q_BUFS)),
-            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         Q_BUFS)),
-            (_loader, (loads, CAUSAL, BLOCK_N, STAGES, NUM_WG, Q_BUFS)),
+            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_loader, (loads, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(NUM_WG == 3, "two or three consumer warpgroups")
         gl.warp_specialize([
-            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         Q_BUFS)),
-            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         Q_BUFS)),
-            (_consumer, (shared, 2, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         Q_BUFS)),
-            (_loader, (loads, CAUSAL, BLOCK_N, STAGES, NUM_WG, Q_BUFS)),
+            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_consumer, (shared, 2, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_loader, (loads, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
-# (BLOCK_N, STAGES, pingpong, consumer registers, persistent, consumer warpgroups, Q buffers)
-# per head_dim, measured on the H200 with benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim
-# 64 stays on the Triton kernel: this one measured slower there (0.077 vs 0.065 ms at the seed
-# shape).
+# (BLOCK_N, STAGES, pingpong, consumer registers, persistent, consumer warpgroups) per
+# head_dim, measured on the H200 with benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim
+# 64 stays on the Triton kernel: this one measured slower there (0.077 vs 0.065 ms at the seed shape).
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "pingpong", "consumer_regs", "persistent",
-                 "consumer_warpgroups", "q_buffers")
-CONFIGS = {128: (128, 2, True, 240, True, 2, 1)}
+                 "consumer_warpgroups")
+CONFIGS = {128: (128, 2, True, 240, True, 2)}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
@@ -344,7 +333,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     to override CONFIGS (the lab)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    block_n, stages, pingpong, regs, persistent, num_wg, q_bufs = config or CONFIGS[head_dim]
+    block_n, stages, pingpong, regs, persistent, num_wg = config or CONFIGS[head_dim]
     dtype = _GL_DTYPES[str(q.dtype)]
     q_layout = gl.NVMMASharedLayout.get_default_for([ROWS.value, head_dim], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], dtype)
@@ -361,7 +350,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
         q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2),
         batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-        NUM_WG=num_wg, Q_BUFS=q_bufs, CONSUMER_REGS=regs, num_warps=4)
+        NUM_WG=num_wg, CONSUMER_REGS=regs, num_warps=4)
 
 
 @functools.cache
