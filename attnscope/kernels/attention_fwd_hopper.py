@@ -54,13 +54,19 @@ def _tile_of(r, pid, n_programs):
 
 
 @gluon.jit
-def _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr):
+def _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     # Tile t of the persistent loop: (batch * head, first query row, number of K/V blocks).
-    # Tiles run last query block first: under a causal mask those have the most keys, so
-    # handing tiles out round-robin in this order balances the programs' total work.
-    off_hz = t % n_hz
-    first_row = (num_m - 1 - t // n_hz) * BLOCK_M
+    # Heads go in groups of head_group whose K/V fit in L2 together, so the programs running at
+    # once read the same K/V (from L2, not DRAM); within a group, tiles run last query block
+    # first: under a causal mask those have the most keys, so handing tiles out round-robin in
+    # this order balances the programs' total work.
+    group_tiles = head_group * num_m
+    first_hz = t // group_tiles * head_group
+    heads = gl.minimum(head_group, n_hz - first_hz)  # the last group may be smaller
+    r = t % group_tiles
+    off_hz = first_hz + r % heads
+    first_row = (num_m - 1 - r // heads) * BLOCK_M
     if CAUSAL:  # keys the tile's last row sees
         hi = gl.maximum(gl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K), 0)
     else:
@@ -72,14 +78,14 @@ def _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_M:
 def _loader(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             NUM_WG: gl.constexpr):
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, pid, n_programs, n_rounds, n_hz, num_m, H, GROUP, N_CTX_Q, N_CTX_K,
+     v_empty, pid, n_programs, n_rounds, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K,
      CAUSAL_OFFSET) = args
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
     for r in range(n_rounds):
         t = _tile_of(r, pid, n_programs)
-        off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
-                                            NUM_WG * ROWS, BLOCK_N)
+        off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET,
+                                            CAUSAL, NUM_WG * ROWS, BLOCK_N)
         kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N_CTX_K
         # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
         # loads into each buffer wait for nobody.
@@ -145,8 +151,8 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
               PINGPONG: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile.
     (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse,
-     stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m, H, N_CTX_Q, N_CTX_K,
-     CAUSAL_OFFSET, qk_scale) = args
+     stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m, head_group, H,
+     N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -161,8 +167,8 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
     ti = 0  # tiles so far: Q phase
     for r in range(n_rounds):
         t = _tile_of(r, pid, n_programs)
-        off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
-                                            NUM_WG * ROWS, BLOCK_N)
+        off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET,
+                                            CAUSAL, NUM_WG * ROWS, BLOCK_N)
         m0 = first_row + WG * ROWS
         rows = m0 + gl.arange(0, ROWS, layout=row_layout)
         # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
@@ -242,7 +248,7 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
 
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, stride_om,
-                     BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,
+                     BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr):
@@ -285,10 +291,10 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
 
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
               Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m,
-              H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
+              HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-             v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, H, GROUP, N_CTX_Q, N_CTX_K,
-             CAUSAL_OFFSET)
+             v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, HEAD_GROUP, H, GROUP,
+             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
     if NUM_WG == 2:
@@ -309,7 +315,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
 
 # (BLOCK_N, STAGES, pingpong, consumer registers, persistent, consumer warpgroups) per
 # head_dim, measured on the H200 with benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim
-# 64 stays on the Triton kernel: this one measured slower there (0.077 vs 0.065 ms at the seed shape).
+# 64 stays on the Triton kernel: this one measured slower there (0.077 vs 0.065 ms at the seed
+# shape).
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "pingpong", "consumer_regs", "persistent",
                  "consumer_warpgroups")
 CONFIGS = {128: (128, 2, True, 240, True, 2)}
@@ -349,8 +356,25 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     return _attn_fwd_hopper[grid](
         q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2),
         batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
+        _head_group(q, k, batch * heads),
         HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
         NUM_WG=num_wg, CONSUMER_REGS=regs, num_warps=4)
+
+
+def _head_group(q, k, n_hz):
+    # How many (batch, head) pairs run together: as many as keep their K and V within half of
+    # L2 (the other half for Q, the output and other streams). A group of query heads shares
+    # K/V heads under GQA. Measured: heads one after another (group 1) read K/V from DRAM
+    # at 80 % of its bandwidth and hit L2 10 % of the time (notes/kernel.md, v8).
+    group = q.shape[1] // k.shape[1]
+    kv_bytes = 2 * k.shape[2] * k.shape[3] * k.element_size()  # per K/V head
+    return max(1, min(n_hz, _l2_bytes(q.device) // 2 * group // kv_bytes))
+
+
+@functools.cache
+def _l2_bytes(device):
+    import torch
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 @functools.cache
