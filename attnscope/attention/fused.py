@@ -264,7 +264,8 @@ def _prepare(q, k, v, causal=True):
 
 register(Implementation(
     name="fused",
-    description="attnscope's fused Triton kernel (online softmax, causal split, one launch)",
+    description="attnscope's fused kernel, one launch: Triton (online softmax, causal split); "
+                "Gluon FA3-style on sm_90 at head_dim 128",
     seed_script="",
     available=_available,
     prepare=_prepare,
