@@ -2,11 +2,15 @@
 
 Triton compiles for a named target without a driver, and its wheel ships ptxas and cuobjdump, so
 registers, spills, shared memory, the instruction mix and ptxas's performance remarks of any
-config can be checked before spending device time (notes/kernel.md, "Offline compilation"). Use the Triton version the GPU
-machine has (3.6.0 on the H200), e.g. in a side venv; the code generated differs by version.
+config can be checked before spending device time (notes/kernel.md, "Offline compilation"). Use
+the Triton version the GPU machine has (3.6.0 on the H200), e.g. in a side venv; the code generated differs by version.
 
     python benchmarks/sass_offline.py --head-dim 128 --config 128,64,8,3 [--pipeline] [--tma]
         [--maxnreg N] [--sass out.sass]
+    python benchmarks/sass_offline.py --gluon --head-dim 128 [--config 128,2,1,240,1,2]
+
+--gluon compiles the Hopper kernel (attention_fwd_hopper.py) instead; its --config is that
+module's CONFIG_FIELDS (default: its table's entry for --head-dim).
 """
 import argparse
 import importlib.util
@@ -21,14 +25,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-KERNEL_FILE = pathlib.Path(__file__).resolve().parents[1] / "attnscope/kernels/attention_fwd.py"
+KERNELS = pathlib.Path(__file__).resolve().parents[1] / "attnscope/kernels"
+KERNEL_FILE = KERNELS / "attention_fwd.py"
+HOPPER_FILE = KERNELS / "attention_fwd_hopper.py"
 COUNTED = ("HGMMA", "WARPGROUP", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "LDGSTS",
            "UTMALDG", "BAR", "LDL", "STL", "LDS", "STS", "SHFL")
 
 
-def load_kernel_module():
+def load_kernel_module(path=KERNEL_FILE):
     # By path, not `import attnscope`: the package turns the interpreter on where no GPU is.
-    spec = importlib.util.spec_from_file_location("attention_fwd_offline", KERNEL_FILE)
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_offline", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -64,6 +70,48 @@ def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_gluon(head_dim, config, dtype="bf16"):
+    """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
+    (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
+    a warm-up compile and a driver that names the target instead of asking a GPU."""
+    import torch
+    from triton.backends.nvidia.driver import CudaDriver
+    from triton.runtime import driver
+
+    class Offline(CudaDriver):
+        def __init__(self):  # no libcuda here: nothing to load
+            pass
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(Offline())
+    module = load_kernel_module(HOPPER_FILE)
+    module._sm_count = lambda device: 132  # H200
+    module._l2_bytes = lambda device: 60 << 20
+    kernel = module._attn_fwd_hopper
+
+    class Warmup:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: kernel.warmup(*args, grid=grid, **kwargs)
+
+    module._attn_fwd_hopper = Warmup()
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
+    return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, 1024),
+                                       causal=True, scale=head_dim ** -0.5, causal_offset=0,
+                                       config=config or module.CONFIGS[head_dim])
+
+
 def cuobjdump(compiled, *flags):
     exe = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -89,23 +137,36 @@ def ptxas_advice(compiled):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--head-dim", type=int, default=64, help="HEAD_DIM (default 64)")
-    p.add_argument("--config", default="128,64,8,3", help="BLOCK_M,BLOCK_N,num_warps,num_stages")
+    p.add_argument("--config", default=None,
+                   help="BLOCK_M,BLOCK_N,num_warps,num_stages (default 128,64,8,3); with --gluon "
+                        "BLOCK_N,STAGES,PINGPONG,REGS,PERSISTENT,CONSUMER_WARPGROUPS")
+    p.add_argument("--gluon", action="store_true", help="the Gluon Hopper kernel instead")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
     args = p.parse_args()
-    config = tuple(int(x) for x in args.config.split(","))
-    if len(config) != 4:
-        p.error("--config takes BLOCK_M,BLOCK_N,num_warps,num_stages")
-    compiled = compile_fwd(args.head_dim, config, args.pipeline, args.tma, args.maxnreg,
-                           args.dtype)
+    if args.gluon:
+        config = args.config and tuple(bool(int(x)) if i in (2, 4) else int(x)
+                                       for i, x in enumerate(args.config.split(",")))
+        if config and len(config) != 6:
+            p.error("--gluon --config takes BLOCK_N,STAGES,PINGPONG,REGS,PERSISTENT,"
+                    "CONSUMER_WARPGROUPS")
+        compiled = compile_gluon(args.head_dim, config, args.dtype)
+    else:
+        config = tuple(int(x) for x in (args.config or "128,64,8,3").split(","))
+        if len(config) != 4:
+            p.error("--config takes BLOCK_M,BLOCK_N,num_warps,num_stages")
+        compiled = compile_fwd(args.head_dim, config, args.pipeline, args.tma, args.maxnreg,
+                               args.dtype)
     usage = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", cuobjdump(compiled, "-res-usage"))
     sass = cuobjdump(compiled, "-sass")
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
-    print(f"triton {triton.__version__}, sm_90, head_dim {args.head_dim}, config {config}, "
-          f"pipeline {args.pipeline}, tma {args.tma}, maxnreg {args.maxnreg}")
+    print(f"triton {triton.__version__}, sm_90, {'gluon' if args.gluon else 'triton'} kernel, "
+          f"head_dim {args.head_dim}, config {config or 'of the table'}"
+          + ("" if args.gluon else f", pipeline {args.pipeline}, tma {args.tma}, "
+             f"maxnreg {args.maxnreg}"))
     print(f"{usage.group(0) if usage else 'resource usage not found'}, "
           f"shared memory requested {compiled.metadata.shared} B, {len(ops)} instructions")
     print("  ".join(f"{op} {sum(o.startswith(op) for o in ops)}" for op in COUNTED))
