@@ -3,7 +3,8 @@
 Triton compiles for a named target without a driver, and its wheel ships ptxas and cuobjdump, so
 registers, spills, shared memory, the instruction mix and ptxas's performance remarks of any
 config can be checked before spending device time (notes/kernel.md, "Offline compilation"). Use
-the Triton version the GPU machine has (3.6.0 on the H200), e.g. in a side venv; the code generated differs by version.
+the Triton version the GPU machine has (3.6.0 on the H200), e.g. in a side venv; the code
+generated differs by version.
 
     python benchmarks/sass_offline.py --head-dim 128 --config 128,64,8,3 [--pipeline] [--tma]
         [--maxnreg N] [--sass out.sass]
@@ -128,8 +129,8 @@ def ptxas_advice(compiled):
     with tempfile.TemporaryDirectory() as tmp:
         ptx = pathlib.Path(tmp, "k.ptx")
         ptx.write_text(compiled.asm["ptx"])
-        run = subprocess.run([exe, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".o"))],
-                             capture_output=True, text=True)
+        run = subprocess.run([exe, "-arch=sm_90a", "-v", str(ptx),
+                              "-o", str(ptx.with_suffix(".o"))], capture_output=True, text=True)
     return [line.strip() for line in (run.stdout + run.stderr).splitlines()
             if "Performance" in line or "error" in line.lower()]
 
