@@ -326,13 +326,14 @@ def _on_hopper():
 
 HOPPER_SHAPES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment): the kernel's 128-row tiles,
-    # 128-key blocks, the diagonal, ragged ends and the rows past a head's end
-    (2, 3, 3, 1000, 1000, True, "top_left"),
-    (1, 4, 1, 333, 333, True, "top_left"),        # MQA, one ragged tile
-    (1, 2, 2, 77, 300, True, "bottom_right"),     # diagonal off the tile grid
-    (1, 2, 2, 300, 77, True, "bottom_right"),     # rows that see no key, tiles with no block
-    (2, 2, 1, 257, 513, False, "top_left"),       # non-causal, ragged last K block
-    (1, 1, 1, 1, 1, True, "top_left"),
+    # the diagonal, ragged query tiles and rows past a head's end (key lengths are multiples of
+    # its 128-key blocks: other lengths run the Triton kernel)
+    (2, 3, 3, 1000, 1024, True, "top_left"),
+    (1, 4, 1, 333, 384, True, "top_left"),        # MQA, one ragged query tile
+    (1, 2, 2, 77, 256, True, "bottom_right"),     # diagonal off the tile grid
+    (1, 2, 2, 300, 128, True, "bottom_right"),    # rows that see no key, tiles with no block
+    (2, 2, 1, 257, 512, False, "top_left"),       # non-causal
+    (3, 1, 1, 1, 128, True, "bottom_right"),      # single-token decoding
     (3, 16, 16, 2048, 2048, True, "top_left"),    # more tiles than SMs: the persistent loop
 ]
 
@@ -344,7 +345,7 @@ HOPPER_SHAPES = [
 def test_hopper_kernel(shape, dtype, floor, lse_tol):
     batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 128, dtype, "cuda")
-    assert kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q))
+    assert kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q), 128 ** -0.5)
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
@@ -353,16 +354,29 @@ def test_hopper_kernel(shape, dtype, floor, lse_tol):
 def test_hopper_kernel_only_takes_what_it_supports():
     q, k, v = make_qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, "cuda")
     out = torch.empty_like(q)
-    assert kernels.uses_hopper_kernel(q, k, v, out)
-    assert not kernels.uses_hopper_kernel(q[..., :64], k[..., :64], v[..., :64], out[..., :64])
-    assert not kernels.uses_hopper_kernel(q.float(), k.float(), v.float(), out.float())
+    scale = 128 ** -0.5
+    assert kernels.uses_hopper_kernel(q, k, v, out, scale)
+    assert not kernels.uses_hopper_kernel(q, k, v, out, 0.0)  # it masks before scaling
+    assert not kernels.uses_hopper_kernel(q, k[:, :, :200], v[:, :, :200], out, scale)  # ragged K
+    assert not kernels.uses_hopper_kernel(q[..., :64], k[..., :64], v[..., :64], out[..., :64],
+                                          scale)
+    assert not kernels.uses_hopper_kernel(q.float(), k.float(), v.float(), out.float(), scale)
     bshd = rearrange(torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16),
                      "b s h d -> b h s d")
-    assert not kernels.uses_hopper_kernel(bshd, k, v, out)  # not one [rows, head_dim] matrix
+    assert not kernels.uses_hopper_kernel(bshd, k, v, out, scale)  # not one [rows, d] matrix
     with kernels.pinned_config(64, 64):  # a pinned config means the Triton kernel
-        assert not kernels.uses_hopper_kernel(q, k, v, out)
+        assert not kernels.uses_hopper_kernel(q, k, v, out, scale)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("scale", [0.0, -0.2])
+def test_non_positive_scale_on_hopper_shapes(scale):
+    # Such calls run the Triton kernel, which scales before masking.
+    q, k, v = make_qkv(1, 2, 2, 300, 384, 128, torch.bfloat16, "cuda")
+    check(q, k, v, 4e-3, 1e-3, scale=scale)
 
 
 def test_hopper_kernel_is_never_used_on_cpu():
-    q, k, v = make_qkv(1, 2, 2, 8, 8, 128, torch.float16, CPU)
-    assert not kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q))
+    q, k, v = make_qkv(1, 2, 2, 8, 128, 128, torch.float16, CPU)
+    assert not kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q), 0.1)

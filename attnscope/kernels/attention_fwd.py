@@ -29,7 +29,8 @@ Limits: head_dim <= 256 (registers); inputs must live on one CUDA device, or on 
 TRITON_INTERPRET=1 set before triton is imported (fp16/fp32 there: the interpreter's bf16 dot is
 wrong). The backward is attention_bwd.py.
 
-On an H200/H100 (sm_90), eager fp16/bf16 calls with head_dim 128 and contiguous inputs run
+On an H200/H100 (sm_90) with Triton 3.6, eager fp16/bf16 calls that need no gradient, with
+head_dim 128, contiguous inputs and a key length that is a multiple of 128 run
 attention_fwd_hopper.py instead: the same algorithm written in Gluon with a warp-specialized,
 FlashAttention-3 style schedule (`uses_hopper_kernel` decides; notes/kernel.md, v8).
 """
@@ -334,22 +335,29 @@ def _set_scratch_allocator():
     _allocator_set = True
 
 
+GLUON_TRITON = "3.6."  # the Triton release the Gluon kernel was written and tested for
+
+
 @functools.cache
 def _hopper():
-    # The Gluon kernel module, or None where this Triton has no Gluon (or a Gluon whose API
-    # differs from the one it was written for: Triton 3.6).
+    # The Gluon kernel module, or None on any other Triton: Gluon is experimental and its API
+    # changes between releases (3.9 renamed the TMA copies), which would surface only when the
+    # kernel first compiles, as an error instead of the Triton kernel.
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return None
     try:
         from attnscope.kernels import attention_fwd_hopper
-    except Exception:  # ImportError, or an API mismatch surfacing at definition time
+    except Exception:  # an incomplete Gluon: keep the Triton kernel
         return None
     return attention_fwd_hopper
 
 
-def uses_hopper_kernel(q, k, v, out):
+def uses_hopper_kernel(q, k, v, out, scale):
     """True when an eager forward of these tensors runs the Gluon Hopper kernel
-    (attention_fwd_hopper.py) instead of this file's: an sm_90 GPU, Gluon importable, no pinned
-    config, and the inputs that kernel takes (its `supports`)."""
-    if _pinned is not None or not q.is_cuda or is_interpreted():
+    (attention_fwd_hopper.py) instead of this file's: an sm_90 GPU, Triton 3.6, no pinned
+    config, a positive scale (that kernel masks before scaling) and the inputs it takes (its
+    `supports`)."""
+    if _pinned is not None or not q.is_cuda or is_interpreted() or not scale > 0:
         return False
     hopper = _hopper()
     return hopper is not None and hopper.supports(q, k, v, out)
@@ -361,7 +369,7 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
-    if wrap is None and uses_hopper_kernel(q, k, v, out):
+    if wrap is None and uses_hopper_kernel(q, k, v, out, scale):
         return _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
                                                causal_offset=causal_offset)
     batch, heads, q_len, head_dim = q.shape

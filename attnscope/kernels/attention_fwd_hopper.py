@@ -24,10 +24,12 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   while the other's matrix multiplies do.
 
 What it needs (attention_fwd routes everything else to the Triton kernel): an sm_90 GPU,
-fp16/bf16, head_dim 64 or 128, q/k/v contiguous [batch, heads, seq, head_dim] (the TMA
-descriptors see each tensor as one [rows, head_dim] matrix), an eager call (not torch.compile).
-Tiles that run past a head's end read the next head's rows or the copy engine's zeros; those
-keys are masked and those query rows are never stored.
+Triton 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, heads, seq,
+head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), a key length
+that is a multiple of BLOCK_N, a positive scale, and an eager call that needs no gradient (not
+torch.compile or autograd). Query tiles that run past a head's end read the next head's rows or
+the copy engine's zeros; those rows are never stored. The kernel also takes three consumer
+warpgroups (192-row tiles; the lab's NUM_WG), measured slower so far.
 """
 
 import functools
@@ -325,12 +327,17 @@ _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 def supports(q, k, v, out):
     """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
-    CONFIGS, q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned addresses (the
-    TMA descriptors view each as one [rows, head_dim] matrix) and out with unit last stride."""
+    CONFIGS, non-empty q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned
+    addresses (the TMA descriptors view each as one [rows, head_dim] matrix), out with unit last
+    stride, and a key length that is a multiple of BLOCK_N: a ragged last K/V block would read
+    the next head's rows, and although those keys are masked, p = 0 times a non-finite value
+    there is NaN (the Triton kernel loads such rows as zeros)."""
     return (q.is_cuda and _capability(q.device)[0] == 9
             and str(q.dtype) in _GL_DTYPES and q.shape[-1] in CONFIGS
+            and k.shape[2] % CONFIGS[q.shape[-1]][0] == 0
             and all(t.dtype == q.dtype for t in (k, v, out))
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+            and all(t.numel() > 0 and t.is_contiguous() and t.data_ptr() % 16 == 0
+                    for t in (q, k, v))
             and out.stride(-1) == 1)
 
 

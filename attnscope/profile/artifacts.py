@@ -61,11 +61,13 @@ def source_location(source: str | None = None, path: str = SOURCE_PATH,
     return f"{path}:{def_line(source, name)}"
 
 
-def compile_for(q, k, v):
+def compile_for(q, k, v, backward=False):
     """The CompiledKernel, its launch config and its origin (module, source path, kernel name)
     that the fused op launches for these [batch, heads, seq, head_dim] inputs (causal, default
     scale, top-left alignment, as the `fused` registry entry calls it): the Triton kernel, or
-    the Gluon one where kernels.uses_hopper_kernel says so."""
+    the Gluon one where kernels.uses_hopper_kernel says so. backward=True: the forward of a
+    run that also differentiates, which goes through the custom op and its wrap_triton launch
+    (the Triton kernel, without tensor descriptors), as the op does when inputs require grad."""
     import torch
 
     kernels = importlib.import_module(MODULE)
@@ -74,9 +76,10 @@ def compile_for(q, k, v):
                        "nothing; compiled artifacts need a CUDA GPU run")
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    hopper = kernels.uses_hopper_kernel(q, k, v, out)
-    kernel = kernels.attention_fwd(q, k, v, out, lse, causal=True,
-                                   scale=1.0 / math.sqrt(q.shape[-1]), causal_offset=0)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    hopper = not backward and kernels.uses_hopper_kernel(q, k, v, out, scale)
+    kernel = kernels.attention_fwd(q, k, v, out, lse, causal=True, scale=scale, causal_offset=0,
+                                   wrap=(lambda fn: fn) if backward else None)
     if hopper:
         module = importlib.import_module(HOPPER_MODULE)
         config = dict(zip(module.CONFIG_FIELDS, module.CONFIGS[q.shape[-1]]))
@@ -103,13 +106,18 @@ def _meta(kernel, config, q, sass_written: bool, origin=(MODULE, SOURCE_PATH, KE
                      "target": str(getattr(metadata, "target", ""))},
         "sass": sass_written,
         "tensor_cores": tc.triton_kernel_verdict(kernel),
+        **({"note": "warp-specialized: num_warps is the default partition's (one consumer "
+                    "warpgroup); the launch also runs the other consumer warpgroups and a loader "
+                    "warp padded to a warpgroup, and registers_per_thread is the kernel-wide "
+                    "figure that setmaxnreg raises to consumer_regs in the consumers"}
+           if name == HOPPER_KERNEL else {}),
     }
 
 
-def dump(q, k, v, folder) -> list[Path]:
-    """Write the fused kernel's artifacts for these inputs into `folder`; the written paths.
-    Raises NeedsGPU on the interpreter."""
-    kernel, config, origin = compile_for(q, k, v)
+def dump(q, k, v, folder, backward=False) -> list[Path]:
+    """Write the fused kernel's artifacts for these inputs into `folder` (backward: as
+    compile_for); the written paths. Raises NeedsGPU on the interpreter."""
+    kernel, config, origin = compile_for(q, k, v, backward)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = [folder / f"{KERNEL}.{SOURCE_SUFFIX}"]
