@@ -6,9 +6,10 @@ Same contract and math as attention_fwd.py (online softmax in the exp2 domain, c
 LSE in natural log, rows that see no key written as zeros with LSE -inf), but written one level
 lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of the compiler's:
 
-- Persistent: one program per SM walks 128-row query tiles of (batch, head) pairs, longest
-  (last under a causal mask) first, with three warp partitions: a 1-warp loader and two 4-warp
-  consumer warpgroups, each owning 64 query rows of the tile. The loader brings in the next
+- Persistent: one program per SM walks 128-row query tiles of (batch, head) pairs, in groups
+  of heads whose K/V fit in L2 together and longest (last under a causal mask) first within a
+  group, with three warp partitions: a 1-warp loader and two 4-warp consumer warpgroups, each
+  owning 64 query rows of the tile. The loader brings in the next
   tile's Q as soon as the consumers' last Q K^T of the current one is done, so a tile's
   start-up and epilogue overlap its neighbours' work.
 - The loader streams K and V tiles through a STAGES-deep shared-memory ring with TMA. Each slot
