@@ -9,9 +9,9 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - Persistent: one program per SM walks 128-row query tiles of (batch, head) pairs, in groups
   of heads whose K/V fit in L2 together and longest (last under a causal mask) first within a
   group, with three warp partitions: a 1-warp loader and two 4-warp consumer warpgroups, each
-  owning 64 query rows of the tile. The loader brings in the next
-  tile's Q as soon as the consumers' last Q K^T of the current one is done, so a tile's
-  start-up and epilogue overlap its neighbours' work.
+  owning 64 query rows of the tile. The loader brings in the next tile's Q as soon as the
+  consumers' last Q K^T of the current one is done, so a tile's start-up and epilogue overlap
+  its neighbours' work.
 - The loader streams K and V tiles through a STAGES-deep shared-memory ring with TMA. Each slot
   has a "ready" mbarrier (the copy engine signals it when the bytes land) and an "empty"
   mbarrier (both consumers arrive on it when their wgmma no longer reads the slot).
