@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -97,8 +98,8 @@ def compile_gluon(head_dim, config, dtype="bf16"):
 
     driver.set_active(Offline())
     module = load_kernel_module(HOPPER_FILE)
-    module._sm_count = lambda device: 132  # H200
-    module._l2_bytes = lambda device: 60 << 20
+    h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
+    module._properties = lambda device: h200
     kernel = module._attn_fwd_hopper
 
     class Warmup:

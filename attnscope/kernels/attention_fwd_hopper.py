@@ -333,7 +333,7 @@ def supports(q, k, v, out):
     stride, and a key length that is a multiple of BLOCK_N: a ragged last K/V block would read
     the next head's rows, and although those keys are masked, p = 0 times a non-finite value
     there is NaN (the Triton kernel loads such rows as zeros)."""
-    return (q.is_cuda and _capability(q.device)[0] == 9
+    return (q.is_cuda and _properties(q.device).major == 9
             and str(q.dtype) in _GL_DTYPES and q.shape[-1] in CONFIGS
             and k.shape[2] % CONFIGS[q.shape[-1]][0] == 0
             and all(t.dtype == q.dtype for t in (k, v, out))
@@ -359,7 +359,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     v_desc = TensorDescriptor(v2, v2.shape, v2.stride(), [block_n, head_dim], kv_layout)
     tiles = batch * heads * triton.cdiv(q_len, num_wg * ROWS.value)
     # persistent: one program per SM; otherwise one per tile (the tile loop then runs once)
-    grid = (min(tiles, _sm_count(q.device)) if persistent else tiles,)
+    grid = (min(tiles, _properties(q.device).multi_processor_count) if persistent else tiles,)
     return _attn_fwd_hopper[grid](
         q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2),
         batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
@@ -369,35 +369,27 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
 
 
 # Host cost matters at small shapes (the eager op measured 173 us per call on this path against
-# 70 us on the Triton one, notes v8): what does not change between calls is computed once.
+# 70 us on the Triton one, notes v8): what does not change between calls is computed once
+# (here and in _properties).
 @functools.cache
 def _smem_layout(rows, head_dim, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
-@functools.cache
-def _capability(device):
-    import torch
-    return torch.cuda.get_device_capability(device)
-
-
 def _head_group(q, k, n_hz):
     # How many (batch, head) pairs run together: as many as keep their K and V within half of
     # L2 (the other half for Q, the output and other streams). A group of query heads shares
-    # K/V heads under GQA. Measured: heads one after another (group 1) read K/V from DRAM
-    # at 80 % of its bandwidth and hit L2 10 % of the time (notes/kernel.md, v8).
+    # K/V heads under GQA. Measured: all heads in one group (each running program on its own
+    # head's K/V) read K/V from DRAM at 80 % of its bandwidth and hit L2 10 % of the time
+    # (notes/kernel.md, v8).
     group = q.shape[1] // k.shape[1]
     kv_bytes = 2 * k.shape[2] * k.shape[3] * k.element_size()  # per K/V head
-    return max(1, min(n_hz, _l2_bytes(q.device) // 2 * group // kv_bytes))
+    l2_bytes = _properties(q.device).L2_cache_size
+    return max(1, min(n_hz, l2_bytes // 2 * group // kv_bytes))
 
 
 @functools.cache
-def _l2_bytes(device):
+def _properties(device):
+    # capability (major), SM count and L2 size, read once per device
     import torch
-    return torch.cuda.get_device_properties(device).L2_cache_size
-
-
-@functools.cache
-def _sm_count(device):
-    import torch
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.cuda.get_device_properties(device)
