@@ -1,15 +1,20 @@
 """Where the fused op's host time goes: per-call enqueue time (no synchronization) of each layer
-of the eager path, from the public op down to the bare Triton launch. The inputs are tiny
-(1, 1, 128, 64), so the GPU finishes each launch long before the next is enqueued and the launch
-queue never fills: the loop measures the host alone.
+of the eager path, from the public op down to the bare kernel launch. The inputs are tiny
+(1, 1, 128, head_dim), so the GPU finishes each launch long before the next is enqueued and the
+launch queue never fills: the loop measures the host alone. head_dim 64 takes the Triton kernel,
+128 the Gluon one on sm_90 with Triton 3.6. --profile adds cProfile's top functions (by own time)
+of the public op, so a layer's cost can be traced to the function that spends it.
 
-    python benchmarks/host_cost.py
+    python benchmarks/host_cost.py [--head-dim 64 128] [--profile]
 """
+import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 
 import torch
-import triton
 
 import attnscope
 from attnscope.attention import fused
@@ -28,44 +33,57 @@ def per_call_us(fn, n=3000):
     return us
 
 
-def device_context(q):
-    with torch.cuda.device(q.device):  # what the op entered on every call before
-        pass
+def profile(fn, n=2000, top=25):
+    """cProfile's top functions by own time over n calls (cProfile's own overhead inflates
+    every figure; read them as shares)."""
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
-def on_device(q):
-    with fused._on_device(q.device):  # what it enters now: nothing on the current device
-        pass
-
-
-def main():
-    b, h, s, d = 1, 1, 128, 64
+def rows(d):
+    b, h, s = 1, 1, 128
     q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     out = torch.empty_like(q)
     lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
-    bm, bn, warps, stages, pipeline, use_tma, _ = fwd.config_for(d)
-    grid = (b * h, triton.cdiv(s, bm))
-    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            h, 1, s, s, 0, d ** -0.5 * fwd.LOG2E)
-    consts = dict(HEAD_DIM=d, BLOCK_D=d, CAUSAL=True, INPUT_PRECISION="tf32", BLOCK_M=bm,
-                  BLOCK_N=bn, PIPELINE=pipeline, USE_TMA=False, num_warps=warps,
-                  num_stages=stages)
-    rows = [
-        ("public op fused_attention", lambda: attnscope.fused_attention(q, k, v)),
+    kernel = "Gluon" if fwd.uses_hopper_kernel(q, k, v, out, d ** -0.5) else "Triton"
+    launch = lambda: fwd.attention_fwd(q, k, v, out, lse, causal=True, scale=d ** -0.5,  # noqa
+                                       causal_offset=0)
+    public = lambda: attnscope.fused_attention(q, k, v)  # noqa: E731
+    return kernel, public, [
+        ("public op fused_attention", public),
         ("_forward (no validation)", lambda: fused._forward(q, k, v, True, d ** -0.5, False,
                                                             "bhsd")),
-        ("kernels.attention_fwd", lambda: fwd.attention_fwd(q, k, v, out, lse, causal=True,
-                                                            scale=d ** -0.5, causal_offset=0)),
-        ("bare _attn_fwd[grid](...)", lambda: fwd._attn_fwd[grid](*args, **consts)),
+        (f"kernels.attention_fwd ({kernel} launch)", launch),
         ("_validate", lambda: fused._validate(q, k, v, True, None, "bhsd", "top_left")),
         ("two torch.empty", lambda: (torch.empty_like(q), torch.empty(b, h, s, device="cuda"))),
-        ("torch.cuda.device(q.device) enter/exit", lambda: device_context(q)),
-        ("fused._on_device(q.device) enter/exit", lambda: on_device(q)),
         ("sdpa cudnn (for scale)", lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True)),
     ]
-    for name, fn in rows:
-        print(f"{name:40s} {per_call_us(fn):7.1f} us/call", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128],
+                   help="head_dims to measure (default: 64 128)")
+    p.add_argument("--profile", action="store_true",
+                   help="also print cProfile's top functions of the public op")
+    args = p.parse_args()
+    for d in args.head_dim:
+        kernel, public, timed = rows(d)
+        print(f"head_dim {d}: the op runs the {kernel} kernel", flush=True)
+        for name, fn in timed:
+            print(f"  {name:42s} {per_call_us(fn):7.1f} us/call", flush=True)
+        if args.profile:
+            print(profile(public), flush=True)
     return 0
 
 

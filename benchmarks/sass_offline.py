@@ -14,7 +14,6 @@ generated differs by version.
 module's CONFIG_FIELDS (default: its table's entry for --head-dim).
 """
 import argparse
-import importlib.util
 import os
 import pathlib
 import re
@@ -23,28 +22,21 @@ import sys
 import tempfile
 import types
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+# The package turns the interpreter on where no GPU is; an explicit 0 keeps the kernels compiled.
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-KERNELS = pathlib.Path(__file__).resolve().parents[1] / "attnscope/kernels"
-KERNEL_FILE = KERNELS / "attention_fwd.py"
-HOPPER_FILE = KERNELS / "attention_fwd_hopper.py"
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
 COUNTED = ("HGMMA", "WARPGROUP", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "LDGSTS",
            "UTMALDG", "BAR", "LDL", "STL", "LDS", "STS", "SHFL")
 
 
-def load_kernel_module(path=KERNEL_FILE):
-    # By path, not `import attnscope`: the package turns the interpreter on where no GPU is.
-    spec = importlib.util.spec_from_file_location(f"{path.stem}_offline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
     """The CompiledKernel of _attn_fwd for sm_90, specialised as a contiguous launch would be."""
-    fn = load_kernel_module()._attn_fwd
+    from attnscope.kernels.attention_fwd import _attn_fwd as fn
     block_m, block_n, num_warps, num_stages = config
     unit_strides = {"stride_qk", "stride_kk", "stride_vk", "stride_ok"}
     signature, constants, attrs = {}, {}, {}
@@ -97,16 +89,11 @@ def compile_gluon(head_dim, config, dtype="bf16"):
             return torch.device("cpu")
 
     driver.set_active(Offline())
-    module = load_kernel_module(HOPPER_FILE)
+    from attnscope.kernels import attention_fwd, attention_fwd_hopper as module
     h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
-    module._properties = lambda device: h200
+    module.device_properties = attention_fwd.device_properties = lambda device: h200
     kernel = module._attn_fwd_hopper
-
-    class Warmup:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: kernel.warmup(*args, grid=grid, **kwargs)
-
-    module._attn_fwd_hopper = Warmup()
+    module._launch = lambda key, grid, args, kwargs: kernel.warmup(*args, grid=grid, **kwargs)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
     return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, 1024),

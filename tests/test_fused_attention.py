@@ -380,3 +380,63 @@ def test_non_positive_scale_on_hopper_shapes(scale):
 def test_hopper_kernel_is_never_used_on_cpu():
     q, k, v = make_qkv(1, 2, 2, 8, 128, 128, torch.float16, CPU)
     assert not kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q), 0.1)
+
+
+# ---- the launch: Triton's dispatch once per key (FastLaunch) ----------------------------------
+
+class _RecordingKernel:
+    """Stands in for a JIT kernel: kernel[grid](...) records the launch and returns a
+    'compiled kernel' whose [grid](...) records the direct launches."""
+    arg_names = ["X", "n", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.jit_calls, self.direct_calls = [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.jit_calls.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+    @property
+    def compiled(self):
+        kernel = self
+
+        class Compiled:
+            def __getitem__(self, grid):
+                return lambda *args: kernel.direct_calls.append((grid, args))
+        return Compiled()
+
+
+def test_fast_launch_dispatches_once_per_key():
+    kernel = _RecordingKernel()
+    launch = kernels.FastLaunch(kernel)
+    launch.enabled = True  # as on Triton 3.6 with a compiled kernel
+    kwargs = dict(BLOCK=64, FLAG=True, num_warps=4)
+    launch(("a",), (7,), ("x", 3), kwargs)
+    launch(("a",), (7,), ("y", 3), kwargs)
+    launch(("b",), (9, 2), ("z", 5), kwargs)
+    assert [c[0] for c in kernel.jit_calls] == [(7,), (9, 2)]  # one JIT launch per key
+    # the repeat passes every parameter in order (constexprs too) and a 3-D grid
+    assert kernel.direct_calls == [((7, 1, 1), ("y", 3, 64, True))]
+
+
+def test_fast_launch_is_off_in_the_interpreter():
+    assert not kernels._launch_fwd.enabled
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 32, torch.float16, CPU)
+    check(q, k, v, 1e-3, 1e-3)
+    check(q, k, v, 1e-3, 1e-3)
+    assert kernels._launch_fwd.compiled == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128])  # the Triton kernel, and the Gluon one on sm_90
+def test_gpu_repeated_launches_are_right(head_dim):
+    # A repeat launch skips Triton's dispatch: fresh data, a new shape and an input at an odd
+    # address (another specialization) must all still come out right.
+    for q_len in (384, 384, 512):
+        q, k, v = make_qkv(2, 4, 2, q_len, q_len, head_dim, torch.bfloat16, "cuda")
+        check(q, k, v, 4e-3, 1e-3)
+    base = torch.randn(2 * 4 * 384 * head_dim + 1, dtype=torch.bfloat16, device="cuda")
+    q = base[1:].view(2, 4, 384, head_dim)  # 2 bytes past a 16-byte boundary
+    check(q, k[:, :, :384], v[:, :, :384], 4e-3, 1e-3)

@@ -43,7 +43,7 @@ import contextlib
 import triton
 import triton.language as tl
 
-from attnscope.kernels.attention_fwd import (LOG2E, _key_ranges, _load, _query_block,
+from attnscope.kernels.attention_fwd import (LOG2E, _key_ranges, _load, _query_block, head_group,
                                               is_interpreted)
 
 LOG2E_C = tl.constexpr(LOG2E)  # jit functions read module globals only as constexprs
@@ -259,13 +259,15 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta,  #
                  stride_vz, stride_vh, stride_vn, stride_vk,  #
                  stride_doz, stride_doh, stride_dom, stride_dok,  #
                  stride_dqz, stride_dqh, stride_dqm, stride_dqk,  #
-                 H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale,  #
+                 H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, NUM_M,
+                 HEAD_GROUP,  #
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
                  INPUT_PRECISION: tl.constexpr,  #
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
-    off_hz, start_m, off_z, off_h, off_hkv = _query_block(H, GROUP)  # the forward's grid
+    # the forward's grid and tile order
+    off_hz, start_m, off_z, off_h, off_hkv = _query_block(H, GROUP, NUM_M, HEAD_GROUP)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -362,8 +364,10 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),  #
         kv_heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale,  #
         BLOCK_M=block_m1, BLOCK_N=block_n1, **common)
-    return wrap(_attn_bwd_dq)[(batch * heads, triton.cdiv(q_len, block_m2))](
+    num_m = triton.cdiv(q_len, block_m2)
+    return wrap(_attn_bwd_dq)[(batch * heads * num_m,)](
         q, k, v, do, dq, lse, delta,  #
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),  #
-        heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale,  #
+        heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_m,
+        head_group(q, k),  #
         BLOCK_M=block_m2, BLOCK_N=block_n2, **common)

@@ -61,14 +61,27 @@ def _load(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.const
 
 
 @triton.jit
-def _query_block(H, GROUP):
-    # Which (batch, query head, query block) this program computes, and its K/V head. Heads run
-    # along grid axis 0 and query blocks along axis 1, last block first: under a causal mask the
-    # last query blocks have the most keys, and the hardware starts programs in grid order, so
-    # the longest programs start in the first wave instead of being the tail. (The backward's
-    # dQ kernel uses the same grid.)
-    off_hz = tl.program_id(0)
-    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+def _grouped_tile(t, n_hz, num_m, head_group):
+    # Tile t of a launch's tile order: (batch * head, query block). Heads go in groups of
+    # head_group whose K/V fit in L2 together (`head_group`), so the programs running at once
+    # read the same K/V from L2 instead of each streaming its own head's from DRAM; within a
+    # group, last query block first: under a causal mask those have the most keys, and the
+    # hardware starts programs in order, so the longest start first instead of being the tail.
+    # (The Gluon kernel's persistent loop walks the same order.)
+    group_tiles = head_group * num_m
+    first_hz = t // group_tiles * head_group
+    heads = tl.minimum(head_group, n_hz - first_hz)  # the last group may be smaller
+    r = t % group_tiles
+    return first_hz + r % heads, num_m - 1 - r // heads
+
+
+@triton.jit
+def _query_block(H, GROUP, NUM_M, HEAD_GROUP):
+    # Which (batch, query head, query block) this program computes, and its K/V head: program
+    # t of a 1-D grid of batch * H * NUM_M takes tile t of _grouped_tile's order. (The
+    # backward's dQ kernel uses the same grid.)
+    n_hz = tl.num_programs(0) // NUM_M
+    off_hz, start_m = _grouped_tile(tl.program_id(0), n_hz, NUM_M, HEAD_GROUP)
     off_z = (off_hz // H).to(tl.int64)
     off_h = (off_hz % H).to(tl.int64)
     return off_hz, start_m, off_z, off_h, off_h // GROUP
@@ -186,14 +199,14 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
               stride_kz, stride_kh, stride_kn, stride_kk,  #
               stride_vz, stride_vh, stride_vn, stride_vk,  #
               stride_oz, stride_oh, stride_om, stride_ok,  #
-              H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
+              H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, NUM_M, HEAD_GROUP,  #
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
               INPUT_PRECISION: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,  #
               USE_TMA: tl.constexpr):
     # torch.compile passes Python floats as fp64; one fp32 scale keeps every score op in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
-    off_hz, start_m, off_z, off_h, off_hkv = _query_block(H, GROUP)
+    off_hz, start_m, off_z, off_h, off_hkv = _query_block(H, GROUP, NUM_M, HEAD_GROUP)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -320,6 +333,32 @@ def _tma_ok(t):
             and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
 
 
+@functools.cache
+def device_properties(device):
+    """torch.cuda.get_device_properties, read once per device (the launch is on the host's
+    critical path at small shapes)."""
+    return torch.cuda.get_device_properties(device)
+
+
+def head_group(q, k, l2_share=0.5):
+    """How many (batch, head) pairs a launch runs together (`_grouped_tile`): about as many as
+    keep their K and V within `l2_share` of L2 (the rest for Q, the output and other streams),
+    with the heads split into groups of equal size. A group of query heads shares one K/V head
+    under GQA. Measured (notes/kernel.md, v8-v9): all heads in one group at (4,32,4096,128)
+    made each running program stream its own head's K/V from DRAM (10 % L2 hits); and a small
+    last group puts its longest tiles at the very end of the launch, where nothing overlaps
+    them. In the interpreter, groups of two, so that CPU tests cross group edges (and a
+    smaller last group)."""
+    n_hz = q.shape[0] * q.shape[1]
+    if not q.is_cuda:
+        return min(n_hz, 2)
+    kv_bytes = 2 * k.shape[2] * k.shape[3] * k.element_size()  # per K/V head
+    budget = int(device_properties(q.device).L2_cache_size * l2_share)
+    cap = max(1, budget * (q.shape[1] // k.shape[1]) // kv_bytes)
+    groups = -(-n_hz // cap)
+    return -(-n_hz // groups)
+
+
 def _scratch(size, alignment, stream):
     # Device-side tensor descriptors are written to global scratch memory Triton asks for here,
     # on the current device (the op makes the inputs' device current before it launches).
@@ -363,6 +402,50 @@ def uses_hopper_kernel(q, k, v, out, scale):
     return hopper is not None and hopper.supports(q, k, v, out)
 
 
+FAST_LAUNCH_TRITON = "3.6."  # the Triton release whose CompiledKernel launch FastLaunch uses
+
+
+class FastLaunch:
+    """`kernel[grid](*args, **kwargs)` with Triton's per-call dispatch done once per key.
+
+    Triton's launch binds the arguments, works out their specialization (dtypes, which integers
+    are 1 or multiples of 16, pointer alignment) and looks the compiled kernel up on every call:
+    ~40 of the ~60 us a launch took on the H200's host (notes/kernel.md, v9), more than the
+    seed-shape kernel itself. The first launch under a key goes through it and keeps the
+    compiled kernel; later ones call that kernel directly. So `key` must determine everything
+    Triton specializes on: callers build it from the device, dtype, shapes, strides, pointer
+    alignment, constexprs and options. Used on Triton 3.6 (the CompiledKernel launch it was
+    checked on); elsewhere, and in the interpreter, every call takes the ordinary launch."""
+
+    MAX_KEYS = 256  # a process that launches ever new shapes keeps at most this many
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled = {}
+        self.enabled = (isinstance(kernel, triton.runtime.JITFunction)
+                        and triton.__version__.startswith(FAST_LAUNCH_TRITON))
+
+    def __call__(self, key, grid, args, kwargs):
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if self.enabled:
+                if len(self.compiled) >= self.MAX_KEYS:
+                    self.compiled.clear()
+                self.compiled[key] = compiled
+            return compiled
+        # The compiled kernel takes every parameter in order, constexprs included (its launcher
+        # skips them), and a 3-D grid.
+        names = self.kernel.arg_names
+        compiled[(*grid, 1, 1)[:3]](*args, *[kwargs[name] for name in names[len(args):]])
+        return compiled
+
+
+def _aligned(*tensors):
+    # Triton specializes pointer arguments on 16-byte alignment.
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None):
     """Launch the forward (the Gluon kernel where uses_hopper_kernel says so, else this file's
     Triton kernel). q, out: [batch, heads, q_len, head_dim] views with any strides;
@@ -370,24 +453,36 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
     if wrap is None and uses_hopper_kernel(q, k, v, out, scale):
+        if not _allocator_set:  # its TMA descriptors are made on the device
+            _set_scratch_allocator()
         return _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
                                                causal_offset=causal_offset)
     batch, heads, q_len, head_dim = q.shape
-    block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg = config_for(head_dim)
+    config = config_for(head_dim)
+    block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg = config
     # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no
     # address to check) and inductor's launch provides no scratch for device-side descriptors.
     use_tma = use_tma and wrap is None and _tma_ok(k) and _tma_ok(v)
     if use_tma and not _allocator_set:
         _set_scratch_allocator()
-    grid = (batch * heads, triton.cdiv(q_len, block_m))
-    options = dict(num_warps=num_warps, num_stages=num_stages)
+    num_m = -(-q_len // block_m)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride())
+    args = (q, k, v, out, lse, *strides,  #
+            heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
+            num_m, head_group(q, k))
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
+                  CAUSAL=causal,
+                  INPUT_PRECISION="ieee" if q.dtype.itemsize == 4 else "tf32",  # tf32: unused
+                  BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,
+                  num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:  # a register cap (ptxas .maxnreg), e.g. to fit two programs per SM
-        options["maxnreg"] = maxnreg
-    return (_attn_fwd if wrap is None else wrap(_attn_fwd))[grid](
-        q, k, v, out, lse,  #
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),  #
-        heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), CAUSAL=causal,  #
-        INPUT_PRECISION="ieee" if q.dtype.itemsize == 4 else "tf32",  # tf32 is unused for 16-bit
-        BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,  #
-        **options)
+        kwargs["maxnreg"] = maxnreg
+    grid = (batch * heads * num_m,)
+    if wrap is not None:
+        return wrap(_attn_fwd)[grid](*args, **kwargs)
+    key = (q.device, q.dtype, q.shape, k.shape, strides, _aligned(q, k, v, out, lse), causal,
+           causal_offset, config)
+    return _launch_fwd(key, grid, args, kwargs)
+
+
+_launch_fwd = FastLaunch(_attn_fwd)

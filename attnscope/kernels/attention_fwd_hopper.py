@@ -35,14 +35,14 @@ warpgroups (192-row tiles; the lab's NUM_WG), measured slower so far.
 
 import functools
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-LOG2E = 1.44269504
+from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _grouped_tile,
+                                             device_properties, head_group)
+
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
 
@@ -59,17 +59,11 @@ def _tile_of(r, pid, n_programs):
 @gluon.jit
 def _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    # Tile t of the persistent loop: (batch * head, first query row, number of K/V blocks).
-    # Heads go in groups of head_group whose K/V fit in L2 together, so the programs running at
-    # once read the same K/V (from L2, not DRAM); within a group, tiles run last query block
-    # first: under a causal mask those have the most keys, so handing tiles out round-robin in
-    # this order balances the programs' total work.
-    group_tiles = head_group * num_m
-    first_hz = t // group_tiles * head_group
-    heads = gl.minimum(head_group, n_hz - first_hz)  # the last group may be smaller
-    r = t % group_tiles
-    off_hz = first_hz + r % heads
-    first_row = (num_m - 1 - r // heads) * BLOCK_M
+    # Tile t of the persistent loop: (batch * head, first query row, number of K/V blocks), in
+    # the Triton kernel's order (heads in groups that share L2, last query block first within a
+    # group): handing tiles out round-robin in this order balances the programs' total work.
+    off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
+    first_row = m * BLOCK_M
     if CAUSAL:  # keys the tile's last row sees
         hi = gl.maximum(gl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K), 0)
     else:
@@ -78,11 +72,20 @@ def _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constex
 
 
 @gluon.jit
-def _loader(args, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            NUM_WG: gl.constexpr):
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+    (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, pid, n_programs, n_rounds, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K,
      CAUSAL_OFFSET) = args
+    # The copy engine's descriptors, made here on the device: each of q, k, v seen as one
+    # [rows, HEAD_DIM] matrix. (Host-made descriptors cost ~50 us of Triton's launch per call.)
+    q_desc = tma.make_tensor_descriptor(Q, [n_hz * N_CTX_Q, HEAD_DIM], [HEAD_DIM, 1],
+                                        [ROWS, HEAD_DIM], q_smem.layout)
+    kv_rows = n_hz // GROUP * N_CTX_K
+    k_desc = tma.make_tensor_descriptor(K, [kv_rows, HEAD_DIM], [HEAD_DIM, 1],
+                                        [BLOCK_N, HEAD_DIM], k_smem.layout)
+    v_desc = tma.make_tensor_descriptor(V, [kv_rows, HEAD_DIM], [HEAD_DIM, 1],
+                                        [BLOCK_N, HEAD_DIM], v_smem.layout)
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
     for r in range(n_rounds):
@@ -250,11 +253,12 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
 
 
 @gluon.jit
-def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, stride_om,
+def _attn_fwd_hopper(Q, K, V, Out, Lse, stride_oz, stride_oh, stride_om,
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                     KV_LAYOUT: gl.constexpr):
     # Persistent: program pid walks tiles _tile_of(0, pid), _tile_of(1, pid), ... (see _tile).
     qk_scale = qk_scale.to(gl.float32)
     pid = gl.program_id(0)
@@ -267,10 +271,10 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     last_ok = _tile_of(n_rounds - 1, pid, n_programs) < n_hz * num_m
     n_rounds = n_rounds - 1 + last_ok.to(gl.int32)
 
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
@@ -295,7 +299,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
     shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
               Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m,
               HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
-    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+    loads = (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
              v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, HEAD_GROUP, H, GROUP,
              N_CTX_Q, N_CTX_K, CAUSAL_OFFSET)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
@@ -304,7 +308,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
         gl.warp_specialize([
             (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
             (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-            (_loader, (loads, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
+            (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(NUM_WG == 3, "two or three consumer warpgroups")
@@ -312,7 +316,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, stride_oz, stride_oh, str
             (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
             (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
             (_consumer, (shared, 2, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-            (_loader, (loads, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
+            (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -333,13 +337,14 @@ def supports(q, k, v, out):
     stride, and a key length that is a multiple of BLOCK_N: a ragged last K/V block would read
     the next head's rows, and although those keys are masked, p = 0 times a non-finite value
     there is NaN (the Triton kernel loads such rows as zeros)."""
-    return (q.is_cuda and _properties(q.device).major == 9
-            and str(q.dtype) in _GL_DTYPES and q.shape[-1] in CONFIGS
-            and k.shape[2] % CONFIGS[q.shape[-1]][0] == 0
-            and all(t.dtype == q.dtype for t in (k, v, out))
-            and all(t.numel() > 0 and t.is_contiguous() and t.data_ptr() % 16 == 0
-                    for t in (q, k, v))
-            and out.stride(-1) == 1)
+    config = CONFIGS.get(q.shape[-1])  # cheapest refusals first: this runs on every eager call
+    return (config is not None and str(q.dtype) in _GL_DTYPES and q.is_cuda
+            and k.shape[2] % config[0] == 0
+            and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
+            and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
+            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+            and device_properties(q.device).major == 9)
 
 
 def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, config=None):
@@ -349,47 +354,28 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_n, stages, pingpong, regs, persistent, num_wg = config or CONFIGS[head_dim]
     dtype = str(q.dtype)
-    q_layout = _smem_layout(ROWS.value, head_dim, dtype)
-    kv_layout = _smem_layout(block_n, head_dim, dtype)
-    q2 = q.view(batch * heads * q_len, head_dim)
-    k2 = k.view(batch * kv_heads * kv_len, head_dim)
-    v2 = v.view(batch * kv_heads * kv_len, head_dim)
-    q_desc = TensorDescriptor(q2, q2.shape, q2.stride(), [ROWS.value, head_dim], q_layout)
-    k_desc = TensorDescriptor(k2, k2.shape, k2.stride(), [block_n, head_dim], kv_layout)
-    v_desc = TensorDescriptor(v2, v2.shape, v2.stride(), [block_n, head_dim], kv_layout)
-    tiles = batch * heads * triton.cdiv(q_len, num_wg * ROWS.value)
+    tiles = batch * heads * -(-q_len // (num_wg * ROWS.value))
     # persistent: one program per SM; otherwise one per tile (the tile loop then runs once)
-    grid = (min(tiles, _properties(q.device).multi_processor_count) if persistent else tiles,)
-    return _attn_fwd_hopper[grid](
-        q_desc, k_desc, v_desc, out, lse, out.stride(0), out.stride(1), out.stride(2),
-        batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
-        _head_group(q, k, batch * heads),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PINGPONG=pingpong,
-        NUM_WG=num_wg, CONSUMER_REGS=regs, num_warps=4)
+    sms = device_properties(q.device).multi_processor_count
+    grid = (min(tiles, sms) if persistent else tiles,)
+    args = (q, k, v, out, lse, out.stride(0), out.stride(1), out.stride(2),
+            batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
+            head_group(q, k))
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                  PINGPONG=pingpong, NUM_WG=num_wg, CONSUMER_REGS=regs,
+                  Q_LAYOUT=_smem_layout(ROWS.value, head_dim, dtype),
+                  KV_LAYOUT=_smem_layout(block_n, head_dim, dtype), num_warps=4)
+    # q, k, v are contiguous and 16-byte aligned (supports): their shapes say the rest
+    key = (q.device, q.dtype, q.shape, k.shape, out.stride(), _aligned(out, lse), causal,
+           causal_offset, grid, (block_n, stages, pingpong, regs, persistent, num_wg))
+    return _launch(key, grid, args, kwargs)
 
 
-# Host cost matters at small shapes (the eager op measured 173 us per call on this path against
-# 70 us on the Triton one, notes v8): what does not change between calls is computed once
-# (here and in _properties).
+# Host cost matters at small shapes (notes v8-v9): what does not change between calls is
+# computed once (here, in device_properties and in FastLaunch).
 @functools.cache
 def _smem_layout(rows, head_dim, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
-def _head_group(q, k, n_hz):
-    # How many (batch, head) pairs run together: as many as keep their K and V within half of
-    # L2 (the other half for Q, the output and other streams). A group of query heads shares
-    # K/V heads under GQA. Measured: all heads in one group (each running program on its own
-    # head's K/V) read K/V from DRAM at 80 % of its bandwidth and hit L2 10 % of the time
-    # (notes/kernel.md, v8).
-    group = q.shape[1] // k.shape[1]
-    kv_bytes = 2 * k.shape[2] * k.shape[3] * k.element_size()  # per K/V head
-    l2_bytes = _properties(q.device).L2_cache_size
-    return max(1, min(n_hz, l2_bytes // 2 * group // kv_bytes))
-
-
-@functools.cache
-def _properties(device):
-    # capability (major), SM count and L2 size, read once per device
-    import torch
-    return torch.cuda.get_device_properties(device)
+_launch = FastLaunch(_attn_fwd_hopper)
