@@ -368,10 +368,13 @@ def _scratch(size, alignment, stream):
 _allocator_set = False
 
 
-def _set_scratch_allocator():
+def ensure_scratch_allocator():
+    """Give Triton the allocator that kernels making tensor descriptors on the device need
+    (once per process)."""
     global _allocator_set
-    triton.set_allocator(_scratch)
-    _allocator_set = True
+    if not _allocator_set:
+        triton.set_allocator(_scratch)
+        _allocator_set = True
 
 
 GLUON_TRITON = "3.6."  # the Triton release the Gluon kernel was written and tested for
@@ -453,8 +456,6 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
     if wrap is None and uses_hopper_kernel(q, k, v, out, scale):
-        if not _allocator_set:  # its TMA descriptors are made on the device
-            _set_scratch_allocator()
         return _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
                                                causal_offset=causal_offset)
     batch, heads, q_len, head_dim = q.shape
@@ -463,8 +464,8 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no
     # address to check) and inductor's launch provides no scratch for device-side descriptors.
     use_tma = use_tma and wrap is None and _tma_ok(k) and _tma_ok(v)
-    if use_tma and not _allocator_set:
-        _set_scratch_allocator()
+    if use_tma:
+        ensure_scratch_allocator()
     num_m = -(-q_len // block_m)
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride())
     args = (q, k, v, out, lse, *strides,  #

@@ -41,7 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _grouped_tile,
-                                             device_properties, head_group)
+                                             device_properties, ensure_scratch_allocator,
+                                             head_group)
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
@@ -365,6 +366,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
                   PINGPONG=pingpong, NUM_WG=num_wg, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, head_dim, dtype),
                   KV_LAYOUT=_smem_layout(block_n, head_dim, dtype), num_warps=4)
+    ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     # q, k, v are contiguous and 16-byte aligned (supports): their shapes say the rest
     key = (q.device, q.dtype, q.shape, k.shape, out.stride(), _aligned(out, lse), causal,
            causal_offset, grid, (block_n, stages, pingpong, regs, persistent, num_wg))
