@@ -440,3 +440,13 @@ def test_gpu_repeated_launches_are_right(head_dim):
     base = torch.randn(2 * 4 * 384 * head_dim + 1, dtype=torch.bfloat16, device="cuda")
     q = base[1:].view(2, 4, 384, head_dim)  # 2 bytes past a 16-byte boundary
     check(q, k[:, :, :384], v[:, :, :384], 4e-3, 1e-3)
+
+
+def test_launches_are_wrapped_only_when_traced():
+    # wrap_triton only where torch.compile traces the op body (fake tensors or an active
+    # dispatch mode); on real tensors the body launches directly.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q = torch.randn(1, 1, 4, 16)
+    assert fused._launch_wrap(q) is None
+    with FakeTensorMode():
+        assert fused._launch_wrap(torch.empty(1, 1, 4, 16)) is fused.wrap_triton

@@ -117,6 +117,21 @@ def _shapes_only(kernels, t):
     return True
 
 
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
+
+
+def _launch_wrap(t):
+    """wrap_triton when the op body is being traced (fake tensors, or a dispatch mode such as
+    functionalization is active), else None: a body running on real tensors then launches
+    directly, skipping the higher-order-op call that wrap_triton makes even in eager mode and
+    Triton's per-call dispatch (FastLaunch); a training step's host time shrinks accordingly."""
+    if (torch._C._len_torch_dispatch_stack() == 0 and not is_fake(t)
+            and all(torch._C._get_dispatch_mode(mode) is None for mode in _TRACING_MODES)):
+        return None
+    return wrap_triton
+
+
 def _check_interpreter(kernels, q):
     # For CPU tensors. Checked in the op body rather than in _validate: this body is not traced
     # by dynamo.
@@ -158,7 +173,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     """What torch.compile and autograd see. Plain eager inference calls _forward directly: the
     dispatcher round trip of a Python custom op and wrap_triton's eager launch cost more than
     the seed-shape kernel itself (notes/kernel.md, v4)."""
-    return _forward(q, k, v, causal, scale, bottom_right, layout, wrap=wrap_triton)
+    return _forward(q, k, v, causal, scale, bottom_right, layout, wrap=_launch_wrap(q))
 
 
 
@@ -189,7 +204,7 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         return dq, dk, dv
     with _on_device(q.device):
         kernels.attention_bwd(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta, causal=causal,
-                              scale=scale, causal_offset=offset, wrap=wrap_triton)
+                              scale=scale, causal_offset=offset, wrap=_launch_wrap(q))
     return dq, dk, dv
 
 

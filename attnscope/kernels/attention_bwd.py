@@ -43,8 +43,8 @@ import contextlib
 import triton
 import triton.language as tl
 
-from attnscope.kernels.attention_fwd import (LOG2E, _key_ranges, _load, _query_block, head_group,
-                                              is_interpreted)
+from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _key_ranges, _load,
+                                              _query_block, head_group, is_interpreted)
 
 LOG2E_C = tl.constexpr(LOG2E)  # jit functions read module globals only as constexprs
 
@@ -344,30 +344,50 @@ def config_for(head_dim):
 
 
 def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, causal_offset,
-                  wrap=lambda kernel: kernel):
+                  wrap=None):
     """Launch the backward. q, out, do, dq: [batch, heads, q_len, head_dim] views with any
     strides; k, v, dk, dv: [batch, kv_heads, kv_len, head_dim]; lse (the forward's, natural log)
     and delta (scratch, written here): contiguous fp32 [batch, heads, q_len]. Writes dq, dk, dv.
-    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launches."""
+    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launches;
+    without it the launches skip Triton's dispatch on repeats (FastLaunch)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    block_m1, block_n1, block_m2, block_n2, num_warps, num_stages = config_for(head_dim)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    config = config_for(head_dim)
+    block_m1, block_n1, block_m2, block_n2, num_warps, num_stages = config
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
     precision = "ieee" if q.dtype.itemsize == 4 else "tf32"  # tf32 is unused for 16-bit
-    wrap(_attn_bwd_preprocess)[(batch * heads, triton.cdiv(q_len, block_m2))](
-        out, do, delta, *out.stride(), *do.stride(), heads, q_len,  #
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, INPUT_PRECISION=precision,
                   num_warps=num_warps, num_stages=num_stages)
-    wrap(_attn_bwd_dkdv)[(batch * kv_heads, triton.cdiv(kv_len, block_n1))](
-        q, k, v, do, dk, dv, lse, delta,  #
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),  #
-        kv_heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale,  #
-        BLOCK_M=block_m1, BLOCK_N=block_n1, **common)
-    num_m = triton.cdiv(q_len, block_m2)
-    return wrap(_attn_bwd_dq)[(batch * heads * num_m,)](
-        q, k, v, do, dq, lse, delta,  #
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),  #
-        heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_m,
-        head_group(q, k),  #
-        BLOCK_M=block_m2, BLOCK_N=block_n2, **common)
+    num_m = -(-q_len // block_m2)
+    launches = [
+        (_launch_preprocess, (batch * heads, num_m),
+         (out, do, delta, *out.stride(), *do.stride(), heads, q_len),
+         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2)),
+        (_launch_dkdv, (batch * kv_heads, -(-kv_len // block_n1)),
+         (q, k, v, do, dk, dv, lse, delta,  #
+          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),  #
+          kv_heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale),
+         dict(BLOCK_M=block_m1, BLOCK_N=block_n1, **common)),
+        (_launch_dq, (batch * heads * num_m,),
+         (q, k, v, do, dq, lse, delta,  #
+          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),  #
+          heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_m,
+          head_group(q, k)),
+         dict(BLOCK_M=block_m2, BLOCK_N=block_n2, **common)),
+    ]
+    if wrap is not None:
+        for launch, grid, args, kwargs in launches:
+            result = wrap(launch.kernel)[grid](*args, **kwargs)
+        return result
+    # one key for the three launches: shapes, strides, alignment and the config fix them all
+    tensors = (q, k, v, out, do, dq, dk, dv, lse, delta)
+    key = (q.device, q.dtype, q.shape, k.shape, tuple(t.stride() for t in tensors),
+           _aligned(*tensors), causal, causal_offset, config)
+    for launch, grid, args, kwargs in launches:
+        result = launch(key, grid, args, kwargs)
+    return result
+
+
+_launch_preprocess = FastLaunch(_attn_bwd_preprocess)
+_launch_dkdv = FastLaunch(_attn_bwd_dkdv)
+_launch_dq = FastLaunch(_attn_bwd_dq)

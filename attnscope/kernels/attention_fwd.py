@@ -29,8 +29,8 @@ Limits: head_dim <= 256 (registers); inputs must live on one CUDA device, or on 
 TRITON_INTERPRET=1 set before triton is imported (fp16/fp32 there: the interpreter's bf16 dot is
 wrong). The backward is attention_bwd.py.
 
-On an H200/H100 (sm_90) with Triton 3.6, eager fp16/bf16 calls that need no gradient, with
-head_dim 128, contiguous inputs and a key length that is a multiple of 128 run
+On an H200/H100 (sm_90) with Triton 3.6, fp16/bf16 calls launched eagerly (not traced by
+torch.compile; autograd's eager forward counts as eager), with head_dim 128, contiguous inputs and a key length that is a multiple of 128 run
 attention_fwd_hopper.py instead: the same algorithm written in Gluon with a warp-specialized,
 FlashAttention-3 style schedule (`uses_hopper_kernel` decides; notes/kernel.md, v8).
 """

@@ -27,8 +27,8 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 What it needs (attention_fwd routes everything else to the Triton kernel): an sm_90 GPU,
 Triton 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, heads, seq,
 head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), a key length
-that is a multiple of BLOCK_N, a positive scale, and an eager call that needs no gradient (not
-torch.compile or autograd). Query tiles that run past a head's end read the next head's rows or
+that is a multiple of BLOCK_N, a positive scale, and a launch that is not being traced (under
+torch.compile the Triton kernel runs). Query tiles that run past a head's end read the next head's rows or
 the copy engine's zeros; those rows are never stored. The kernel also takes three consumer
 warpgroups (192-row tiles; the lab's NUM_WG), measured slower so far.
 """
