@@ -381,8 +381,8 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         return result
     # one key for the three launches: shapes, strides, alignment and the config fix them all
     tensors = (q, k, v, out, do, dq, dk, dv, lse, delta)
-    key = (q.device, q.dtype, q.shape, k.shape, tuple(t.stride() for t in tensors),
-           _aligned(*tensors), causal, causal_offset, config)
+    key = (q.device, tuple(t.dtype for t in tensors), q.shape, k.shape,
+           tuple(t.stride() for t in tensors), _aligned(*tensors), causal, causal_offset, config)
     for launch, grid, args, kwargs in launches:
         result = launch(key, grid, args, kwargs)
     return result

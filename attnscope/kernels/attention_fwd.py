@@ -30,9 +30,14 @@ TRITON_INTERPRET=1 set before triton is imported (fp16/fp32 there: the interpret
 wrong). The backward is attention_bwd.py.
 
 On an H200/H100 (sm_90) with Triton 3.6, fp16/bf16 calls launched eagerly (not traced by
-torch.compile; autograd's eager forward counts as eager), with head_dim 128, contiguous inputs and a key length that is a multiple of 128 run
-attention_fwd_hopper.py instead: the same algorithm written in Gluon with a warp-specialized,
-FlashAttention-3 style schedule (`uses_hopper_kernel` decides; notes/kernel.md, v8).
+torch.compile; autograd's eager forward counts as eager), with head_dim 128, contiguous inputs
+and a key length that is a multiple of 128 run attention_fwd_hopper.py instead: the same
+algorithm written in Gluon with a warp-specialized, FlashAttention-3 style schedule
+(`uses_hopper_kernel` decides; notes/kernel.md, v8).
+
+Launches (notes/kernel.md, v9): programs walk tiles in `_grouped_tile`'s order (heads in groups
+whose K/V share L2); eager launches go through FastLaunch, which does Triton's per-call dispatch
+once per argument signature.
 """
 
 import contextlib
@@ -481,8 +486,8 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     grid = (batch * heads * num_m,)
     if wrap is not None:
         return wrap(_attn_fwd)[grid](*args, **kwargs)
-    key = (q.device, q.dtype, q.shape, k.shape, strides, _aligned(q, k, v, out, lse), causal,
-           causal_offset, config)
+    key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape, strides,
+           _aligned(q, k, v, out, lse), causal, causal_offset, config)
     return _launch_fwd(key, grid, args, kwargs)
 
 

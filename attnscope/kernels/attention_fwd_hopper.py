@@ -12,7 +12,8 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   owning 64 query rows of the tile. The loader brings in the next tile's Q as soon as the
   consumers' last Q K^T of the current one is done, so a tile's start-up and epilogue overlap
   its neighbours' work.
-- The loader streams K and V tiles through a STAGES-deep shared-memory ring with TMA. Each slot
+- The loader makes the copy engine's descriptors on the device (no host-side descriptor per
+  launch) and streams K and V tiles through a STAGES-deep shared-memory ring with TMA. Each slot
   has a "ready" mbarrier (the copy engine signals it when the bytes land) and an "empty"
   mbarrier (both consumers arrive on it when their wgmma no longer reads the slot).
 - Each consumer overlaps its softmax with its tensor cores (FA3's intra-warpgroup pipeline):
@@ -28,8 +29,8 @@ What it needs (attention_fwd routes everything else to the Triton kernel): an sm
 Triton 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, heads, seq,
 head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), a key length
 that is a multiple of BLOCK_N, a positive scale, and a launch that is not being traced (under
-torch.compile the Triton kernel runs). Query tiles that run past a head's end read the next head's rows or
-the copy engine's zeros; those rows are never stored. The kernel also takes three consumer
+torch.compile the Triton kernel runs). Query tiles that run past a head's end read the next
+head's rows or the copy engine's zeros; those rows are never stored. The kernel also takes three consumer
 warpgroups (192-row tiles; the lab's NUM_WG), measured slower so far.
 """
 
@@ -368,8 +369,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
                   KV_LAYOUT=_smem_layout(block_n, head_dim, dtype), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     # q, k, v are contiguous and 16-byte aligned (supports): their shapes say the rest
-    key = (q.device, q.dtype, q.shape, k.shape, out.stride(), _aligned(out, lse), causal,
-           causal_offset, grid, (block_n, stages, pingpong, regs, persistent, num_wg))
+    key = (q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(), _aligned(out, lse),
+           causal, causal_offset, grid, (block_n, stages, pingpong, regs, persistent, num_wg))
     return _launch(key, grid, args, kwargs)
 
 
