@@ -1,7 +1,8 @@
 """Where the fused op's host time goes: per-call enqueue time (no synchronization) of each layer
-of the eager path, from the public op down to the bare kernel launch. The inputs are tiny
-(1, 1, 128, head_dim), so the GPU finishes each launch long before the next is enqueued and the
-launch queue never fills: the loop measures the host alone. head_dim 64 takes the Triton kernel,
+of the eager path, from the public op down to the bare kernel launch, and of a training step's
+forward and backward. The inputs are tiny (1, 1, 128, head_dim), so the GPU finishes each launch
+long before the next is enqueued and the launch queue never fills: the loop measures the host
+alone. head_dim 64 takes the Triton kernel,
 128 the Gluon one on sm_90 with Triton 3.6. --profile adds cProfile's top functions (by own time)
 of the public op, so a layer's cost can be traced to the function that spends it.
 
@@ -57,7 +58,14 @@ def rows(d):
     launch = lambda: fwd.attention_fwd(q, k, v, out, lse, causal=True, scale=d ** -0.5,  # noqa
                                        causal_offset=0)
     public = lambda: attnscope.fused_attention(q, k, v)  # noqa: E731
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    out_g = attnscope.fused_attention(qg, kg, vg)
+    dout = torch.randn_like(out_g)
     return kernel, public, [
+        ("forward under autograd (inputs need grad)",
+         lambda: attnscope.fused_attention(qg, kg, vg)),
+        ("backward: torch.autograd.grad", lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout,
+                                                                      retain_graph=True)),
         ("public op fused_attention", public),
         ("_forward (no validation)", lambda: fused._forward(q, k, v, True, d ** -0.5, False,
                                                             "bhsd")),

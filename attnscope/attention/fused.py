@@ -13,6 +13,7 @@ import math
 import torch
 from einops import rearrange
 from torch._subclasses.fake_tensor import is_fake
+from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from attnscope.attention.registry import Implementation, register
@@ -121,15 +122,19 @@ _TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchMo
                   torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
+def _traced(t):
+    """True when the op is being traced rather than run: fake tensors, a tracing dispatch mode
+    (fake, proxy, functionalization) or any user mode, or a torch.func transform."""
+    return (torch._C._len_torch_dispatch_stack() > 0 or is_fake(t)
+            or any(torch._C._get_dispatch_mode(mode) is not None for mode in _TRACING_MODES)
+            or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
 def _launch_wrap(t):
-    """wrap_triton when the op body is being traced (fake tensors, or a dispatch mode such as
-    functionalization is active), else None: a body running on real tensors then launches
+    """wrap_triton while the op body is traced, else None: on real tensors the body launches
     directly, skipping the higher-order-op call that wrap_triton makes even in eager mode and
-    Triton's per-call dispatch (FastLaunch); a training step's host time shrinks accordingly."""
-    if (torch._C._len_torch_dispatch_stack() == 0 and not is_fake(t)
-            and all(torch._C._get_dispatch_mode(mode) is None for mode in _TRACING_MODES)):
-        return None
-    return wrap_triton
+    Triton's per-call dispatch (FastLaunch)."""
+    return wrap_triton if _traced(t) else None
 
 
 def _check_interpreter(kernels, q):
@@ -185,11 +190,8 @@ def _bwd_kernels():
     return importlib.import_module("attnscope.kernels.attention_bwd")
 
 
-@triton_op("attnscope::attention_bwd", mutates_args=())
-def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                   bottom_right: bool, layout: str
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout):
+    # The backward op's body, also run directly by _EagerAttention.
     kernels = _bwd_kernels()
     # Gradients are allocated contiguous in the caller's layout, like the forward's output.
     dq = _empty(q.shape, q.dtype, q.device)
@@ -208,6 +210,14 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return dq, dk, dv
 
 
+@triton_op("attnscope::attention_bwd", mutates_args=())
+def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                   bottom_right: bool, layout: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, scale, bottom_right, layout = inputs
     out, lse = output
@@ -224,6 +234,29 @@ def _backward(ctx, dout, _dlse):
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Autograd for calls that are run, not traced: the custom ops' forward and backward bodies
+    without the dispatcher round trips of two Python custom ops, which cost more host time than
+    the kernels at short shapes (notes/backward.md, v9). torch.compile, tracing dispatch modes and
+    torch.func transforms keep the custom ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, bottom_right, layout):
+        # (ctx-style forward: with a separate setup_context, Function.apply binds its arguments
+        # through inspect.signature on every call, ~60 us on the CPU machine)
+        output = _forward(q, k, v, causal, scale, bottom_right, layout)
+        _setup_context(ctx, (q, k, v, causal, scale, bottom_right, layout), output)
+        ctx.set_materialize_grads(False)  # no zeros tensor for the unused LSE gradient
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_backward_impl(dout, q, k, v, out, lse, *ctx.attention_args),
+                None, None, None, None)
 
 
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
@@ -253,9 +286,12 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     _validate(q, k, v, causal, scale, layout, causal_alignment)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    needs_op = torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-    forward = _attention_fwd if needs_op else _forward
+    if torch.compiler.is_compiling():
+        forward = _attention_fwd
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        forward = _attention_fwd if _traced(q) else _EagerAttention.apply
+    else:
+        forward = _forward
     out, lse = forward(q, k, v, causal, float(scale), causal_alignment == "bottom_right", layout)
     return (out, lse) if return_lse else out
 
