@@ -29,10 +29,15 @@ RULES = {"l2": SHIPPED, "l2full": lambda q, k: SHIPPED(q, k, 1.0),
 
 
 def use_rule(rule):
-    # Every module that launches a grouped grid looks head_group up in its own namespace.
-    modules = [fwd, bwd] + ([fwd._hopper()] if fwd._hopper() is not None else [])
-    for module in modules:
+    # Every module that launches a grouped grid looks head_group up in its own namespace. The
+    # launch keys do not hold the group size (the shipped rule derives it from the shapes), so
+    # the kept compiled kernels are dropped: Triton specializes on its value (1, multiples of 16).
+    hopper = fwd._hopper()
+    for module in [fwd, bwd] + ([hopper] if hopper is not None else []):
         module.head_group = rule
+    launches = [fwd._launch_fwd, bwd._launch_preprocess, bwd._launch_dkdv, bwd._launch_dq]
+    for launch in launches + ([hopper._launch] if hopper is not None else []):
+        launch.compiled.clear()
 
 
 def main():

@@ -437,9 +437,45 @@ def test_gpu_repeated_launches_are_right(head_dim):
     for q_len in (384, 384, 512):
         q, k, v = make_qkv(2, 4, 2, q_len, q_len, head_dim, torch.bfloat16, "cuda")
         check(q, k, v, 4e-3, 1e-3)
-    base = torch.randn(2 * 4 * 384 * head_dim + 1, dtype=torch.bfloat16, device="cuda")
-    q = base[1:].view(2, 4, 384, head_dim)  # 2 bytes past a 16-byte boundary
-    check(q, k[:, :, :384], v[:, :, :384], 4e-3, 1e-3)
+    # the call before, again, but q 2 bytes past a 16-byte boundary: only the alignment differs
+    base = torch.randn(q.numel() + 1, dtype=q.dtype, device="cuda")
+    check(base[1:].view(q.shape), k, v, 4e-3, 1e-3)
+
+
+def test_scratch_allocator_is_set_per_thread():
+    # Triton keeps its allocator per thread: a launch from another thread (autograd's device
+    # thread under activation checkpointing, a thread pool) must get one too.
+    import threading
+    seen = []
+
+    def launch_side():
+        kernels.ensure_scratch_allocator()
+        seen.append(kernels._thread_allocator.get() is not kernels._NULL_ALLOCATOR)
+    thread = threading.Thread(target=launch_side)
+    thread.start()
+    thread.join()
+    assert seen == [True]
+
+
+def test_compiled_autograd_traces_the_backward_op():
+    # Compiled autograd traces _EagerAttention's backward with dynamo: it must see the op (and
+    # get the same gradients), not trace into the launch.
+    import torch._dynamo.compiled_autograd as compiled_autograd
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 24, 24, 32, torch.float32, CPU))
+    expected = torch.autograd.grad(fused_attention(q, k, v).sum(), (q, k, v))
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+    out = fused_attention(q, k, v)
+    torch._dynamo.reset()
+    with compiled_autograd._enable(torch.compile(backend=backend)):
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+    torch._dynamo.reset()
+    assert any("attention_bwd" in t for t in targets)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
 
 
 def test_launches_are_wrapped_only_when_traced():
@@ -450,3 +486,7 @@ def test_launches_are_wrapped_only_when_traced():
     assert fused._launch_wrap(q) is None
     with FakeTensorMode():
         assert fused._launch_wrap(torch.empty(1, 1, 4, 16)) is fused.wrap_triton
+    assert fused._launch_wrap(FakeTensorMode().from_tensor(q)) is fused.wrap_triton  # no mode
+    with torch.utils._python_dispatch.TorchDispatchMode():  # a mode, real tensor
+        assert fused._launch_wrap(q) is fused.wrap_triton
+    assert torch.func.grad(lambda x: x.sum() * float(fused._traced(x)))(q).eq(1).all()

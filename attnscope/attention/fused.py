@@ -123,17 +123,19 @@ _TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchMo
 
 
 def _traced(t):
-    """True when the op is being traced rather than run: fake tensors, a tracing dispatch mode
-    (fake, proxy, functionalization) or any user mode, or a torch.func transform."""
-    return (torch._C._len_torch_dispatch_stack() > 0 or is_fake(t)
+    """True when the op is being traced rather than run: dynamo (torch.compile, compiled
+    autograd), fake tensors, a tracing dispatch mode (fake, proxy, functionalization) or any
+    user mode, or a torch.func transform."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or is_fake(t)
             or any(torch._C._get_dispatch_mode(mode) is not None for mode in _TRACING_MODES)
             or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 def _launch_wrap(t):
     """wrap_triton while the op body is traced, else None: on real tensors the body launches
-    directly, skipping the higher-order-op call that wrap_triton makes even in eager mode and
-    Triton's per-call dispatch (FastLaunch)."""
+    directly, through FastLaunch (Triton's per-call dispatch once per argument signature), and
+    may take the Gluon kernel."""
     return wrap_triton if _traced(t) else None
 
 
@@ -255,8 +257,9 @@ class _EagerAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_backward_impl(dout, q, k, v, out, lse, *ctx.attention_args),
-                None, None, None, None)
+        # compiled autograd traces this backward with dynamo: give it the op
+        impl = _attention_bwd if torch.compiler.is_compiling() else _backward_impl
+        return (*impl(dout, q, k, v, out, lse, *ctx.attention_args), None, None, None, None)
 
 
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",

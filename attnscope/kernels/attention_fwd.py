@@ -370,16 +370,19 @@ def _scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-_allocator_set = False
-
-
 def ensure_scratch_allocator():
-    """Give Triton the allocator that kernels making tensor descriptors on the device need
-    (once per process)."""
-    global _allocator_set
-    if not _allocator_set:
+    """Give Triton the allocator that kernels making tensor descriptors on the device need.
+    Triton keeps it per thread (a ContextVar), so this checks the calling thread's own: a launch
+    from autograd's device thread (activation checkpointing), a DataParallel replica or a thread
+    pool needs one too. An allocator the user set is kept."""
+    if _thread_allocator is None or _thread_allocator.get() is _NULL_ALLOCATOR:
         triton.set_allocator(_scratch)
-        _allocator_set = True
+
+
+try:  # where Triton keeps the calling thread's allocator (3.6 and 3.9 checked)
+    from triton.runtime._allocation import _NULL_ALLOCATOR, _allocator as _thread_allocator
+except ImportError:  # another layout: set ours before every launch that needs one
+    _NULL_ALLOCATOR = _thread_allocator = None
 
 
 GLUON_TRITON = "3.6."  # the Triton release the Gluon kernel was written and tested for

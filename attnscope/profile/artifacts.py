@@ -61,13 +61,12 @@ def source_location(source: str | None = None, path: str = SOURCE_PATH,
     return f"{path}:{def_line(source, name)}"
 
 
-def compile_for(q, k, v, backward=False):
+def compile_for(q, k, v):
     """The CompiledKernel, its launch config and its origin (module, source path, kernel name)
     that the fused op launches for these [batch, heads, seq, head_dim] inputs (causal, default
     scale, top-left alignment, as the `fused` registry entry calls it): the Triton kernel, or
-    the Gluon one where kernels.uses_hopper_kernel says so. backward=True: the forward of a
-    run that also differentiates, which goes through the custom op and its wrap_triton launch
-    (the Triton kernel, without tensor descriptors), as the op does when inputs require grad."""
+    the Gluon one where kernels.uses_hopper_kernel says so. Eager runs that differentiate launch
+    the same forward (only traced ones, under torch.compile, take the wrapped Triton launch)."""
     import torch
 
     kernels = importlib.import_module(MODULE)
@@ -77,9 +76,8 @@ def compile_for(q, k, v, backward=False):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    hopper = not backward and kernels.uses_hopper_kernel(q, k, v, out, scale)
-    kernel = kernels.attention_fwd(q, k, v, out, lse, causal=True, scale=scale, causal_offset=0,
-                                   wrap=(lambda fn: fn) if backward else None)
+    hopper = kernels.uses_hopper_kernel(q, k, v, out, scale)
+    kernel = kernels.attention_fwd(q, k, v, out, lse, causal=True, scale=scale, causal_offset=0)
     if hopper:
         module = importlib.import_module(HOPPER_MODULE)
         config = dict(zip(module.CONFIG_FIELDS, module.CONFIGS[q.shape[-1]]))
@@ -114,10 +112,10 @@ def _meta(kernel, config, q, sass_written: bool, origin=(MODULE, SOURCE_PATH, KE
     }
 
 
-def dump(q, k, v, folder, backward=False) -> list[Path]:
-    """Write the fused kernel's artifacts for these inputs into `folder` (backward: as
-    compile_for); the written paths. Raises NeedsGPU on the interpreter."""
-    kernel, config, origin = compile_for(q, k, v, backward)
+def dump(q, k, v, folder) -> list[Path]:
+    """Write the fused kernel's artifacts for these inputs into `folder`; the written paths.
+    Raises NeedsGPU on the interpreter."""
+    kernel, config, origin = compile_for(q, k, v)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = [folder / f"{KERNEL}.{SOURCE_SUFFIX}"]

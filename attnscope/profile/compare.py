@@ -206,10 +206,10 @@ def _kernel_fields(row, fused_meta):
     return fields
 
 
-def _dump_kernel(q, k, v, folder: Path, backward=False):
+def _dump_kernel(q, k, v, folder: Path):
     """The fused kernel's artifacts for the profiled inputs; their meta, or None (said why)."""
     try:
-        written = artifacts.dump(q, k, v, folder, backward)
+        written = artifacts.dump(q, k, v, folder)
     except artifacts.NeedsGPU as e:
         _progress(f"--dump-kernel: {e}")
         return None
@@ -339,7 +339,7 @@ def _finish_cuda(args, results, out: Path, q, k, v):
     meta = None
     if args.dump_kernel or fused_ok:
         folder = Path(args.dump_kernel) if args.dump_kernel else out / KERNEL_DIR
-        meta = _dump_kernel(q, k, v, folder, backward=args.mode == "fwd_bwd")
+        meta = _dump_kernel(q, k, v, folder)
         if meta:
             results["kernel_artifacts"] = str(folder)
             write_results(out, results)
