@@ -2,11 +2,7 @@
 # Round 17 on the H200: where the eager op's host time goes on both kernel paths (cProfile), the
 # Triton kernel's tile order (heads grouped to share L2) against the old order, forward and
 # backward, and the GPU test suite after the Gluon routing fixes and the grouped grids.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-pip install -e . --no-deps --no-build-isolation > $OUT/pip.txt 2>&1 || tail -5 $OUT/pip.txt
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())"; } > $OUT/gpu.txt
+source benchmarks/h200_setup.sh
 timeout 150 python benchmarks/host_cost.py --profile > $OUT/host_cost.txt 2>&1
 grep -E "head_dim|us/call" $OUT/host_cost.txt
 timeout 200 python benchmarks/order_lab.py --shapes 16,16,512,64 8,16,1024,64 4,32,4096,64 \

@@ -3,11 +3,7 @@
 # repeats (FastLaunch), the Gluon kernel's device-made TMA descriptors and the balanced head
 # groups; the eager op's host cost on both kernel paths; the head-group rules, forward (both
 # kernels) and backward.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-pip install -e . --no-deps --no-build-isolation > $OUT/pip.txt 2>&1 || tail -5 $OUT/pip.txt
-{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())"; } > $OUT/gpu.txt
+source benchmarks/h200_setup.sh
 timeout 270 python -m pytest -m cuda -q -p no:cacheprovider -x > $OUT/pytest_cuda.txt 2>&1
 tail -3 $OUT/pytest_cuda.txt
 timeout 100 python benchmarks/host_cost.py --profile > $OUT/host_cost.txt 2>&1

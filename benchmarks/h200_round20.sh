@@ -2,9 +2,7 @@
 # Round 20 on the H200: the Gluon kernel at head_dim 64 again, now that its launch costs ~23 us
 # of host time instead of ~120 (the v8 head_dim-64 rounds timed it with the host in the loop),
 # and its head_dim-128 variants at the short shape; correctness of the head_dim-64 configs first.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-pip install -e . --no-deps --no-build-isolation > $OUT/pip.txt 2>&1 || tail -5 $OUT/pip.txt
+source benchmarks/h200_setup.sh
 timeout 120 python benchmarks/hopper_lab.py --check --configs 128,2,1,240,1,2 64,3,1,240,1,2 \
     > $OUT/check.txt 2>&1
 grep -E "==|worst" $OUT/check.txt
