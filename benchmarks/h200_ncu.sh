@@ -1,6 +1,6 @@
 # Sourced by the h200_*.sh device scripts. ncu_vs_cudnn HEAD_DIM "B,H,S ..." OUTFILE: hardware
-# counters (one launch of each per shape, after a warm-up launch; clocks not locked) of the fused
-# forward and cuDNN's: duration, tensor / XU (MUFU) / FMA pipe activity, issue activity, warps
+# counters (each of the two calls per shape profiled, the first compiles and warms up; clocks
+# not locked) of the fused forward and cuDNN's: duration, tensor / XU (MUFU) / FMA pipe activity, issue activity, warps
 # active, L2 hit rate, DRAM throughput.
 ncu_vs_cudnn() {
   local head_dim=$1 shapes=$2 out=$3

@@ -490,3 +490,24 @@ def test_launches_are_wrapped_only_when_traced():
     with torch.utils._python_dispatch.TorchDispatchMode():  # a mode, real tensor
         assert fused._launch_wrap(q) is fused.wrap_triton
     assert torch.func.grad(lambda x: x.sum() * float(fused._traced(x)))(q).eq(1).all()
+
+
+def test_dispatch_modes_see_one_op():
+    # A dispatch mode (FlopCounterMode, a tracer) sees the call as the custom op, with its
+    # result computed, not as loose allocations around an invisible kernel.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+    q, k, v = make_qkv(1, 2, 2, 24, 24, 16, torch.float32, CPU)
+    expected = fused_attention(q, k, v)
+    with Record() as record:
+        out = fused_attention(q, k, v)
+    assert record.ops == ["attnscope.attention_fwd.default"]
+    torch.testing.assert_close(out, expected)

@@ -175,9 +175,32 @@ def test_eager_autograd_matches_the_custom_ops():
     q.requires_grad_()
     out = fused_attention(q, k, v)
     assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
-    with pytest.raises(RuntimeError):  # no double backward
-        (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-        dq.sum().backward()
+
+
+def test_second_order_gradients_raise_instead_of_dropping_terms():
+    # A gradient penalty differentiates the backward: it has no derivative, so that must raise,
+    # never run with the attention's second-order terms silently missing.
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 16, 16, 16, torch.float32, CPU))
+    loss = (q * q).sum() + fused_attention(q, k, v).sum()
+    (dq,) = torch.autograd.grad(loss, q, create_graph=True)
+    with pytest.raises(RuntimeError, match="autograd"):
+        dq.pow(2).sum().backward()
+
+
+def test_no_gradient_reaching_the_output():
+    # A later function may send no gradient back to `out`: q, k, v then get none from it.
+    class Cut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 16, 16, 16, torch.float32, CPU))
+    loss = Cut.apply(fused_attention(q, k, v)).sum() + q.sum()
+    loss.backward()
+    assert torch.equal(q.grad, torch.ones_like(q)) and k.grad is None and v.grad is None
 
 
 def test_torch_compile_fullgraph_forward_and_backward():

@@ -13,7 +13,6 @@ import math
 import torch
 from einops import rearrange
 from torch._subclasses.fake_tensor import is_fake
-from torch.autograd.function import once_differentiable
 from torch.library import triton_op, wrap_triton
 
 from attnscope.attention.registry import Implementation, register
@@ -118,18 +117,23 @@ def _shapes_only(kernels, t):
     return True
 
 
-_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
-                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
+_FAKE, _PROXY, _FUNCTIONAL = (torch._C._TorchDispatchModeKey.FAKE,
+                              torch._C._TorchDispatchModeKey.PROXY,
+                              torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
 def _traced(t):
-    """True when the op is being traced rather than run: dynamo (torch.compile, compiled
-    autograd), fake tensors, a tracing dispatch mode (fake, proxy, functionalization) or any
-    user mode, or a torch.func transform."""
+    """True when the op is being traced or intercepted rather than run: dynamo (torch.compile,
+    compiled autograd), a dispatch mode (fake, proxy, functionalization, or a user's such as
+    FlopCounterMode), a torch.func transform, or fake tensors. Those calls take the custom ops,
+    which such machinery sees as one op. (The cheap checks come first: this runs on every
+    eager call.)"""
+    get_mode = torch._C._get_dispatch_mode
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or is_fake(t)
-            or any(torch._C._get_dispatch_mode(mode) is not None for mode in _TRACING_MODES)
-            or torch._C._functorch.peek_interpreter_stack() is not None)
+            or get_mode(_FAKE) is not None or get_mode(_PROXY) is not None
+            or get_mode(_FUNCTIONAL) is not None
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or (type(t) is not torch.Tensor and is_fake(t)))  # fakes are Tensor subclasses
 
 
 def _launch_wrap(t):
@@ -241,8 +245,9 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """Autograd for calls that are run, not traced: the custom ops' forward and backward bodies
     without the dispatcher round trips of two Python custom ops, which cost more host time than
-    the kernels at short shapes (notes/backward.md, v9). torch.compile, tracing dispatch modes and
-    torch.func transforms keep the custom ops."""
+    the kernels at short shapes (notes/backward.md, v9). Traced calls (`_traced`) keep the custom
+    ops, and so does a backward that builds a graph (create_graph=True): the backward op has no
+    derivative, so a second backward through it raises instead of dropping terms."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, bottom_right, layout):
@@ -254,11 +259,14 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout, _dlse):
+        if dout is None:  # no gradient reached `out` (lse has none by construction)
+            return (None,) * 7
         q, k, v, out, lse = ctx.saved_tensors
-        # compiled autograd traces this backward with dynamo: give it the op
-        impl = _attention_bwd if torch.compiler.is_compiling() else _backward_impl
+        # Compiled autograd traces this with dynamo, and create_graph=True runs it with grad
+        # mode on: both get the op. A plain backward runs with grad mode off.
+        traced = torch.compiler.is_compiling() or torch.is_grad_enabled()
+        impl = _attention_bwd if traced else _backward_impl
         return (*impl(dout, q, k, v, out, lse, *ctx.attention_args), None, None, None, None)
 
 
@@ -289,10 +297,10 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     _validate(q, k, v, causal, scale, layout, causal_alignment)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if torch.compiler.is_compiling():
+    if _traced(q):  # torch.compile, a dispatch mode, torch.func, fake tensors
         forward = _attention_fwd
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        forward = _attention_fwd if _traced(q) else _EagerAttention.apply
+        forward = _EagerAttention.apply
     else:
         forward = _forward
     out, lse = forward(q, k, v, causal, float(scale), causal_alignment == "bottom_right", layout)
