@@ -181,9 +181,10 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
 @triton_op("attnscope::attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                    bottom_right: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """What torch.compile and autograd see. Plain eager inference calls _forward directly: the
-    dispatcher round trip of a Python custom op and wrap_triton's eager launch cost more than
-    the seed-shape kernel itself (notes/kernel.md, v4)."""
+    """What torch.compile, dispatch modes and torch.func see (`_traced`). Eager calls skip it:
+    inference calls _forward directly and training goes through _EagerAttention, because the
+    dispatcher round trip of a Python custom op costs more host time than the seed-shape kernel
+    itself (notes/kernel.md v4, notes/backward.md v9)."""
     return _forward(q, k, v, causal, scale, bottom_right, layout, wrap=_launch_wrap(q))
 
 
