@@ -45,7 +45,8 @@ def use_rule(rule):
 
 
 def variants(switch):
-    """name -> (setup, the head group it gives or None): the rules, or the switch off and on."""
+    """name -> (setup, the head-group rule or None): the rules, or the switch's shipped value
+    and the other one."""
     if switch is None:
         return {name: ((lambda rule=rule: use_rule(rule)), rule) for name, rule in RULES.items()}
     module_name, _, attr = switch.rpartition(".")
@@ -58,7 +59,8 @@ def variants(switch):
             use_rule(SHIPPED)
             setattr(module, attr, value)
         return setup
-    return {f"{attr}={value}": (setting(value), None) for value in (False, True)}
+    shipped = getattr(module, attr)  # first, so that the rounds end on it
+    return {f"{attr}={value}": (setting(value), None) for value in (shipped, not shipped)}
 
 
 def main():
