@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _key_ranges, _load,
-                                              _query_block, head_group, is_interpreted)
+                                              _query_block, head_group, is_interpreted,
+                                              tile_constants)
 
 LOG2E_C = tl.constexpr(LOG2E)  # jit functions read module globals only as constexprs
 
@@ -354,23 +355,25 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     kv_heads, kv_len = k.shape[1], k.shape[2]
     config = config_for(head_dim)
     block_m1, block_n1, block_m2, block_n2, num_warps, num_stages = config
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    precision = "ieee" if q.dtype.itemsize == 4 else "tf32"  # tf32 is unused for 16-bit
+    block_d, precision = tile_constants(head_dim, q.dtype)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, INPUT_PRECISION=precision,
                   num_warps=num_warps, num_stages=num_stages)
     num_m = -(-q_len // block_m2)
+    tensors = (q, k, v, out, do, dq, dk, dv, lse, delta)
+    strides = tuple(t.stride() for t in tensors)  # read once: the launches and the key share them
+    sq, sk, sv, so, sdo, sdq, sdk, sdv = strides[:8]
     launches = [
         (_launch_preprocess, (batch * heads, num_m),
-         (out, do, delta, *out.stride(), *do.stride(), heads, q_len),
+         (out, do, delta, *so, *sdo, heads, q_len),
          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2)),
         (_launch_dkdv, (batch * kv_heads, -(-kv_len // block_n1)),
          (q, k, v, do, dk, dv, lse, delta,  #
-          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),  #
+          *sq, *sk, *sv, *sdo, *sdk, *sdv,  #
           kv_heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale),
          dict(BLOCK_M=block_m1, BLOCK_N=block_n1, **common)),
         (_launch_dq, (batch * heads * num_m,),
          (q, k, v, do, dq, lse, delta,  #
-          *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),  #
+          *sq, *sk, *sv, *sdo, *sdq,  #
           heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_m,
           head_group(q, k)),
          dict(BLOCK_M=block_m2, BLOCK_N=block_n2, **common)),
@@ -380,9 +383,8 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
             result = wrap(launch.kernel)[grid](*args, **kwargs)
         return result
     # one key for the three launches: shapes, strides, alignment and the config fix them all
-    tensors = (q, k, v, out, do, dq, dk, dv, lse, delta)
-    key = (q.device, tuple(t.dtype for t in tensors), q.shape, k.shape,
-           tuple(t.stride() for t in tensors), _aligned(*tensors), causal, causal_offset, config)
+    key = (q.device, tuple(t.dtype for t in tensors), q.shape, k.shape, strides,
+           _aligned(*tensors), causal, causal_offset, config)
     for launch, grid, args, kwargs in launches:
         result = launch(key, grid, args, kwargs)
     return result

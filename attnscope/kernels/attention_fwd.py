@@ -452,6 +452,13 @@ class FastLaunch:
         return compiled
 
 
+def tile_constants(head_dim, dtype):
+    """The BLOCK_D and INPUT_PRECISION constexprs of a launch (forward and backward): tiles
+    are the next power of two >= 16 wide over head_dim (extra columns load as zeros), and fp32
+    inputs use IEEE fp32 dots (tf32 is unused for 16-bit inputs)."""
+    return max(16, 1 << (head_dim - 1).bit_length()), "ieee" if dtype.itemsize == 4 else "tf32"
+
+
 def _aligned(*tensors):
     # Triton specializes pointer arguments on 16-byte alignment.
     return tuple(t.data_ptr() % 16 == 0 for t in tensors)
@@ -479,9 +486,8 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     args = (q, k, v, out, lse, *strides,  #
             heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
             num_m, head_group(q, k))
-    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
-                  CAUSAL=causal,
-                  INPUT_PRECISION="ieee" if q.dtype.itemsize == 4 else "tf32",  # tf32: unused
+    block_d, precision = tile_constants(head_dim, q.dtype)
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, INPUT_PRECISION=precision,
                   BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,
                   num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:  # a register cap (ptxas .maxnreg), e.g. to fit two programs per SM
