@@ -5,8 +5,12 @@ long before the next is enqueued and the launch queue never fills: the loop meas
 alone. head_dim 64 takes the Triton kernel,
 128 the Gluon one on sm_90 with Triton 3.6. --profile adds cProfile's top functions (by own time)
 of the public op, so a layer's cost can be traced to the function that spends it.
+--stub-launches measures the Python layers alone on a machine without a GPU: fp16 CPU tensors,
+the forward and backward launches replaced by no-ops (best of --rounds loops; a CPU machine's
+timings are noisy).
 
     python benchmarks/host_cost.py [--head-dim 64 128] [--profile]
+    python benchmarks/host_cost.py --stub-launches --rounds 5 --head-dim 64
 """
 import argparse
 import cProfile
@@ -22,16 +26,24 @@ from attnscope.attention import fused
 from attnscope.kernels import attention_fwd as fwd
 
 
-def per_call_us(fn, n=3000):
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn, n=3000, rounds=1):
+    """Host time per call: the best of `rounds` loops of n calls."""
     for _ in range(50):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return us
+    sync()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        sync()
+    return best
 
 
 def profile(fn, n=2000, top=25):
@@ -43,25 +55,34 @@ def profile(fn, n=2000, top=25):
     for _ in range(n):
         fn()
     prof.disable()
-    torch.cuda.synchronize()
+    sync()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
     return text.getvalue()
 
 
-def rows(d):
+def stub_launches():
+    """Replace the kernel launches the op makes with no-ops (the op looks them up by module)."""
+    from attnscope.kernels import attention_bwd as bwd
+    fwd.attention_fwd = lambda *args, **kwargs: None
+    bwd.attention_bwd = lambda *args, **kwargs: None
+
+
+def rows(d, stubbed):
     b, h, s = 1, 1, 128
-    q, k, v = (torch.randn(b, h, s, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    device, dtype = ("cpu", torch.float16) if stubbed else ("cuda", torch.bfloat16)
+    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=device) for _ in range(3))
     out = torch.empty_like(q)
-    lse = torch.empty(b, h, s, dtype=torch.float32, device="cuda")
-    kernel = "Gluon" if fwd.uses_hopper_kernel(q, k, v, out, d ** -0.5) else "Triton"
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=device)
+    kernel = (None if stubbed else
+              "Gluon" if fwd.uses_hopper_kernel(q, k, v, out, d ** -0.5) else "Triton")
     launch = lambda: fwd.attention_fwd(q, k, v, out, lse, causal=True, scale=d ** -0.5,  # noqa
                                        causal_offset=0)
     public = lambda: attnscope.fused_attention(q, k, v)  # noqa: E731
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     out_g = attnscope.fused_attention(qg, kg, vg)
     dout = torch.randn_like(out_g)
-    return kernel, public, [
+    timed = [
         ("forward under autograd (inputs need grad)",
          lambda: attnscope.fused_attention(qg, kg, vg)),
         ("backward: torch.autograd.grad", lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout,
@@ -71,10 +92,13 @@ def rows(d):
                                                             "bhsd")),
         (f"kernels.attention_fwd ({kernel} launch)", launch),
         ("_validate", lambda: fused._validate(q, k, v, True, None, "bhsd", "top_left")),
-        ("two torch.empty", lambda: (torch.empty_like(q), torch.empty(b, h, s, device="cuda"))),
+        ("two torch.empty", lambda: (torch.empty_like(q), torch.empty(b, h, s, device=device))),
         ("sdpa cudnn (for scale)", lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True)),
     ]
+    if stubbed:  # no launch to time, and CPU SDPA says nothing about the GPU path's host cost
+        timed = [row for row in timed if not row[0].startswith(("kernels.", "sdpa"))]
+    return kernel, public, timed
 
 
 def main():
@@ -84,12 +108,22 @@ def main():
                    help="head_dims to measure (default: 64 128)")
     p.add_argument("--profile", action="store_true",
                    help="also print cProfile's top functions of the public op")
+    p.add_argument("--stub-launches", action="store_true",
+                   help="CPU fp16 tensors and no-op kernel launches: the Python layers alone, "
+                        "on a machine without a GPU")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timing loops per row, the best one reported (default 1)")
     args = p.parse_args()
+    if args.stub_launches:
+        stub_launches()
+    elif not torch.cuda.is_available():
+        p.error("no CUDA device: use --stub-launches to time the Python layers on the CPU")
     for d in args.head_dim:
-        kernel, public, timed = rows(d)
-        print(f"head_dim {d}: the op runs the {kernel} kernel", flush=True)
+        kernel, public, timed = rows(d, args.stub_launches)
+        print(f"head_dim {d}: " + (f"the op runs the {kernel} kernel" if kernel else
+                                    "kernel launches stubbed out"), flush=True)
         for name, fn in timed:
-            print(f"  {name:42s} {per_call_us(fn):7.1f} us/call", flush=True)
+            print(f"  {name:42s} {per_call_us(fn, rounds=args.rounds):7.1f} us/call", flush=True)
         if args.profile:
             print(profile(public), flush=True)
     return 0
