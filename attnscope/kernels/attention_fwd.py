@@ -128,19 +128,28 @@ def _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, CHECK_ROWS
 
 @triton.jit
 def _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K, CAUSAL_OFFSET, qk_scale,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    EVEN_N: tl.constexpr, EMPTY_ROWS: tl.constexpr):
     # Raw scores of one K block -> probabilities p (relative to the new running max), the factor
     # alpha that rescales what was accumulated under the old max, and the new running sum / max.
+    # EVEN_N: the key length is a multiple of BLOCK_N (no ragged block to mask); EMPTY_ROWS:
+    # some row may have seen no key yet (only a negative causal offset allows that).
     if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        visible = (offs_n < N_CTX_K)[None, :]
         if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+            visible = offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET
+            if not EVEN_N:
+                visible = visible & (offs_n < N_CTX_K)[None, :]
+        else:
+            visible = (offs_n < N_CTX_K)[None, :]
         qk = tl.where(visible, qk * qk_scale, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        # A row with no visible key so far keeps m == -inf; subtracting 0 instead keeps
-        # exp2(-inf - -inf) = NaN out of p and alpha (both become exactly 0).
-        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        if EMPTY_ROWS:
+            # A row with no visible key so far keeps m == -inf; subtracting 0 instead keeps
+            # exp2(-inf - -inf) = NaN out of p and alpha (both become exactly 0).
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        else:
+            m_sub = m_ij
         qk = qk - m_sub[:, None]
     else:
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -175,7 +184,7 @@ def _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
                     INPUT_PRECISION: tl.constexpr, PIPELINE: tl.constexpr,
-                    USE_TMA: tl.constexpr):
+                    USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, EMPTY_ROWS: tl.constexpr):
     # K/V blocks [lo, hi). Without PIPELINE each block runs q @ k^T, softmax, p @ V in turn.
     # With PIPELINE, `qk` holds block lo's scores on entry and block hi's on return (the caller
     # guarantees block hi exists), and each step orders the work so that the tensor cores are
@@ -183,18 +192,20 @@ def _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
     # j-1, issued asynchronously at the end of the previous step, is still in flight; then
     # q @ k^T of block j+1 is issued (Triton waits for it at once, which also retires p @ V of
     # block j-1), and p @ V of block j is issued and left in flight.
+    RAGGED: tl.constexpr = MASKED and not EVEN_N  # K/V rows past N_CTX_K to load as zeros
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         if not PIPELINE:
-            qk = _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, MASKED,
+            qk = _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, RAGGED,
                          HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
         p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K,
-                                             CAUSAL_OFFSET, qk_scale, MASKED, CAUSAL, BLOCK_N)
+                                             CAUSAL_OFFSET, qk_scale, MASKED, CAUSAL, BLOCK_N,
+                                             EVEN_N, EMPTY_ROWS)
         if PIPELINE:
             qk = _scores(q, k_src, start_n + BLOCK_N, stride_kn, stride_kk, offs_d, N_CTX_K, True,
                          HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
         acc = _accumulate(acc, p, alpha, v_src, start_n, stride_vn, stride_vk, offs_d, N_CTX_K,
-                          MASKED, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
+                          RAGGED, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
     return acc, l_i, m_i, qk
 
 
@@ -208,7 +219,7 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
               INPUT_PRECISION: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,  #
-              USE_TMA: tl.constexpr):
+              USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, EMPTY_ROWS: tl.constexpr):
     # torch.compile passes Python floats as fp64; one fp32 scale keeps every score op in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     off_hz, start_m, off_z, off_h, off_hkv = _query_block(H, GROUP, NUM_M, HEAD_GROUP)
@@ -255,18 +266,19 @@ def _attn_fwd(Q, K, V, Out, Lse,  #
                                         offs_m, offs_d, 0, split, N_CTX_K, CAUSAL_OFFSET,
                                         qk_scale,  #
                                         False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                                        PIPELINE, USE_TMA)
+                                        PIPELINE, USE_TMA, EVEN_N, EMPTY_ROWS)
     # stage 2: the diagonal band and the ragged end of K, masked
     acc, l_i, m_i, qk = _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
                                         stride_kn, stride_kk, stride_vn, stride_vk,  #
                                         offs_m, offs_d, split, end, N_CTX_K, CAUSAL_OFFSET,
                                         qk_scale,  #
                                         True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                                        PIPELINE, USE_TMA)
+                                        PIPELINE, USE_TMA, EVEN_N, EMPTY_ROWS)
     if PIPELINE:
         if masked_hi > 0:  # the peeled last block, masked
             p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, offs_m, last, N_CTX_K,
-                                                 CAUSAL_OFFSET, qk_scale, True, CAUSAL, BLOCK_N)
+                                                 CAUSAL_OFFSET, qk_scale, True, CAUSAL, BLOCK_N,
+                                                 False, EMPTY_ROWS)
             acc = _accumulate(acc, p, alpha, v_src, last, stride_vn, stride_vk, offs_d, N_CTX_K,
                               True, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
 
@@ -413,6 +425,10 @@ def uses_hopper_kernel(q, k, v, out, scale):
     return hopper is not None and hopper.supports(q, k, v, out)
 
 
+# Lab switch (benchmarks/trim_lab.py): False launches the masked band as before v10, with the
+# ragged-key check and the empty-row guard on every masked block.
+_MASK_TRIMS = True
+
 FAST_LAUNCH_TRITON = "3.6."  # the Triton release whose CompiledKernel launch FastLaunch uses
 
 
@@ -489,6 +505,8 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     block_d, precision = tile_constants(head_dim, q.dtype)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, INPUT_PRECISION=precision,
                   BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,
+                  EVEN_N=_MASK_TRIMS and k.shape[2] % block_n == 0,
+                  EMPTY_ROWS=not _MASK_TRIMS or (causal and causal_offset < 0),
                   num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:  # a register cap (ptxas .maxnreg), e.g. to fit two programs per SM
         kwargs["maxnreg"] = maxnreg
@@ -496,7 +514,8 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     if wrap is not None:
         return wrap(_attn_fwd)[grid](*args, **kwargs)
     key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape, strides,
-           _aligned(q, k, v, out, lse), causal, causal_offset, config)
+           _aligned(q, k, v, out, lse), causal, causal_offset, config, kwargs["EVEN_N"],
+           kwargs["EMPTY_ROWS"])
     return _launch_fwd(key, grid, args, kwargs)
 
 
