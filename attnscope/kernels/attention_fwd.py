@@ -425,8 +425,9 @@ def uses_hopper_kernel(q, k, v, out, scale):
     return hopper is not None and hopper.supports(q, k, v, out)
 
 
-# Lab switch (benchmarks/trim_lab.py): False launches the masked band as before v10, with the
-# ragged-key check and the empty-row guard on every masked block.
+# Lab switch (`benchmarks/order_lab.py --switch attnscope.kernels.attention_fwd._MASK_TRIMS`):
+# False launches the masked band as before v10, with the ragged-key check and the empty-row
+# guard on every masked block.
 _MASK_TRIMS = True
 
 FAST_LAUNCH_TRITON = "3.6."  # the Triton release whose CompiledKernel launch FastLaunch uses
