@@ -6,6 +6,8 @@ source benchmarks/h200_setup.sh
 timeout 200 python -m pytest -m cuda -q -p no:cacheprovider tests/test_fused_attention.py -k hopper \
     > $OUT/pytest_hopper.txt 2>&1
 tail -2 $OUT/pytest_hopper.txt
-timeout 200 python benchmarks/tma_store_lab.py --shapes 8,16,1024,128 4,32,4096,128 \
-    2,16,16384,128 --out $OUT/tma_store.jsonl > $OUT/tma_store.txt 2>&1
+timeout 200 python benchmarks/order_lab.py --switch \
+    attnscope.kernels.attention_fwd_hopper._TMA_STORE --repeat 5 \
+    --shapes 8,16,1024,128 4,32,4096,128 2,16,16384,128 --out $OUT/tma_store.jsonl \
+    > $OUT/tma_store.txt 2>&1
 cut -c1-90 $OUT/tma_store.txt

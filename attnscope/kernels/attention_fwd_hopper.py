@@ -407,6 +407,7 @@ def _smem_layout(rows, head_dim, dtype):
 
 
 _launch = FastLaunch(_attn_fwd_hopper)
-# Lab switch (branch v10-lab-gluon-tma-store, benchmarks/tma_store_lab.py): True stores each
-# 64-row output block through shared memory with the copy engine instead of from registers.
+# Lab switch (branch v10-lab-gluon-tma-store; `benchmarks/order_lab.py --switch
+# attnscope.kernels.attention_fwd_hopper._TMA_STORE`): True stores each 64-row output block
+# through shared memory with the copy engine instead of from registers.
 _TMA_STORE = False
