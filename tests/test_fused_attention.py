@@ -342,7 +342,10 @@ HOPPER_SHAPES = [
 @pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("shape", HOPPER_SHAPES)
-def test_hopper_kernel(shape, dtype, floor, lse_tol):
+@pytest.mark.parametrize("tma_store", [False, True])  # the lab variant's output stores
+def test_hopper_kernel(shape, dtype, floor, lse_tol, tma_store, monkeypatch):
+    from attnscope.kernels import attention_fwd_hopper
+    monkeypatch.setattr(attention_fwd_hopper, "_TMA_STORE", tma_store)
     batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 128, dtype, "cuda")
     assert kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q), 128 ** -0.5)

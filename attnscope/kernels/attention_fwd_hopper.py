@@ -156,11 +156,11 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile.
-    (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse,
-     stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m, head_group, H,
-     N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
+    (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+     Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m,
+     head_group, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -170,6 +170,9 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    if TMA_STORE:  # out is one contiguous [rows, HEAD_DIM] matrix (the launch checked)
+        o_desc = tma.make_tensor_descriptor(Out, [n_hz * N_CTX_Q, HEAD_DIM], [HEAD_DIM, 1],
+                                            [ROWS, HEAD_DIM], o_smem.layout)
 
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
@@ -243,15 +246,25 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
         gl.store(Lse + off_hz.to(gl.int64) * N_CTX_Q + rows, lse, mask=rows < N_CTX_Q)
         l_safe = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
         out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
-        o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
-                  + (off_hz % H).to(gl.int64) * stride_oh)
-        o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
-                  + gl.expand_dims(o_cols, 0))
-        gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_CTX_Q, 1))
+        if TMA_STORE and m0 + ROWS <= N_CTX_Q:
+            # The copy engine stores the block from shared memory while this warpgroup moves on
+            # to its next tile; only the next tile's epilogue waits for it (the buffer is reused).
+            tma.store_wait(0)
+            o_smem.index(WG).store(out)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [off_hz * N_CTX_Q + m0, 0], o_smem.index(WG))
+        else:  # rows past this head's end (a 2-D copy would write the next head's rows)
+            o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
+                      + (off_hz % H).to(gl.int64) * stride_oh)
+            o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
+                      + gl.expand_dims(o_cols, 0))
+            gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_CTX_Q, 1))
         it += n_blocks
         ti += 1
+    if TMA_STORE:
+        tma.store_wait(0)  # the last store must have read shared memory before the exit
 
 
 @gluon.jit
@@ -260,7 +273,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, stride_oz, stride_oh, stride_om,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                     KV_LAYOUT: gl.constexpr):
+                     KV_LAYOUT: gl.constexpr, TMA_STORE: gl.constexpr):
     # Persistent: program pid walks tiles _tile_of(0, pid), _tile_of(1, pid), ... (see _tile).
     qk_scale = qk_scale.to(gl.float32)
     pid = gl.program_id(0)
@@ -298,7 +311,11 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, stride_oz, stride_oh, stride_om,
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
 
-    shared = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+    if TMA_STORE:  # one output block per consumer for the copy engine's stores
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], Q_LAYOUT)
+    else:
+        o_smem = q_smem  # unused
+    shared = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
               Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m,
               HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
@@ -308,16 +325,21 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, stride_oz, stride_oh, stride_om,
     # built with + turns them into runtime values.)
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
+                         TMA_STORE)),
+            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
+                         TMA_STORE)),
             (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
         ], [4, 1], [CONSUMER_REGS, 24])
     else:
         gl.static_assert(NUM_WG == 3, "two or three consumer warpgroups")
         gl.warp_specialize([
-            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-            (_consumer, (shared, 2, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
+                         TMA_STORE)),
+            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
+                         TMA_STORE)),
+            (_consumer, (shared, 2, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
+                         TMA_STORE)),
             (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
@@ -366,10 +388,13 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   PINGPONG=pingpong, NUM_WG=num_wg, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, head_dim, dtype),
-                  KV_LAYOUT=_smem_layout(block_n, head_dim, dtype), num_warps=4)
+                  KV_LAYOUT=_smem_layout(block_n, head_dim, dtype),
+                  TMA_STORE=_TMA_STORE and out.is_contiguous() and out.data_ptr() % 16 == 0,
+                  num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     # q, k, v are contiguous and 16-byte aligned (supports): their shapes say the rest
     key = (q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(), _aligned(out, lse),
+           kwargs["TMA_STORE"],
            causal, causal_offset, grid, (block_n, stages, pingpong, regs, persistent, num_wg))
     return _launch(key, grid, args, kwargs)
 
@@ -382,3 +407,7 @@ def _smem_layout(rows, head_dim, dtype):
 
 
 _launch = FastLaunch(_attn_fwd_hopper)
+# Lab switch (branch v10-lab-gluon-tma-store; `benchmarks/order_lab.py --switch
+# attnscope.kernels.attention_fwd_hopper._TMA_STORE`): True stores each 64-row output block
+# through shared memory with the copy engine instead of from registers.
+_TMA_STORE = False
