@@ -130,17 +130,17 @@ def main():
                    help="BLOCK_M,BLOCK_N,num_warps,num_stages (default 128,64,8,3); with --gluon "
                         "BLOCK_N,STAGES,PINGPONG,REGS,PERSISTENT,CONSUMER_WARPGROUPS")
     p.add_argument("--gluon", action="store_true", help="the Gluon Hopper kernel instead")
-    p.add_argument("--tma-store", action="store_true",
-                   help="with --gluon: the lab variant that stores O with the copy engine")
+    p.add_argument("--register-store", action="store_true",
+                   help="with --gluon: store O from registers (the lab switch _TMA_STORE off)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
     args = p.parse_args()
-    if args.tma_store:
+    if args.register_store:
         from attnscope.kernels import attention_fwd_hopper
-        attention_fwd_hopper._TMA_STORE = True
+        attention_fwd_hopper._TMA_STORE = False
     if args.gluon:
         config = args.config and tuple(bool(int(x)) if i in (2, 4) else int(x)
                                        for i, x in enumerate(args.config.split(",")))

@@ -342,7 +342,7 @@ HOPPER_SHAPES = [
 @pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("shape", HOPPER_SHAPES)
-@pytest.mark.parametrize("tma_store", [False, True])  # the lab variant's output stores
+@pytest.mark.parametrize("tma_store", [False, True])  # both output-store paths (v10)
 def test_hopper_kernel(shape, dtype, floor, lse_tol, tma_store, monkeypatch):
     from attnscope.kernels import attention_fwd_hopper
     monkeypatch.setattr(attention_fwd_hopper, "_TMA_STORE", tma_store)

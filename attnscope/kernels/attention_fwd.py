@@ -425,11 +425,6 @@ def uses_hopper_kernel(q, k, v, out, scale):
     return hopper is not None and hopper.supports(q, k, v, out)
 
 
-# Lab switch (`benchmarks/order_lab.py --switch attnscope.kernels.attention_fwd._MASK_TRIMS`):
-# False launches the masked band as before v10, with the ragged-key check and the empty-row
-# guard on every masked block.
-_MASK_TRIMS = True
-
 FAST_LAUNCH_TRITON = "3.6."  # the Triton release whose CompiledKernel launch FastLaunch uses
 
 
@@ -506,8 +501,7 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     block_d, precision = tile_constants(head_dim, q.dtype)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, INPUT_PRECISION=precision,
                   BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,
-                  EVEN_N=_MASK_TRIMS and k.shape[2] % block_n == 0,
-                  EMPTY_ROWS=not _MASK_TRIMS or (causal and causal_offset < 0),
+                  EVEN_N=k.shape[2] % block_n == 0, EMPTY_ROWS=causal and causal_offset < 0,
                   num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:  # a register cap (ptxas .maxnreg), e.g. to fit two programs per SM
         kwargs["maxnreg"] = maxnreg

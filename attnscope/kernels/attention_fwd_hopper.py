@@ -30,8 +30,10 @@ Triton 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, hea
 head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), a key length
 that is a multiple of BLOCK_N, a positive scale, and a launch that is not being traced (under
 torch.compile the Triton kernel runs). Query tiles that run past a head's end read the next
-head's rows or the copy engine's zeros; those rows are never stored. The kernel also takes three consumer
-warpgroups (192-row tiles; the lab's NUM_WG), measured slower so far.
+head's rows or the copy engine's zeros; those rows are never stored. Output blocks go to memory
+through shared memory and the copy engine (TMA store), except blocks that run past a head's end.
+The kernel also takes three consumer warpgroups (192-row tiles; the lab's NUM_WG), measured
+slower so far.
 """
 
 import functools
@@ -315,9 +317,9 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, stride_oz, stride_oh, stride_om,
         o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], Q_LAYOUT)
     else:
         o_smem = q_smem  # unused
-    shared = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-              Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m,
-              HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
+    shared = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+              v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds,
+              n_hz, num_m, HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
              v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, HEAD_GROUP, H, GROUP,
              N_CTX_Q, N_CTX_K, CAUSAL_OFFSET)
@@ -407,7 +409,7 @@ def _smem_layout(rows, head_dim, dtype):
 
 
 _launch = FastLaunch(_attn_fwd_hopper)
-# Lab switch (branch v10-lab-gluon-tma-store; `benchmarks/order_lab.py --switch
-# attnscope.kernels.attention_fwd_hopper._TMA_STORE`): True stores each 64-row output block
-# through shared memory with the copy engine instead of from registers.
-_TMA_STORE = False
+# Lab switch (`order_lab.py --switch attnscope.kernels.attention_fwd_hopper._TMA_STORE`): True
+# (v10) stores each 64-row output block through shared memory with the copy engine; False stores
+# every block from registers, as before v10. The GPU tests run both.
+_TMA_STORE = True
