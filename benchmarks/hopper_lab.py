@@ -88,7 +88,7 @@ def time_shapes(shapes, configs, repeat, out_path):
         cands = {f"gluon{c}": (lambda c=c: hop.attention_fwd_hopper(
             q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c))
             for c in configs if c is not None or d in hop.CONFIGS}
-        triton_config = fwd.config_for(d)  # the table's (nothing is pinned here)
+        triton_config = fwd.config_for(d, s, True)  # the table's (nothing is pinned here)
 
         def triton_kernel():  # pinned: an unpinned call would take the Gluon kernel
             with fwd.pinned_config(*triton_config):

@@ -262,6 +262,22 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         fused_attention(q, k, v)
 
 
+def test_config_for_short_causal_sequences(monkeypatch):
+    # Compiled launches (not the interpreter's one config): causal calls with at most SHORT_SEQ
+    # queries take the short-sequence entry where the head_dim class has one.
+    monkeypatch.setattr(kernels, "is_interpreted", lambda: False)
+    short, long = kernels.SHORT_CONFIGS[64], kernels.CONFIGS[64]
+    assert short != long
+    assert kernels.config_for(64, 1024, True) == short
+    assert kernels.config_for(48, kernels.SHORT_SEQ, True) == short
+    assert kernels.config_for(64, kernels.SHORT_SEQ + 1, True) == long
+    assert kernels.config_for(64, 1024, False) == long
+    assert kernels.config_for(64) == long
+    assert kernels.config_for(128, 1024, True) == kernels.CONFIGS[128]
+    with kernels.pinned_config(32, 32):
+        assert kernels.config_for(64, 1024, True)[:2] == (32, 32)
+
+
 # ---- GPU ------------------------------------------------------------------------------------
 
 GPU_SHAPES = [
@@ -275,6 +291,7 @@ GPU_SHAPES = [
     (1, 8, 8, 2000, 113, 64, "bottom_right"),    # rows with no visible key
     (1, 8, 8, 300, 1500, 256, "top_left"),       # widest head_dim
     (3, 4, 4, 1, 4096, 48, "bottom_right"),      # single-token decoding
+    (1, 4, 4, 2500, 2500, 64, "top_left"),       # past SHORT_SEQ: the long-sequence config
 ]
 
 

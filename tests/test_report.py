@@ -394,7 +394,7 @@ def test_compile_for_names_every_config_field(monkeypatch):
     kernel, config, origin = artifacts.compile_for(q, q, q)
     assert kernel == "compiled"
     assert list(config) == list(kernels.CONFIG_FIELDS)
-    assert tuple(config.values()) == kernels.config_for(16)
+    assert tuple(config.values()) == kernels.config_for(16, 8, True)
     assert origin == (artifacts.MODULE, artifacts.SOURCE_PATH, artifacts.KERNEL)
 
 

@@ -304,6 +304,11 @@ CONFIGS = {
     128: (128, 64, 8, 3, False, False, None),
     256: (64, 32, 4, 2, True, True, None),  # TMA: +3.7 % here, slower at D <= 128 (notes, v3)
 }
+# Causal calls with at most SHORT_SEQ queries take these instead: 64-row tiles of one warpgroup,
+# three programs per SM, finer causal tiles (notes, v11: 4-7 % faster than (128, 64, 8, 3) at
+# 512-2048 queries, not faster at 4096).
+SHORT_SEQ = 2048
+SHORT_CONFIGS = {64: (64, 64, 4, 3, False, False, None)}
 # The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross
 # several blocks and a diagonal band that spans two K blocks.
 INTERPRETER_CONFIG = (32, 16, 4, 1, True, False, None)
@@ -335,13 +340,17 @@ def interpreter_ready():
     return is_interpreted() and not isinstance(tl.standard.max, triton.runtime.JITFunction)
 
 
-def config_for(head_dim):
-    """The launch config, a tuple named by CONFIG_FIELDS."""
+def config_for(head_dim, q_len=None, causal=False):
+    """The launch config, a tuple named by CONFIG_FIELDS, for a call with this head_dim, query
+    length and causal flag (q_len None: the long-sequence table's)."""
     if _pinned is not None:
         return _pinned
     if is_interpreted():
         return INTERPRETER_CONFIG
-    return CONFIGS[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
+    cls = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    if causal and q_len is not None and q_len <= SHORT_SEQ and cls in SHORT_CONFIGS:
+        return SHORT_CONFIGS[cls]
+    return CONFIGS[cls]
 
 
 def _tma_ok(t):
@@ -486,7 +495,7 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
         return _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
                                                causal_offset=causal_offset)
     batch, heads, q_len, head_dim = q.shape
-    config = config_for(head_dim)
+    config = config_for(head_dim, q_len, causal)
     block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg = config
     # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no
     # address to check) and inductor's launch provides no scratch for device-side descriptors.

@@ -82,7 +82,7 @@ def compile_for(q, k, v):
         module = importlib.import_module(HOPPER_MODULE)
         config = dict(zip(module.CONFIG_FIELDS, module.CONFIGS[q.shape[-1]]))
         return kernel, config, (HOPPER_MODULE, HOPPER_SOURCE_PATH, HOPPER_KERNEL)
-    config = dict(zip(kernels.CONFIG_FIELDS, kernels.config_for(q.shape[-1])))
+    config = dict(zip(kernels.CONFIG_FIELDS, kernels.config_for(q.shape[-1], q.shape[2], True)))
     return kernel, config, (MODULE, SOURCE_PATH, KERNEL)
 
 
