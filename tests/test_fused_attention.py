@@ -278,6 +278,49 @@ def test_config_for_short_causal_sequences(monkeypatch):
         assert kernels.config_for(64, 1024, True)[:2] == (32, 32)
 
 
+def _schedule_loads(table, cost):
+    # Each program's tiles, checked to be every tile exactly once, and its total cost.
+    runs = [row[1:1 + row[0]] for row in table.tolist()]
+    assert sorted(t for run in runs for t in run) == list(range(len(cost)))
+    assert all(run == sorted(run) for run in runs)  # each program follows the launch order
+    return [sum(cost[t] for t in run) for run in runs]
+
+
+@pytest.mark.parametrize("causal,offset", [(True, 0), (True, -300), (False, 0)])
+def test_tile_schedule_balances_causal_tiles(causal, offset):
+    # (8,16,1024,128) on 132 programs: 128 heads in groups of 43, 8 query tiles of 128 rows.
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    n_hz, num_m, group, programs, rows, block_n, kv_len = 128, 8, 43, 132, 128, 128, 1024
+    cost = []  # the same order and cost model, written out: a tile's K/V blocks plus one
+    for t in range(n_hz * num_m):
+        heads = min(group, n_hz - t // (group * num_m) * group)
+        m = num_m - 1 - t % (group * num_m) // heads
+        hi = min(max(m * rows + rows + offset, 0), kv_len) if causal else kv_len
+        cost.append(-(-hi // block_n) + 1)
+    args = (torch.device("cpu"), n_hz, num_m, group, programs, rows, block_n, kv_len, causal,
+            offset)
+    balanced = _schedule_loads(hopper.tile_schedule(*args, True), cost)
+    round_robin = _schedule_loads(hopper.tile_schedule(*args, False), cost)
+    assert max(balanced) <= sum(cost) / programs + max(cost)  # list scheduling's bound
+    if causal:
+        assert max(balanced) < max(round_robin)
+    table = hopper.tile_schedule(*args, False)  # round robin: rounds alternate direction
+    assert table[0, 1:3].tolist() == [0, 2 * programs - 1]
+    assert table[programs - 1, 1:3].tolist() == [programs - 1, programs]
+
+
+def test_tile_schedule_falls_back_to_round_robin_for_many_tiles(monkeypatch):
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    args = (torch.device("cpu"), 6, 5, 3, 4, 128, 128, 640, True, 0)
+    monkeypatch.setattr(hopper, "SCHEDULE_MAX_TILES", 29)
+    hopper.tile_schedule.cache_clear()
+    assert torch.equal(hopper.tile_schedule(*args, True), hopper.tile_schedule(*args, False))
+    monkeypatch.setattr(hopper, "SCHEDULE_MAX_TILES", 30)
+    hopper.tile_schedule.cache_clear()
+    assert not torch.equal(hopper.tile_schedule(*args, True), hopper.tile_schedule(*args, False))
+    hopper.tile_schedule.cache_clear()
+
+
 # ---- GPU ------------------------------------------------------------------------------------
 
 GPU_SHAPES = [
@@ -359,10 +402,11 @@ HOPPER_SHAPES = [
 @pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("shape", HOPPER_SHAPES)
-@pytest.mark.parametrize("tma_store", [False, True])  # both output-store paths (v10)
-def test_hopper_kernel(shape, dtype, floor, lse_tol, tma_store, monkeypatch):
+@pytest.mark.parametrize("current", [False, True])  # lab switches: pre-v10 stores, pre-v12 order
+def test_hopper_kernel(shape, dtype, floor, lse_tol, current, monkeypatch):
     from attnscope.kernels import attention_fwd_hopper
-    monkeypatch.setattr(attention_fwd_hopper, "_TMA_STORE", tma_store)
+    monkeypatch.setattr(attention_fwd_hopper, "_TMA_STORE", current)
+    monkeypatch.setattr(attention_fwd_hopper, "_BALANCED", current)
     batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 128, dtype, "cuda")
     assert kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q), 128 ** -0.5)

@@ -37,6 +37,9 @@ slower so far.
 """
 
 import functools
+import heapq
+
+import torch
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,20 +55,11 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 til
 
 
 @gluon.jit
-def _tile_of(r, pid, n_programs):
-    # Round r of program pid's tiles. Rounds alternate direction (program 0 takes the first
-    # tile of even rounds and the last of odd ones): tiles shorten along the order, so a
-    # fixed direction would give low program ids the longer tile of every round (measured
-    # 6 % of imbalance at 16k keys, notes v8).
-    return r * n_programs + gl.where(r % 2 == 0, pid, n_programs - 1 - pid)
-
-
-@gluon.jit
 def _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    # Tile t of the persistent loop: (batch * head, first query row, number of K/V blocks), in
-    # the Triton kernel's order (heads in groups that share L2, last query block first within a
-    # group): handing tiles out round-robin in this order balances the programs' total work.
+    # Tile t of the launch: (batch * head, first query row, number of K/V blocks), in the Triton
+    # kernel's order (heads in groups that share L2, last query block first within a group).
+    # Which program runs which tiles is the host's schedule (tile_schedule).
     off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
     first_row = m * BLOCK_M
     if CAUSAL:  # keys the tile's last row sees
@@ -79,8 +73,7 @@ def _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constex
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, NUM_WG: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, pid, n_programs, n_rounds, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K,
-     CAUSAL_OFFSET) = args
+     v_empty, sched, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET) = args
     # The copy engine's descriptors, made here on the device: each of q, k, v seen as one
     # [rows, HEAD_DIM] matrix. (Host-made descriptors cost ~50 us of Triton's launch per call.)
     q_desc = tma.make_tensor_descriptor(Q, [n_hz * N_CTX_Q, HEAD_DIM], [HEAD_DIM, 1],
@@ -92,8 +85,8 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
                                         [BLOCK_N, HEAD_DIM], v_smem.layout)
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
-    for r in range(n_rounds):
-        t = _tile_of(r, pid, n_programs)
+    for r in range(gl.load(sched)):
+        t = gl.load(sched + 1 + r)
         off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET,
                                             CAUSAL, NUM_WG * ROWS, BLOCK_N)
         kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N_CTX_K
@@ -161,8 +154,8 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
               PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile.
     (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-     Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds, n_hz, num_m,
-     head_group, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
+     Out, Lse, stride_oz, stride_oh, stride_om, sched, n_hz, num_m, head_group, H, N_CTX_Q,
+     N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -178,8 +171,8 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
 
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
-    for r in range(n_rounds):
-        t = _tile_of(r, pid, n_programs)
+    for r in range(gl.load(sched)):
+        t = gl.load(sched + 1 + r)
         off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET,
                                             CAUSAL, NUM_WG * ROWS, BLOCK_N)
         m0 = first_row + WG * ROWS
@@ -270,23 +263,19 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
 
 
 @gluon.jit
-def _attn_fwd_hopper(Q, K, V, Out, Lse, stride_oz, stride_oh, stride_om,
+def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
+                     SCHED_STRIDE,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, TMA_STORE: gl.constexpr):
-    # Persistent: program pid walks tiles _tile_of(0, pid), _tile_of(1, pid), ... (see _tile).
+    # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
+    # their count, then their numbers in _tile's order.
     qk_scale = qk_scale.to(gl.float32)
-    pid = gl.program_id(0)
-    n_programs = gl.num_programs(0)
+    sched = Sched + gl.program_id(0) * SCHED_STRIDE
     n_hz = BATCH * H
     num_m = gl.cdiv(N_CTX_Q, NUM_WG * ROWS)
-    # rounds of this program: all but the last are full; in the last, this program's tile
-    # may be past the end
-    n_rounds = gl.cdiv(n_hz * num_m, n_programs)
-    last_ok = _tile_of(n_rounds - 1, pid, n_programs) < n_hz * num_m
-    n_rounds = n_rounds - 1 + last_ok.to(gl.int32)
 
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], Q_LAYOUT)
@@ -318,11 +307,11 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, stride_oz, stride_oh, stride_om,
     else:
         o_smem = q_smem  # unused
     shared = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-              v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, pid, n_programs, n_rounds,
-              n_hz, num_m, HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
+              v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched, n_hz, num_m,
+              HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-             v_ready, v_empty, pid, n_programs, n_rounds, n_hz, num_m, HEAD_GROUP, H, GROUP,
-             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET)
+             v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP, N_CTX_Q, N_CTX_K,
+             CAUSAL_OFFSET)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
     if NUM_WG == 2:
@@ -380,13 +369,18 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_n, stages, pingpong, regs, persistent, num_wg = config or CONFIGS[head_dim]
     dtype = str(q.dtype)
-    tiles = batch * heads * -(-q_len // (num_wg * ROWS.value))
+    tile_rows = num_wg * ROWS.value
+    num_m = -(-q_len // tile_rows)
+    tiles = batch * heads * num_m
     # persistent: one program per SM; otherwise one per tile (the tile loop then runs once)
     sms = device_properties(q.device).multi_processor_count
     grid = (min(tiles, sms) if persistent else tiles,)
-    args = (q, k, v, out, lse, out.stride(0), out.stride(1), out.stride(2),
+    group = head_group(q, k)
+    sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
+                          kv_len, causal, causal_offset, _BALANCED)
+    args = (q, k, v, out, lse, sched, out.stride(0), out.stride(1), out.stride(2),
             batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
-            head_group(q, k))
+            group, sched.shape[1])
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   PINGPONG=pingpong, NUM_WG=num_wg, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, head_dim, dtype),
@@ -396,13 +390,61 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     # q, k, v are contiguous and 16-byte aligned (supports): their shapes say the rest
     key = (q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(), _aligned(out, lse),
-           kwargs["TMA_STORE"],
+           kwargs["TMA_STORE"], sched.shape,
            causal, causal_offset, grid, (block_n, stages, pingpong, regs, persistent, num_wg))
     return _launch(key, grid, args, kwargs)
 
 
+@functools.lru_cache(maxsize=256)
+def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
+                  causal, causal_offset, balanced=True):
+    """Which tiles each persistent program runs: an int32 tensor on `device`, one row per
+    program holding its tile count, then its tile numbers (in _tile's order) in the order it
+    runs them. Computed once per launch shape.
+
+    balanced: list scheduling with a cost model, as a dynamic scheduler would hand tiles out.
+    Tiles go in _tile's order (which keeps the heads that share L2 together in time), each to
+    the program whose assigned work ends first; a tile costs its K/V blocks plus one block for
+    its Q load and epilogue. Launches of more than SCHEDULE_MAX_TILES tiles, and
+    balanced=False, hand the tiles out round-robin instead, each round in the opposite
+    direction (the order before v12; ~15 % of the work is imbalance at (8,16,1024,128) by the
+    same cost model)."""
+    tiles = n_hz * num_m
+    if balanced and tiles <= SCHEDULE_MAX_TILES:
+        t = torch.arange(tiles)
+        group_tiles = head_group * num_m
+        heads = (n_hz - t // group_tiles * head_group).clamp(max=head_group)
+        first_row = (num_m - 1 - t % group_tiles // heads) * tile_rows  # _grouped_tile's m
+        hi = (first_row + tile_rows + causal_offset).clamp(0, kv_len) if causal else kv_len
+        cost = (torch.as_tensor(hi) + block_n - 1) // block_n + 1
+        cost = (cost * torch.ones(tiles, dtype=torch.int64)).tolist()
+        ends = [(0, p) for p in range(n_programs)]  # (when its work ends, program), a heap
+        runs = [[] for _ in range(n_programs)]
+        for tile, c in enumerate(cost):
+            end, p = ends[0]
+            runs[p].append(tile)
+            heapq.heapreplace(ends, (end + c, p))
+    else:
+        rounds = -(-tiles // n_programs)
+        r = torch.arange(rounds)[None, :]
+        p = torch.arange(n_programs)[:, None]
+        order = r * n_programs + torch.where(r % 2 == 0, p, n_programs - 1 - p)
+        runs = [[t for t in row if t < tiles] for row in order.tolist()]
+    width = 1 + max(len(run) for run in runs)
+    table = [[len(run)] + run + [0] * (width - 1 - len(run)) for run in runs]
+    return torch.tensor(table, dtype=torch.int32).to(device)
+
+
+# Lab switch (`order_lab.py --switch attnscope.kernels.attention_fwd_hopper._BALANCED`): False
+# hands tiles out round-robin (v8-v11) instead of by list scheduling (v12).
+_BALANCED = True
+# Above this many tiles the schedule is round-robin: list scheduling in Python costs ~1 us a
+# tile on the first call of a shape.
+SCHEDULE_MAX_TILES = 32768
+
+
 # Host cost matters at small shapes (notes v8-v9): what does not change between calls is
-# computed once (here, in device_properties and in FastLaunch).
+# computed once (here, in device_properties, tile_schedule and FastLaunch).
 @functools.cache
 def _smem_layout(rows, head_dim, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
