@@ -415,23 +415,6 @@ def test_hopper_kernel(shape, dtype, floor, lse_tol, current, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("causal", [True, False])
-def test_hopper_kernel_head_dim_64(causal):
-    # head_dim 64 runs the Gluon kernel only past SHORT_SEQ queries (where it is in CONFIGS)
-    from attnscope.kernels import attention_fwd_hopper as hopper
-    if 64 not in hopper.CONFIGS:
-        pytest.skip("head_dim 64 runs the Triton kernel at every length")
-    q, k, v = make_qkv(1, 3, 3, kernels.SHORT_SEQ + 100, kernels.SHORT_SEQ + 128, 64,
-                       torch.bfloat16, "cuda")
-    assert kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q), 0.125)
-    check(q, k, v, 4e-3, 1e-3, causal=causal,
-          **({"causal_alignment": "bottom_right"} if causal else {}))
-    short = q[:, :, :kernels.SHORT_SEQ].contiguous()
-    assert not kernels.uses_hopper_kernel(short, k, v, torch.empty_like(short), 0.125)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 def test_hopper_kernel_only_takes_what_it_supports():
     q, k, v = make_qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, "cuda")
     out = torch.empty_like(q)

@@ -26,7 +26,7 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   while the other's matrix multiplies do.
 
 What it needs (attention_fwd routes everything else to the Triton kernel): an sm_90 GPU,
-Triton 3.6, fp16/bf16, a head_dim in CONFIGS (128, and 64 past MIN_QUERIES queries), q/k/v contiguous [batch, heads, seq,
+Triton 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, heads, seq,
 head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), a key length
 that is a multiple of BLOCK_N, a positive scale, and a launch that is not being traced (under
 torch.compile the Triton kernel runs). Query tiles that run past a head's end read the next
@@ -46,9 +46,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from attnscope.kernels.attention_fwd import (LOG2E, SHORT_SEQ, FastLaunch, _aligned,
-                                             _grouped_tile, device_properties,
-                                             ensure_scratch_allocator, head_group)
+from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _grouped_tile,
+                                             device_properties, ensure_scratch_allocator,
+                                             head_group)
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
@@ -337,26 +337,23 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
 
 # (BLOCK_N, STAGES, pingpong, consumer registers, persistent, consumer warpgroups) per
 # head_dim, measured on the H200 with benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim
-# 64 runs here only past SHORT_SEQ queries: up to there the Triton kernel's 64-row tiles are
-# faster (0.0604 against 0.0745 ms at the seed shape, notes v11).
+# 64 stays on the Triton kernel: this one measured slower up to 2048 queries (0.0745 against
+# 0.0604 ms at the seed shape) and within 1 % of it at 4096 (notes, v11 and v13).
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "pingpong", "consumer_regs", "persistent",
                  "consumer_warpgroups")
 CONFIGS = {128: (128, 2, True, 240, True, 2)}
-CONFIGS[64] = (128, 3, True, 240, True, 2)  # v13: past SHORT_SEQ queries
-MIN_QUERIES = {64: SHORT_SEQ + 1}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
 def supports(q, k, v, out):
     """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
-    CONFIGS with at least MIN_QUERIES queries, non-empty q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned
+    CONFIGS, non-empty q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned
     addresses (the TMA descriptors view each as one [rows, head_dim] matrix), out with unit last
     stride, and a key length that is a multiple of BLOCK_N: a ragged last K/V block would read
     the next head's rows, and although those keys are masked, p = 0 times a non-finite value
     there is NaN (the Triton kernel loads such rows as zeros)."""
     config = CONFIGS.get(q.shape[-1])  # cheapest refusals first: this runs on every eager call
-    return (config is not None and q.shape[2] >= MIN_QUERIES.get(q.shape[-1], 0)
-            and str(q.dtype) in _GL_DTYPES and q.is_cuda
+    return (config is not None and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.shape[2] % config[0] == 0
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
