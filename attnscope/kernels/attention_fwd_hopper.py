@@ -8,7 +8,8 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 
 - Persistent: one program per SM walks 128-row query tiles of (batch, head) pairs, in groups
   of heads whose K/V fit in L2 together and longest (last under a causal mask) first within a
-  group, with three warp partitions: a 1-warp loader and two 4-warp consumer warpgroups, each
+  group. Which program runs which tiles is a table made on the host once per launch shape
+  (tile_schedule: list scheduling, so the programs' work evens out). Three warp partitions: a 1-warp loader and two 4-warp consumer warpgroups, each
   owning 64 query rows of the tile. The loader brings in the next tile's Q as soon as the
   consumers' last Q K^T of the current one is done, so a tile's start-up and epilogue overlap
   its neighbours' work.
