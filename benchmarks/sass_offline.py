@@ -127,11 +127,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--head-dim", type=int, default=64, help="HEAD_DIM (default 64)")
     p.add_argument("--config", default=None,
-                   help="BLOCK_M,BLOCK_N,num_warps,num_stages (default 128,64,8,3); with --gluon "
+                   help="BLOCK_M,BLOCK_N,num_warps,num_stages (default 128,64,8,3, the "
+                        "long-sequence entry; causal head_dim-64 calls of <= 2048 queries run "
+                        "64,64,4,3); with --gluon "
                         "BLOCK_N,STAGES,PINGPONG,REGS,PERSISTENT,CONSUMER_WARPGROUPS")
     p.add_argument("--gluon", action="store_true", help="the Gluon Hopper kernel instead")
     p.add_argument("--register-store", action="store_true",
-                   help="with --gluon: store O from registers (the lab switch _TMA_STORE off)")
+                   help="with --gluon: store O from registers (the lab switch _TMA_STORE off; "
+                        "ignored without --gluon)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")

@@ -394,8 +394,10 @@ def test_compile_for_names_every_config_field(monkeypatch):
     kernel, config, origin = artifacts.compile_for(q, q, q)
     assert kernel == "compiled"
     assert list(config) == list(kernels.CONFIG_FIELDS)
-    assert tuple(config.values()) == kernels.config_for(16, 8, True)
+    assert tuple(config.values()) == kernels.SHORT_CONFIGS[64]  # the causal launch of 8 queries
     assert origin == (artifacts.MODULE, artifacts.SOURCE_PATH, artifacts.KERNEL)
+    long = torch.randn(1, 2, kernels.SHORT_SEQ + 1, 16)
+    assert tuple(artifacts.compile_for(long, long, long)[1].values()) == kernels.CONFIGS[64]
 
 
 def test_compile_for_names_the_gluon_kernel_where_the_op_runs_it(monkeypatch):

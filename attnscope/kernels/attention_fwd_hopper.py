@@ -9,10 +9,10 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - Persistent: one program per SM walks 128-row query tiles of (batch, head) pairs, in groups
   of heads whose K/V fit in L2 together and longest (last under a causal mask) first within a
   group. Which program runs which tiles is a table made on the host once per launch shape
-  (tile_schedule: list scheduling, so the programs' work evens out). Three warp partitions: a 1-warp loader and two 4-warp consumer warpgroups, each
-  owning 64 query rows of the tile. The loader brings in the next tile's Q as soon as the
-  consumers' last Q K^T of the current one is done, so a tile's start-up and epilogue overlap
-  its neighbours' work.
+  (tile_schedule: list scheduling, so the programs' work evens out). Three warp partitions: a
+  1-warp loader and two 4-warp consumer warpgroups, each owning 64 query rows of the tile.
+  The loader brings in the next tile's Q as soon as the consumers' last Q K^T of the current
+  one is done, so a tile's start-up and epilogue overlap its neighbours' work.
 - The loader makes the copy engine's descriptors on the device (no host-side descriptor per
   launch) and streams K and V tiles through a STAGES-deep shared-memory ring with TMA. Each slot
   has a "ready" mbarrier (the copy engine signals it when the bytes land) and an "empty"
@@ -32,7 +32,8 @@ head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), 
 that is a multiple of BLOCK_N, a positive scale, and a launch that is not being traced (under
 torch.compile the Triton kernel runs). Query tiles that run past a head's end read the next
 head's rows or the copy engine's zeros; those rows are never stored. Output blocks go to memory
-through shared memory and the copy engine (TMA store), except blocks that run past a head's end.
+through shared memory and the copy engine (TMA store), except blocks that run past a head's end
+and any block of an `out` that is not contiguous and 16-byte aligned (register stores).
 The kernel also takes three consumer warpgroups (192-row tiles; the lab's NUM_WG), measured
 slower so far.
 """
@@ -339,7 +340,8 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
 # (BLOCK_N, STAGES, pingpong, consumer registers, persistent, consumer warpgroups) per
 # head_dim, measured on the H200 with benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim
 # 64 stays on the Triton kernel: this one measured slower up to 2048 queries (0.0745 against
-# 0.0604 ms at the seed shape) and within 1 % of it at 4096 (notes, v11 and v13).
+# 0.0604 ms at the seed shape, notes/lab/v10_gluon_configs_round26.txt and v11) and within 1 %
+# of it at 4096 (notes, v13).
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "pingpong", "consumer_regs", "persistent",
                  "consumer_warpgroups")
 CONFIGS = {128: (128, 2, True, 240, True, 2)}
@@ -396,51 +398,81 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     return _launch(key, grid, args, kwargs)
 
 
-@functools.lru_cache(maxsize=256)
 def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
                   causal, causal_offset, balanced=True):
     """Which tiles each persistent program runs: an int32 tensor on `device`, one row per
     program holding its tile count, then its tile numbers (in _tile's order) in the order it
-    runs them. Computed once per launch shape.
+    runs them.
 
     balanced: list scheduling with a cost model, as a dynamic scheduler would hand tiles out.
     Tiles go in _tile's order (which keeps the heads that share L2 together in time), each to
     the program whose assigned work ends first; a tile costs its K/V blocks plus one block for
     its Q load and epilogue. Launches of more than SCHEDULE_MAX_TILES tiles, and
     balanced=False, hand the tiles out round-robin instead, each round in the opposite
-    direction (the order before v12; ~15 % of the work is imbalance at (8,16,1024,128) by the
-    same cost model)."""
+    direction (the order before v12, which by the same cost model leaves the busiest program
+    17 % above the mean at (8,16,1024,128)).
+
+    Made once per launch shape and kept for the life of the process (never evicted: a captured
+    CUDA graph, or a kernel still running on another stream, holds its address). The first
+    call of a shape may not happen during CUDA-graph capture: warm up outside it, as for any
+    first call."""
     tiles = n_hz * num_m
-    if balanced and tiles <= SCHEDULE_MAX_TILES:
-        t = torch.arange(tiles)
-        group_tiles = head_group * num_m
-        heads = (n_hz - t // group_tiles * head_group).clamp(max=head_group)
-        first_row = (num_m - 1 - t % group_tiles // heads) * tile_rows  # _grouped_tile's m
-        hi = (first_row + tile_rows + causal_offset).clamp(0, kv_len) if causal else kv_len
-        cost = (torch.as_tensor(hi) + block_n - 1) // block_n + 1
-        cost = (cost * torch.ones(tiles, dtype=torch.int64)).tolist()
-        ends = [(0, p) for p in range(n_programs)]  # (when its work ends, program), a heap
-        runs = [[] for _ in range(n_programs)]
-        for tile, c in enumerate(cost):
-            end, p = ends[0]
-            runs[p].append(tile)
-            heapq.heapreplace(ends, (end + c, p))
+    balanced = balanced and tiles <= SCHEDULE_MAX_TILES
+    if tiles <= n_programs:  # at most a tile a program: program p runs tile p, whatever the costs
+        key = (device, tiles, n_programs)
     else:
-        rounds = -(-tiles // n_programs)
-        r = torch.arange(rounds)[None, :]
-        p = torch.arange(n_programs)[:, None]
-        order = r * n_programs + torch.where(r % 2 == 0, p, n_programs - 1 - p)
-        runs = [[t for t in row if t < tiles] for row in order.tolist()]
-    width = 1 + max(len(run) for run in runs)
-    table = [[len(run)] + run + [0] * (width - 1 - len(run)) for run in runs]
-    return torch.tensor(table, dtype=torch.int32).to(device)
+        key = (device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
+               causal_offset, balanced)
+    table = _schedules.get(key)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "attnscope's Gluon attention kernel meets this launch shape for the first time "
+                "during CUDA-graph capture; its tile schedule is copied to the GPU on first use. "
+                "Call the op once with these shapes before capturing (a warm-up run).")
+        rows = (_list_schedule(n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
+                               causal, causal_offset) if balanced
+                else _round_robin(tiles, n_programs))
+        width = 1 + max(len(run) for run in rows)
+        host = torch.tensor([[len(run)] + run + [0] * (width - 1 - len(run)) for run in rows],
+                            dtype=torch.int32)
+        # a blocking copy, once per shape: the table is complete on the GPU before any
+        # stream's kernel can read it
+        table = _schedules[key] = host.to(device)
+    return table
 
 
+def _list_schedule(n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
+                   causal_offset):
+    t = torch.arange(n_hz * num_m)
+    group_tiles = head_group * num_m
+    heads = (n_hz - t // group_tiles * head_group).clamp(max=head_group)
+    first_row = (num_m - 1 - t % group_tiles // heads) * tile_rows  # _grouped_tile's m
+    hi = (first_row + tile_rows + causal_offset).clamp(0, kv_len) if causal else kv_len
+    cost = ((torch.as_tensor(hi) + block_n - 1) // block_n + 1).expand(len(t)).tolist()
+    ends = [(0, p) for p in range(n_programs)]  # (when its work ends, program), a heap
+    runs = [[] for _ in range(n_programs)]
+    for tile, c in enumerate(cost):
+        end, p = ends[0]
+        runs[p].append(tile)
+        heapq.heapreplace(ends, (end + c, p))
+    return runs
+
+
+def _round_robin(tiles, n_programs):
+    rounds = -(-tiles // n_programs)
+    r = torch.arange(rounds)[None, :]
+    p = torch.arange(n_programs)[:, None]
+    order = r * n_programs + torch.where(r % 2 == 0, p, n_programs - 1 - p)
+    return [[t for t in row if t < tiles] for row in order.tolist()]
+
+
+_schedules = {}  # tile_schedule's tables by launch shape
 # Lab switch (`order_lab.py --switch attnscope.kernels.attention_fwd_hopper._BALANCED`): False
 # hands tiles out round-robin (v8-v11) instead of by list scheduling (v12).
 _BALANCED = True
-# Above this many tiles the schedule is round-robin: list scheduling in Python costs ~1 us a
-# tile on the first call of a shape.
+# Above this many tiles the schedule is round-robin: list scheduling in Python takes 3.5 ms at
+# 1024 tiles, 21 ms at 4096 and ~50 ms at 32768 on a shape's first call (the CPU machine).
 SCHEDULE_MAX_TILES = 32768
 
 
