@@ -18,7 +18,6 @@ do_bench_cudagraph, whose replays run with L2 warm and no memset: a cache effect
 """
 import argparse
 import statistics
-import time
 
 import torch
 import triton
@@ -26,6 +25,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnscope import fused_attention
+from host_cost import per_call_us  # benchmarks/, the script's own folder
 
 
 def graph_ms(fn, cache, reps=200):
@@ -50,18 +50,6 @@ def graph_ms(fn, cache, reps=200):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def host_us(fn, n=2000):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
 
 
 def main():
@@ -92,7 +80,7 @@ def measure(shape, cache, memset):
         gpu = graph_ms(fn, cache) - memset
         print(f"{shape} {name:6s} do_bench {bench * 1e3:7.1f} us   graph {gpu * 1e3:7.1f} us   "
               f"wait counted {max(bench - gpu, 0) * 1e3:6.1f} us   "
-              f"loop/call {host_us(fn):6.1f} us", flush=True)
+              f"loop/call {per_call_us(fn, n=2000):6.1f} us", flush=True)
 
 
 if __name__ == "__main__":

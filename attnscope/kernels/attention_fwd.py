@@ -517,9 +517,9 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     grid = (batch * heads * num_m,)
     if wrap is not None:
         return wrap(_attn_fwd)[grid](*args, **kwargs)
+    # (EVEN_N and EMPTY_ROWS follow from k.shape, config, causal and causal_offset)
     key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape, strides,
-           _aligned(q, k, v, out, lse), causal, causal_offset, config, kwargs["EVEN_N"],
-           kwargs["EMPTY_ROWS"])
+           _aligned(q, k, v, out, lse), causal, causal_offset, config)
     return _launch_fwd(key, grid, args, kwargs)
 
 
