@@ -10,4 +10,4 @@ source benchmarks/h200_setup.sh
 timeout 200 python -m pytest -m cuda -q -p no:cacheprovider -n 8 > $OUT/pytest_cuda.txt 2>&1
 tail -1 $OUT/pytest_cuda.txt; grep -E "^FAILED" $OUT/pytest_cuda.txt | head -5
 timeout 120 python benchmarks/host_vs_gpu.py > $OUT/host_vs_gpu.txt 2>&1; cat $OUT/host_vs_gpu.txt
-timeout 60 python benchmarks/host_cost.py --head-dim 64 128 --profile > $OUT/host_cost.txt 2>&1; cat $OUT/host_cost.txt
+timeout 120 python benchmarks/host_cost.py --head-dim 64 128 --profile > $OUT/host_cost.txt 2>&1; cat $OUT/host_cost.txt
