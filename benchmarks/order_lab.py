@@ -35,13 +35,11 @@ RULES = {"l2": SHIPPED, "l2full": lambda q, k: SHIPPED(q, k, 1.0),
 def use_rule(rule):
     # Every module that launches a grouped grid looks head_group up in its own namespace. The
     # launch keys do not hold the group size (the shipped rule derives it from the shapes), so
-    # the kept compiled kernels are dropped: Triton specializes on its value (1, multiples of 16).
+    # the kept launches are dropped: their arguments hold it, and Triton specializes on its value.
     hopper = fwd._hopper()
     for module in [fwd, bwd] + ([hopper] if hopper is not None else []):
         module.head_group = rule
-    launches = [fwd._launch_fwd, bwd._launch_preprocess, bwd._launch_dkdv, bwd._launch_dq]
-    for launch in launches + ([hopper._launch] if hopper is not None else []):
-        launch.compiled.clear()
+    fwd.forget_launches()
 
 
 def variants(switch):
@@ -58,6 +56,7 @@ def variants(switch):
         def setup():
             use_rule(SHIPPED)
             setattr(module, attr, value)
+            fwd.forget_launches()  # the kept launches hold the switch's old effect
         return setup
     shipped = getattr(module, attr)  # first, so that the rounds end on it
     return {f"{attr}={value}": (setting(value), None) for value in (shipped, not shipped)}

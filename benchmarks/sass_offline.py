@@ -93,7 +93,7 @@ def compile_gluon(head_dim, config, dtype="bf16"):
     h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
     module.device_properties = attention_fwd.device_properties = lambda device: h200
     kernel = module._attn_fwd_hopper
-    module._launch = lambda key, grid, args, kwargs: kernel.warmup(*args, grid=grid, **kwargs)
+    module._launch = lambda key, grid, args, kwargs, **_: kernel.warmup(*args, grid=grid, **kwargs)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
     return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, 1024),

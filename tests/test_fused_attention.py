@@ -423,10 +423,12 @@ HOPPER_SHAPES = [
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("shape", HOPPER_SHAPES)
 @pytest.mark.parametrize("current", [False, True])  # lab switches: pre-v10 stores, pre-v12 order
-def test_hopper_kernel(shape, dtype, floor, lse_tol, current, monkeypatch):
+def test_hopper_kernel(shape, dtype, floor, lse_tol, current, monkeypatch, request):
     from attnscope.kernels import attention_fwd_hopper
     monkeypatch.setattr(attention_fwd_hopper, "_TMA_STORE", current)
     monkeypatch.setattr(attention_fwd_hopper, "_BALANCED", current)
+    kernels.forget_launches()  # kept launches hold the switches' effect: before and after
+    request.addfinalizer(kernels.forget_launches)
     batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 128, dtype, "cuda")
     assert kernels.uses_hopper_kernel(q, k, v, torch.empty_like(q), 128 ** -0.5)
@@ -535,8 +537,25 @@ def test_fast_launch_dispatches_once_per_key():
     launch(("a",), (7,), ("y", 3), kwargs)
     launch(("b",), (9, 2), ("z", 5), kwargs)
     assert [c[0] for c in kernel.jit_calls] == [(7,), (9, 2)]  # one JIT launch per key
-    # the repeat passes every parameter in order (constexprs too) and a 3-D grid
+    # the repeat passes every parameter in order (constexprs too) and a 3-D grid; a stand-in
+    # for a compiled kernel takes that path rather than a C launcher it does not have
     assert kernel.direct_calls == [((7, 1, 1), ("y", 3, 64, True))]
+
+
+def test_fast_launch_keeps_the_arguments_after_per_call():
+    # Arguments from `per_call` on are fixed by the key: a repeat passes the first ones and the
+    # launch appends those of the first call (what attention_fwd's lookup relies on).
+    kernel = _RecordingKernel()
+    shared = {}
+    launch = kernels.FastLaunch(kernel, shared)
+    launch.enabled = True
+    kwargs = dict(BLOCK=64, FLAG=False)
+    launch(("a",), (7,), ("x", 3), kwargs, per_call=1)
+    assert list(shared) == [("a",)]  # kept in the dict it was given
+    shared[("a",)](("y",))
+    launch(("a",), (7,), ("z", 99), kwargs, per_call=1)
+    assert kernel.direct_calls == [((7, 1, 1), ("y", 3, 64, False)),
+                                   ((7, 1, 1), ("z", 3, 64, False))]
 
 
 def test_fast_launch_is_off_in_the_interpreter():
@@ -544,7 +563,7 @@ def test_fast_launch_is_off_in_the_interpreter():
     q, k, v = make_qkv(1, 2, 2, 40, 40, 32, torch.float16, CPU)
     check(q, k, v, 1e-3, 1e-3)
     check(q, k, v, 1e-3, 1e-3)
-    assert kernels._launch_fwd.compiled == {}
+    assert kernels._launch_fwd.bound == {} and kernels._eager == {}
 
 
 @pytest.mark.cuda

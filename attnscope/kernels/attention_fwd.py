@@ -443,34 +443,81 @@ class FastLaunch:
     Triton's launch binds the arguments, works out their specialization (dtypes, which integers
     are 1 or multiples of 16, pointer alignment) and looks the compiled kernel up on every call:
     ~40 of the ~60 us a launch took on the H200's host (notes/kernel.md, v9), more than the
-    seed-shape kernel itself. The first launch under a key goes through it and keeps the
-    compiled kernel; later ones call that kernel directly. So `key` must determine everything
-    Triton specializes on: callers build it from the device, dtype, shapes, strides, pointer
-    alignment, constexprs and options. Used on Triton 3.6 (the CompiledKernel launch it was
-    checked on); elsewhere, and in the interpreter, every call takes the ordinary launch."""
+    seed-shape kernel itself. The first launch under a key goes through it; later ones are
+    `_Bound` launches of the compiled kernel. So `key` must determine everything Triton
+    specializes on, and every argument from `per_call` on: callers build it from the device,
+    dtype, shapes, strides, pointer alignment, constexprs, options and those arguments. Used on
+    Triton 3.6 (the CompiledKernel launch it was checked on); elsewhere, and in the interpreter,
+    every call takes the ordinary launch. `bound` may be a dict shared by several kernels whose
+    callers' keys never coincide (the forward's two kernels: `attention_fwd` looks a call up
+    before it knows which kernel runs it)."""
 
     MAX_KEYS = 256  # a process that launches ever new shapes keeps at most this many
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, bound=None):
         self.kernel = kernel
-        self.compiled = {}
+        self.bound = {} if bound is None else bound
         self.enabled = (isinstance(kernel, triton.runtime.JITFunction)
                         and triton.__version__.startswith(FAST_LAUNCH_TRITON))
 
-    def __call__(self, key, grid, args, kwargs):
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel[grid](*args, **kwargs)
-            if self.enabled:
-                if len(self.compiled) >= self.MAX_KEYS:
-                    self.compiled.clear()
-                self.compiled[key] = compiled
-            return compiled
-        # The compiled kernel takes every parameter in order, constexprs included (its launcher
-        # skips them), and a 3-D grid.
-        names = self.kernel.arg_names
-        compiled[(*grid, 1, 1)[:3]](*args, *[kwargs[name] for name in names[len(args):]])
+    def __call__(self, key, grid, args, kwargs, per_call=None):
+        bound = self.bound.get(key)
+        if bound is not None:
+            return bound(args[:per_call])
+        compiled = self.kernel[grid](*args, **kwargs)
+        if self.enabled:
+            if len(self.bound) >= self.MAX_KEYS:
+                self.bound.clear()
+            # The compiled kernel takes every parameter in order, constexprs included (its
+            # launcher skips them).
+            constexprs = [kwargs[name] for name in self.kernel.arg_names[len(args):]]
+            fixed = args[per_call:] if per_call is not None else ()
+            self.bound[key] = _Bound(compiled, grid, (*fixed, *constexprs))
         return compiled
+
+
+def _hooked(hook):
+    # Triton 3.6 keeps launch hooks in a HookChain (empty: none); older code assigns a function.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _Bound:
+    """One compiled kernel, its grid and its trailing arguments fixed: a call passes the rest.
+
+    It calls the C launcher Triton generated for the kernel's signature itself, with the
+    current stream and global scratch as Triton's `CompiledKernel[grid]` runner would find
+    them, minus that runner's per-call work (a closure, the device lookup, launch metadata and
+    calls of empty hook chains). A launch with Triton's launch hooks set (a profiler such as
+    proton) or profile scratch takes Triton's own runner, as does anything that is not a 3.6
+    CompiledKernel (tests' stand-ins)."""
+
+    def __init__(self, compiled, grid, suffix):
+        self.compiled, self.grid, self.suffix = compiled, (*grid, 1, 1)[:3], suffix
+        run = getattr(compiled, "_run", None)  # the CudaLauncher, made by the first launch
+        self.direct = (getattr(run, "profile_scratch_size", 1) == 0
+                       and hasattr(compiled, "packed_metadata") and hasattr(run, "launch"))
+        if self.direct:
+            gx, gy, gz = self.grid
+            self.scratch = gx * gy * gz * run.num_ctas * run.global_scratch_size
+            self.scratch_align = run.global_scratch_align
+            self.head = (run.launch, compiled.function, run.launch_cooperative_grid,
+                         run.launch_pdl, compiled.packed_metadata)
+
+    def __call__(self, args):
+        runtime = triton.knobs.runtime
+        if (not self.direct or _hooked(runtime.launch_enter_hook)
+                or _hooked(runtime.launch_exit_hook)):
+            self.compiled[self.grid](*args, *self.suffix)
+            return self.compiled
+        launch, function, cooperative, pdl, metadata = self.head
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        scratch = None
+        if self.scratch:
+            ensure_scratch_allocator()
+            scratch = _thread_allocator.get()(self.scratch, self.scratch_align, stream)
+        launch(*self.grid, stream, function, cooperative, pdl, scratch, None, metadata, None,
+               None, None, *args, *self.suffix)
+        return self.compiled
 
 
 def tile_constants(head_dim, dtype):
@@ -490,10 +537,21 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     Triton kernel). q, out: [batch, heads, q_len, head_dim] views with any strides;
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
-    Returns what the launch returns (the compiled kernel, when called eagerly)."""
-    if wrap is None and uses_hopper_kernel(q, k, v, out, scale):
-        return _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
-                                               causal_offset=causal_offset)
+    Returns what the launch returns (the compiled kernel, when called eagerly).
+
+    An eager call is looked up first by what fixes the kernel, its config and every argument
+    but the five tensors: a repeat launches at once (`_Bound`), skipping the work below."""
+    key = None
+    if wrap is None:
+        key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape,
+               q.stride(), k.stride(), v.stride(), out.stride(), _aligned(q, k, v, out, lse),
+               causal, causal_offset, scale, _pinned)
+        bound = _eager.get(key)
+        if bound is not None:
+            return bound((q, k, v, out, lse))
+        if uses_hopper_kernel(q, k, v, out, scale):
+            return _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
+                                                   causal_offset=causal_offset, key=key)
     batch, heads, q_len, head_dim = q.shape
     config = config_for(head_dim, q_len, causal)
     block_m, block_n, num_warps, num_stages, pipeline, use_tma, maxnreg = config
@@ -503,8 +561,7 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     if use_tma:
         ensure_scratch_allocator()
     num_m = -(-q_len // block_m)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride())
-    args = (q, k, v, out, lse, *strides,  #
+    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),  #
             heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
             num_m, head_group(q, k))
     block_d, precision = tile_constants(head_dim, q.dtype)
@@ -517,10 +574,21 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     grid = (batch * heads * num_m,)
     if wrap is not None:
         return wrap(_attn_fwd)[grid](*args, **kwargs)
-    # (EVEN_N and EMPTY_ROWS follow from k.shape, config, causal and causal_offset)
-    key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape, strides,
-           _aligned(q, k, v, out, lse), causal, causal_offset, config)
-    return _launch_fwd(key, grid, args, kwargs)
+    return _launch_fwd(key, grid, args, kwargs, per_call=5)
 
 
-_launch_fwd = FastLaunch(_attn_fwd)
+# Eager forward launches by attention_fwd's key, of either kernel. Module state the key does
+# not hold (the Gluon module's lab switches, a lab's head_group rule) must be followed by
+# forget_launches().
+_eager = {}
+_launch_fwd = FastLaunch(_attn_fwd, _eager)
+
+
+def forget_launches():
+    """Drop every kept eager launch (forward and backward): labs call it after changing module
+    state that launches read."""
+    from attnscope.kernels import attention_bwd
+    _eager.clear()
+    for launch in (attention_bwd._launch_preprocess, attention_bwd._launch_dkdv,
+                   attention_bwd._launch_dq):
+        launch.bound.clear()

@@ -48,9 +48,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _grouped_tile,
-                                             device_properties, ensure_scratch_allocator,
-                                             head_group)
+from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _eager,
+                                             _grouped_tile, device_properties,
+                                             ensure_scratch_allocator, head_group)
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
@@ -365,9 +365,10 @@ def supports(q, k, v, out):
             and device_properties(q.device).major == 9)
 
 
-def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, config=None):
+def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, config=None,
+                         key=None):
     """Launch the Hopper forward; arguments as attention_fwd.attention_fwd's, plus `config`
-    to override CONFIGS (the lab)."""
+    to override CONFIGS (the lab) and `key`, attention_fwd's launch key for this call."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_n, stages, pingpong, regs, persistent, num_wg = config or CONFIGS[head_dim]
@@ -391,11 +392,11 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
                   TMA_STORE=_TMA_STORE and out.is_contiguous() and out.data_ptr() % 16 == 0,
                   num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
-    # q, k, v are contiguous and 16-byte aligned (supports): their shapes say the rest
-    key = (q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(), _aligned(out, lse),
-           kwargs["TMA_STORE"], sched.shape,
-           causal, causal_offset, grid, (block_n, stages, pingpong, regs, persistent, num_wg))
-    return _launch(key, grid, args, kwargs)
+    if key is None:  # q, k, v are contiguous and 16-byte aligned (supports): shapes say the rest
+        key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(),
+               _aligned(out, lse), kwargs["TMA_STORE"], _BALANCED, sched.shape, causal,
+               causal_offset, scale, grid, (block_n, stages, pingpong, regs, persistent, num_wg))
+    return _launch(key, grid, args, kwargs, per_call=5)
 
 
 def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
@@ -483,7 +484,7 @@ def _smem_layout(rows, head_dim, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
-_launch = FastLaunch(_attn_fwd_hopper)
+_launch = FastLaunch(_attn_fwd_hopper, _eager)  # shared with attention_fwd's launches
 # Lab switch (`order_lab.py --switch attnscope.kernels.attention_fwd_hopper._TMA_STORE`): True
 # (v10) stores each 64-row output block through shared memory with the copy engine; False stores
 # every block from registers, as before v10. The GPU tests run both.
