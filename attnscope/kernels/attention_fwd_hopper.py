@@ -443,14 +443,19 @@ def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_
     return table
 
 
-def _list_schedule(n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
-                   causal_offset):
+def tile_costs(n_hz, num_m, head_group, tile_rows, block_n, kv_len, causal, causal_offset):
+    """The schedule's cost model: each tile's K/V blocks plus TILE_OVERHEAD, in _tile's order."""
     t = torch.arange(n_hz * num_m)
     group_tiles = head_group * num_m
     heads = (n_hz - t // group_tiles * head_group).clamp(max=head_group)
     first_row = (num_m - 1 - t % group_tiles // heads) * tile_rows  # _grouped_tile's m
     hi = (first_row + tile_rows + causal_offset).clamp(0, kv_len) if causal else kv_len
-    cost = ((torch.as_tensor(hi) + block_n - 1) // block_n + 1).expand(len(t)).tolist()
+    return ((torch.as_tensor(hi) + block_n - 1) // block_n + TILE_OVERHEAD).expand(len(t)).tolist()
+
+
+def _list_schedule(n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
+                   causal_offset):
+    cost = tile_costs(n_hz, num_m, head_group, tile_rows, block_n, kv_len, causal, causal_offset)
     ends = [(0, p) for p in range(n_programs)]  # (when its work ends, program), a heap
     runs = [[] for _ in range(n_programs)]
     for tile, c in enumerate(cost):
@@ -472,6 +477,10 @@ _schedules = {}  # tile_schedule's tables by launch shape
 # Lab switch (`order_lab.py --switch attnscope.kernels.attention_fwd_hopper._BALANCED`): False
 # hands tiles out round-robin (v8-v11) instead of by list scheduling (v12).
 _BALANCED = True
+# A tile's fixed cost in the schedule's model, in K/V blocks: its Q load, first softmax and
+# epilogue, which nothing overlaps within the tile (v12: 1; benchmarks/schedule_lab.py measures
+# others).
+TILE_OVERHEAD = 1
 # Above this many tiles the schedule is round-robin: list scheduling in Python takes 3.5 ms at
 # 1024 tiles, 21 ms at 4096 and ~50 ms at 32768 on a shape's first call (the CPU machine).
 SCHEDULE_MAX_TILES = 32768
