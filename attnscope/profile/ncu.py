@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "ncu").mkdir(parents=True, exist_ok=True)
 
     verdicts: dict[str, dict[str, dict]] = {}
-    all_launches: dict[str, list[dict]] = {}
+    results = out / "results.json"
     for i, impl in enumerate(impls, 1):
         ok, reason = impl.available(torch.device("cuda"))
         if not ok:
@@ -112,16 +112,16 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             continue
         verdicts[impl.name] = tc.counter_verdicts(launches)
-        all_launches[impl.name] = launches
         for name, v in verdicts[impl.name].items():
             figures = v["metrics"]
             print(f"    {v['verdict']:>7}  matrix inst {figures.get('matrix_instructions', '?')}"
                   f"  tensor pipe {figures.get(tc.TENSOR_PIPE_PCT, '?')}%  "
                   f"{tc.short_name(name)}", file=sys.stderr)
-    results = out / "results.json"
+        if results.exists():  # after each implementation: a run cut short keeps what it measured
+            merge_into_results(results, {impl.name: verdicts[impl.name]}, {impl.name: launches})
     if results.exists() and verdicts:
-        merge_into_results(results, verdicts, all_launches)
-        print(f"merged counter verdicts into {results}", file=sys.stderr)
+        print(f"merged counter verdicts of {len(verdicts)} implementation(s) into {results}",
+              file=sys.stderr)
     print(f"ncu CSVs in {out / 'ncu'}", file=sys.stderr)
     return 0 if verdicts else 1
 
