@@ -508,6 +508,42 @@ def test_ncu_merge_by_launch_order(tmp_path):
     assert rows["sdpa_math"]["tensor_cores"] == {"verdict": "no", "evidence": "counters"}
 
 
+def test_ncu_run_cut_short_keeps_the_implementations_it_finished(tmp_path, monkeypatch):
+    """Each implementation's counters reach results.json as its ncu run ends: a run stopped
+    during the next one (a time limit, Ctrl-C) loses only that one. ncu itself is faked: it
+    writes the recorded CSV of the first implementation, then is interrupted."""
+    import argparse
+    import subprocess
+    import types
+
+    from attnscope.attention import registry
+    from attnscope.profile import ncu
+
+    path = _compare_output(tmp_path)
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("sdpa_cudnn", "fused"):
+        monkeypatch.setitem(registry.IMPLEMENTATIONS, name, types.SimpleNamespace(
+            name=name, available=lambda device: (True, "")))
+
+    def fake_ncu(command, **kwargs):
+        log = Path(command[command.index("--log-file") + 1])
+        if log.stem == "fused":
+            raise KeyboardInterrupt
+        log.write_text((NCU / f"{log.stem}.csv").read_text())
+        return subprocess.CompletedProcess(command, 0, stdout="")
+
+    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+    parser = argparse.ArgumentParser()
+    ncu.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--impl", "sdpa_cudnn", "fused"])
+    with pytest.raises(KeyboardInterrupt):
+        ncu.run(args)
+    rows = {row["impl"]: row for row in json.loads(path.read_text())["rows"]}
+    assert rows["sdpa_cudnn"]["tensor_cores"] == {"verdict": "yes", "evidence": "counters"}
+    assert rows["fused"]["kernels"][0]["tensor_cores"]["evidence"] != "counters"
+
+
 def test_ncu_and_kineto_names_of_one_kernel_share_a_key():
     from attnscope.profile import ncu
 
