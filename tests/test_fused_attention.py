@@ -560,6 +560,22 @@ def test_fast_launch_keeps_the_arguments_after_per_call():
                                    ((7, 1, 1), ("z", 3, 64, False))]
 
 
+class _NoLaunchKernel(_RecordingKernel):
+    """kernel[grid](...) returns None, as Triton's JIT does when a cache hook skips a launch."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.jit_calls.append(grid)
+
+
+def test_fast_launch_does_not_keep_a_launch_that_did_not_happen():
+    kernel = _NoLaunchKernel()
+    launch = kernels.FastLaunch(kernel)
+    launch.enabled = True
+    for _ in range(2):
+        assert launch(("a",), (7,), ("x", 3), dict(BLOCK=64, FLAG=True)) is None
+    assert kernel.jit_calls == [(7,), (7,)] and launch.bound == {}  # each went through Triton
+
+
 def test_fast_launch_is_off_in_the_interpreter():
     assert not kernels._launch_fwd.enabled
     q, k, v = make_qkv(1, 2, 2, 40, 40, 32, torch.float16, CPU)
@@ -579,6 +595,71 @@ def test_gpu_repeated_launches_are_right(head_dim):
     # the call before, again, but q 2 bytes past a 16-byte boundary: only the alignment differs
     base = torch.randn(q.numel() + 1, dtype=q.dtype, device="cuda")
     check(base[1:].view(q.shape), k, v, 4e-3, 1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # Triton; Gluon on sm_90; Triton with TMA
+def test_gpu_kept_launches_follow_the_call(head_dim):
+    # A kept launch fixes every argument but the five tensors: another scale or alignment is
+    # another key; a repeat from a new thread (its own scratch allocator, for the kernels that
+    # make TMA descriptors on the device) or on a side stream launches there; and nothing the
+    # caller passed is kept alive.
+    import gc
+    import threading
+    import weakref
+    q, k, v = make_qkv(2, 4, 2, 384, 512, head_dim, torch.bfloat16, "cuda")
+    for scale in (None, 0.05, None):
+        for alignment in ("top_left", "bottom_right"):
+            check(q, k, v, 4e-3, 1e-3, scale=scale, causal_alignment=alignment)
+    expected = fused_attention(q, k, v)
+    outs = []
+    thread = threading.Thread(target=lambda out, *qkv: out.append(fused_attention(*qkv)),
+                              args=(outs, q, k, v))
+    thread.start()
+    thread.join()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs.append(fused_attention(q, k, v))
+    torch.cuda.synchronize()
+    assert len(outs) == 2 and all(torch.equal(out, expected) for out in outs)
+    refs = [weakref.ref(t) for t in (q, k, v, expected)]
+    del q, k, v, expected, outs
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+
+
+@pytest.mark.cuda
+def test_gpu_kept_launches_are_direct_and_hooks_still_fire():
+    # On Triton 3.6 a repeat calls the generated launcher itself (the host-time saving); with a
+    # launch hook set (a profiler) it goes through Triton's runner, which calls the hook.
+    import triton
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 64, torch.bfloat16, "cuda")
+    expected = fused_attention(q, k, v)
+    if triton.__version__.startswith(kernels.FAST_LAUNCH_TRITON):
+        assert kernels._eager and all(bound.direct for bound in kernels._eager.values())
+    seen = []
+    hooks = triton.knobs.runtime.launch_enter_hook
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    hooks.add(hook)
+    try:
+        out = fused_attention(q, k, v)
+    finally:
+        hooks.remove(hook)
+    assert seen == ["_attn_fwd"] and torch.equal(out, expected)
+
+
+@pytest.mark.cuda
+def test_gpu_triton_kernel_in_a_cuda_graph():
+    q, k, v = make_qkv(2, 4, 4, 640, 640, 64, torch.bfloat16, "cuda")
+    expected = fused_attention(q, k, v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_attention(q, k, v)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
 
 
 def test_scratch_allocator_is_set_per_thread():

@@ -465,7 +465,7 @@ class FastLaunch:
         if bound is not None:
             return bound(args[:per_call])
         compiled = self.kernel[grid](*args, **kwargs)
-        if self.enabled:
+        if self.enabled and compiled is not None:  # None: Triton did not launch (a cache hook)
             if len(self.bound) >= self.MAX_KEYS:
                 self.bound.clear()
             # The compiled kernel takes every parameter in order, constexprs included (its
@@ -540,7 +540,9 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     Returns what the launch returns (the compiled kernel, when called eagerly).
 
     An eager call is looked up first by what fixes the kernel, its config and every argument
-    but the five tensors: a repeat launches at once (`_Bound`), skipping the work below."""
+    but the five tensors: a repeat launches at once (`_Bound`), skipping the work below. Call it
+    with q's device current (the op makes it so): a kept launch belongs to the device that was
+    current at its first call."""
     key = None
     if wrap is None:
         key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape,
@@ -577,9 +579,10 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None)
     return _launch_fwd(key, grid, args, kwargs, per_call=5)
 
 
-# Eager forward launches by attention_fwd's key, of either kernel. Module state the key does
-# not hold (the Gluon module's lab switches, a lab's head_group rule) must be followed by
-# forget_launches().
+# Eager forward launches by attention_fwd's key, of either kernel. The key holds the inputs'
+# properties and a pinned config, not module state: after changing CONFIGS, SHORT_CONFIGS,
+# SHORT_SEQ, a head_group rule, or the Gluon module's CONFIGS, TILE_OVERHEAD,
+# SCHEDULE_MAX_TILES or lab switches, call forget_launches() (the labs do).
 _eager = {}
 _launch_fwd = FastLaunch(_attn_fwd, _eager)
 
