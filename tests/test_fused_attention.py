@@ -451,12 +451,9 @@ def test_hopper_kernel_strided_out_takes_register_stores():
     assert wide[..., 128:].isnan().all()  # nothing written outside the view
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-def test_hopper_kernel_in_a_cuda_graph():
-    # A warmed-up shape replays from a CUDA graph (its tile schedule stays on the GPU); a shape
-    # first met during capture is refused with a clear error instead of a broken capture.
-    q, k, v = make_qkv(2, 4, 4, 640, 640, 128, torch.bfloat16, "cuda")
+def _replays_in_a_cuda_graph(q, k, v):
+    """A warmed-up call, captured in a CUDA graph, replays into its output what it computed
+    eagerly."""
     expected = fused_attention(q, k, v)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -465,6 +462,14 @@ def test_hopper_kernel_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_hopper_kernel_in_a_cuda_graph():
+    # A warmed-up shape replays from a CUDA graph (its tile schedule stays on the GPU); a shape
+    # first met during capture is refused with a clear error instead of a broken capture.
+    _replays_in_a_cuda_graph(*make_qkv(2, 4, 4, 640, 640, 128, torch.bfloat16, "cuda"))
     q2, k2, v2 = make_qkv(2, 4, 4, 768, 768, 128, torch.bfloat16, "cuda")
     with pytest.raises(RuntimeError, match="before capturing"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
@@ -651,15 +656,7 @@ def test_gpu_kept_launches_are_direct_and_hooks_still_fire():
 
 @pytest.mark.cuda
 def test_gpu_triton_kernel_in_a_cuda_graph():
-    q, k, v = make_qkv(2, 4, 4, 640, 640, 64, torch.bfloat16, "cuda")
-    expected = fused_attention(q, k, v)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_attention(q, k, v)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, expected)
+    _replays_in_a_cuda_graph(*make_qkv(2, 4, 4, 640, 640, 64, torch.bfloat16, "cuda"))
 
 
 def test_scratch_allocator_is_set_per_thread():
