@@ -407,8 +407,8 @@ def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_
 
     balanced: list scheduling with a cost model, as a dynamic scheduler would hand tiles out.
     Tiles go in _tile's order (which keeps the heads that share L2 together in time), each to
-    the program whose assigned work ends first; a tile costs its K/V blocks plus one block for
-    its Q load and epilogue. Launches of more than SCHEDULE_MAX_TILES tiles, and
+    the program whose assigned work ends first; a tile costs its K/V blocks plus TILE_OVERHEAD
+    blocks for its Q load and epilogue (`tile_costs`). Launches of more than SCHEDULE_MAX_TILES tiles, and
     balanced=False, hand the tiles out round-robin instead, each round in the opposite
     direction (the order before v12, which by the same cost model leaves the busiest program
     17 % above the mean at (8,16,1024,128)).
@@ -423,7 +423,7 @@ def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_
         key = (device, tiles, n_programs)
     else:
         key = (device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
-               causal_offset, balanced)
+               causal_offset, balanced, TILE_OVERHEAD)
     table = _schedules.get(key)
     if table is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
