@@ -332,4 +332,6 @@ register(Implementation(
     seed_script="",
     available=_available,
     prepare=_prepare,
+    ours=True,
+    gqa=True,
 ))

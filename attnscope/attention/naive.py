@@ -60,6 +60,7 @@ register(Implementation(
     seed_script="04_a_naive_attention.py",
     available=_always,
     prepare=_preparer(naive_attention),
+    materializes_scores=True,
 ))
 register(Implementation(
     name="naive_inplace",
@@ -67,6 +68,7 @@ register(Implementation(
     seed_script="04_b_inplace_ops_attention.py",
     available=_always,
     prepare=_preparer(naive_attention_inplace),
+    materializes_scores=True,
 ))
 register(Implementation(
     name="naive_compiled",
@@ -74,4 +76,5 @@ register(Implementation(
     seed_script="",
     available=_compile_available,
     prepare=_preparer(naive_attention, compile_it=True),
+    materializes_scores=True,
 ))

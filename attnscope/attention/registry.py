@@ -29,6 +29,27 @@ class Implementation:
     # Entries that can also do full attention accept prepare(q, k, v, causal=False).
     # The forward returns the output as a [batch, heads, seq, head_dim] tensor (a view is fine).
     prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Forward]
+    # What the driver must know about an entry, as fields, so it never special-cases a name:
+    ours: bool = False  # attnscope's own op; every other entry is a peer for ratios
+    # Builds the [batch, heads, q_len, kv_len] scores in device memory (its memory grows with
+    # the square of the length; bench skips it where that would not fit).
+    materializes_scores: bool = False
+    # Takes k/v with fewer heads than q (GQA/MQA) without repeating them in memory.
+    gqa: bool = False
+    # Ours only: the compiled kernels this entry's forwards launched in this process (see
+    # CompiledKernel), so the driver can show source and compiled code without importing them.
+    compiled_kernels: Callable[[], list["CompiledKernel"]] | None = None
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """One compiled GPU kernel an entry launched, as the driver shows it next to its trace."""
+    name: str  # the kernel's name as traces show it ("_attn_fwd", "_attn_fwd_hopper")
+    source_path: str  # the repository path of the file holding its source
+    source: str  # that file's text, as it was compiled
+    config: dict  # the launch config (tile sizes, num_warps, num_stages, ...)
+    asm: dict  # the compiler's stages as Triton keeps them: "ttir", "ttgir", "llir", "ptx", "cubin"
+    metadata: dict  # registers ("n_regs"), spills ("n_spills"), shared memory ("shared"), ...
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {}

@@ -71,4 +71,6 @@ for _name, _backend, _available, _description in _ENTRIES:
         f"04_c_sdpa_attention.py --backend {_name.removeprefix('sdpa_')}",
         available=_available,
         prepare=_preparer(_backend),
+        # The math backend builds the scores (fp32 for 16-bit inputs).
+        materializes_scores=_backend is SDPBackend.MATH,
     ))
