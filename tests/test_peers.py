@@ -381,15 +381,18 @@ def test_peer_matches_reference_on_gpu(name, heads, kv_heads, seq, head_dim):
 
 
 @pytest.mark.cuda
-def test_fa4_captured_by_the_driver(tmp_path):
-    _require("fa4")
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("name, main_kernel", [("fa4", "FlashAttentionForwardSm"),
+                                               ("flash_attn2", "flash_fwd_kernel")])
+def test_peer_captured_by_the_driver(tmp_path, name, main_kernel, mode):
+    _require(name)
     out = tmp_path / "out"
-    assert main(["compare", "--impl", "fa4", "--out", str(out)]) == 0
+    assert main(["compare", "--impl", name, "--mode", mode, "--out", str(out)]) == 0
     row, = json.loads((out / "results.json").read_text())["rows"]
     assert row["status"] == "ok", row.get("reason")
     names = [k["name"] for k in row["kernels"]]
-    assert any("FlashAttentionForwardSm" in n for n in names), names
-    # Every kernel FA4 launches has a fingerprint: none is left "unknown".
+    assert any(main_kernel in n for n in names), names
+    # Every kernel the peer launches (forward, and backward with its helpers) has a fingerprint.
     assert {k["name"]: k["tensor_cores"]["verdict"] for k in row["kernels"]
             if k["tensor_cores"]["verdict"] == "unknown"} == {}
     assert row["tensor_cores"]["verdict"] == "yes"
