@@ -286,7 +286,8 @@ def test_hub_local_dir_wins_over_the_cache(standin, monkeypatch, tmp_path):
     local.mkdir()
     monkeypatch.setenv(hub.LOCAL_DIR_ENV, str(local))
     assert hub.find_local_kernel() == local
-    assert IMPLEMENTATIONS["hub_flash_attn"].available(CUDA) == (True, f"{hub.REPO_ID} from {local}")
+    ok, reason = IMPLEMENTATIONS["hub_flash_attn"].available(CUDA)
+    assert ok and reason == f"{hub.REPO_ID} from {local}"
 
 
 # --- Tensor Core fingerprints of the peers' kernels ------------------------------------------

@@ -154,22 +154,17 @@ FA2 = Peer(
     installed=fa2_installed,
     gpus="Ampere or newer GPUs (sm_80+)", supports=lambda cap: cap[0] >= 8)
 
-register(Implementation(
-    name="fa4",
-    description="FlashAttention-4 (pip flash-attn-4): CuTe DSL kernels, compiled on the first "
-    "call per configuration; layout [batch, seq, heads, dim]",
-    seed_script="",
-    available=FA4.available,
-    prepare=FA4.prepare,
-    gqa=True,
-))
-
-register(Implementation(
-    name="flash_attn2",
-    description="flash-attn 2 (pip flash-attn): CUTLASS kernels on mma.sync; layout "
-    "[batch, seq, heads, dim]",
-    seed_script="",
-    available=FA2.available,
-    prepare=FA2.prepare,
-    gqa=True,
-))
+for _name, _peer, _description in (
+    ("fa4", FA4, "FlashAttention-4 (pip flash-attn-4): CuTe DSL kernels, compiled on the first "
+     "call per configuration; layout [batch, seq, heads, dim]"),
+    ("flash_attn2", FA2, "flash-attn 2 (pip flash-attn): CUTLASS kernels on mma.sync; layout "
+     "[batch, seq, heads, dim]"),
+):
+    register(Implementation(
+        name=_name,
+        description=_description,
+        seed_script="",  # the blog has no script for either
+        available=_peer.available,
+        prepare=_peer.prepare,
+        gqa=True,
+    ))
