@@ -22,6 +22,10 @@ setup(
         "test": ["pytest>=8", "matplotlib>=3.8", "pygments>=2.15"],
         "report": ["matplotlib>=3.8", "pygments>=2.15"],
         "hub": ["kernels>=0.4"],
+        # The peers the driver compares against: FlashAttention-4 (CuTe DSL, Hopper/Blackwell).
+        # flash-attn 2 is a peer too but not here: it needs a CUDA source build against the
+        # installed torch, `pip install flash-attn --no-build-isolation`.
+        "peers": ["flash-attn-4"],
     },
     entry_points={"console_scripts": ["attnscope = attnscope.profile.cli:main"]},
 )

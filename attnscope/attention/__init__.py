@@ -9,6 +9,7 @@ from attnscope.attention import naive  # noqa: E402,F401
 from attnscope.attention import sdpa  # noqa: E402,F401
 from attnscope.attention import flex  # noqa: E402,F401
 from attnscope.attention import hub  # noqa: E402,F401
+from attnscope.attention import flash_attn  # noqa: E402,F401
 from attnscope.attention import fused  # noqa: E402,F401
 
 __all__ = ["IMPLEMENTATIONS", "Implementation", "attention_reference", "causal_mask", "get",

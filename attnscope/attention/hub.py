@@ -70,7 +70,9 @@ def _prepare(q, k, v):
         raise RuntimeError(_available(q.device)[1])
     flash = _load(path)
     # 04_d builds its inputs as [batch, seq, heads, dim]; copying here, outside the forward, gives
-    # the kernel that layout contiguous, as there, instead of strided views.
+    # the kernel that layout contiguous, as there, instead of strided views. When the inputs
+    # require grad the copies stay in their graph, and the backward of a copy and a transpose
+    # passes the gradient on as a view: bench's backward modes time the kernel's backward only.
     q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
 
     def forward():
@@ -87,4 +89,5 @@ register(Implementation(
     seed_script="04_d_kernels_attention.py",
     available=_available,
     prepare=_prepare,
+    gqa=True,  # flash-attn's flash_attn_func takes fewer K/V heads than Q heads
 ))

@@ -89,6 +89,20 @@ NAME_FAMILIES: tuple[NameFamily, ...] = (
     NameFamily("flash_combine", r"flash_fwd_splitkv_combine|combine_kernel", NO,
                "FlashAttention split-KV combine: rescales and sums partial outputs, no matrix "
                "math"),
+    NameFamily("flash_bwd_helpers",
+               r"flash_bwd_(dot_do_o|convert_dq|convert_dkv|clear_dkvaccum)_kernel", NO,
+               "FlashAttention 2 backward helpers (flash-attn 2, and PyTorch's pytorch_flash:: "
+               "copy): rowsum(dO*O), zeroing the dK/dV accumulators, fp32 to 16-bit conversion "
+               "of dQ/dK/dV; elementwise and reductions, no matrix math"),
+    NameFamily("fa4_helpers",
+               r"FlashAttentionBackward(Pre|Post)process|FlashAttentionForwardCombine", NO,
+               "FlashAttention-4 (CuTe DSL) helpers: the backward's rowsum(dO*O) and LSE scaling "
+               "(preprocess), dQ's fp32 to 16-bit conversion (postprocess), the split-KV "
+               "combine; no matrix math"),
+    NameFamily("fa4", r"FlashAttention(Forward|Backward)Sm\d+", YES,
+               "FlashAttention-4 CuTe DSL kernel (traces name it kernel_cutlass_kernel_"
+               "flash_attncute<module><class>_object_at_...): the Sm90 classes issue the "
+               "attention GEMMs as wgmma (HGMMA), Sm100 as tcgen05.mma, Sm80/Sm120 as mma.sync"),
     NameFamily("flash_attn", r"(pytorch_flash::|flash::|^|\W)flash_(fwd|bwd)\w*kernel|"
                r"FlashAttnFwdSm90|FlashAttnBwdSm90", YES,
                "FlashAttention (PyTorch's pytorch_flash:: copy of FA2, hub/flash-attn flash::): "

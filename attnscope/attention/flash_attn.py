@@ -1,0 +1,170 @@
+"""FlashAttention as users install it from pip: FlashAttention-4 (`fa4`) and flash-attn 2
+(`flash_attn2`), the peers a Hopper user would pick instead of ours.
+
+Both take [batch, seq, heads, dim] (BSHD) and K/V with fewer heads than Q (GQA/MQA) natively.
+The registry hands [batch, heads, seq, dim] tensors; each forward passes BSHD *views* of them
+(`q.transpose(1, 2)`). Both libraries need only the last dimension contiguous (they copy an input
+only when its stride(-1) != 1) and read the other strides, so no copy runs, inside the timed
+forward or outside it, and the output's autograd graph reaches the caller's q, k, v: bench's
+`bwd`/`fwd_bwd` modes differentiate exactly the library's backward, nothing else.
+
+Both packages install under the top-level name `flash_attn`. flash-attn 2 owns
+`flash_attn/__init__.py`, which loads its CUDA extension (the top-level module
+`flash_attn_2_cuda`); flash-attn-4 adds the subpackage `flash_attn.cute` (installed alone,
+`flash_attn` is a namespace package). So whether each is installed is read off the file system
+(`find_spec` of top-level names, never of `flash_attn.cute`, which would run flash-attn 2's
+`__init__`), and the libraries are imported only on a CUDA machine whose GPU they support, when
+`available` or `prepare` is called: importing them elsewhere can fail in ways other than
+ImportError (no driver, a CUDA extension built for another torch), and is slow (FA4 loads the
+CuTe DSL compiler). `available` never raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from attnscope.attention.registry import Implementation, register
+
+INSTALL_FA4 = "pip install attnscope[peers]"
+# flash-attn 2 publishes no wheel on PyPI for every torch/CUDA pair; pip builds it from source
+# against the torch already installed, which needs nvcc and the flag below.
+INSTALL_FA2 = "a CUDA source build: pip install flash-attn --no-build-isolation"
+
+
+def _spec(name: str):
+    """importlib's spec for a top-level module, or None; never raises (a stand-in module in
+    sys.modules without a __spec__ makes find_spec raise ValueError)."""
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def fa4_installed() -> bool:
+    """Whether `flash_attn.cute` exists, found without importing `flash_attn`."""
+    spec = _spec("flash_attn")
+    locations = (spec.submodule_search_locations or ()) if spec else ()
+    return any(os.path.isfile(os.path.join(loc, "cute", "__init__.py")) for loc in locations)
+
+
+def fa2_installed() -> bool:
+    """Whether flash-attn 2 is: a regular `flash_attn` package (flash-attn-4 alone leaves a
+    namespace package, whose spec has no origin file) next to its extension `flash_attn_2_cuda`."""
+    spec = _spec("flash_attn")
+    regular = spec is not None and (spec.origin or "").endswith("__init__.py")
+    return regular and _spec("flash_attn_2_cuda") is not None
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of the CUDA device, or None without one."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.get_device_capability(device)
+    except (RuntimeError, AssertionError):  # a driver that torch cannot talk to
+        return None
+
+
+def _version(distributions: tuple[str, ...]) -> str:
+    for dist in distributions:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "(version unknown)"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def load(module: str):
+    """`module.flash_attn_func`, or the reason it cannot be had. Import errors of every kind are
+    reasons: a broken CUDA extension or compiler install must not end a listing or a sweep."""
+    try:
+        return importlib.import_module(module).flash_attn_func, None
+    except Exception as exc:  # noqa: BLE001 -- see the docstring
+        return None, f"{module} is installed but does not import ({_first_line(exc)})"
+
+
+@dataclass(frozen=True)
+class Peer:
+    label: str  # how reasons name it
+    module: str  # the module holding flash_attn_func
+    distributions: tuple[str, ...]  # pip distribution names, for the version in the reason
+    install: str  # how to install it
+    installed: Callable[[], bool]
+    gpus: str  # the GPUs it runs on, in words
+    supports: Callable[[tuple[int, int]], bool]  # on (major, minor)
+
+    def available(self, device) -> tuple[bool, str]:
+        device = torch.device(device)
+        installed = self.installed()
+        if device.type != "cuda":
+            extra = "" if installed else f"; not installed here either ({self.install})"
+            return False, f"{self.label} runs on CUDA only{extra}"
+        if not installed:
+            return False, f"{self.label} is not installed ({self.install})"
+        capability = cuda_capability(device)
+        if capability is None:
+            return False, "no CUDA device"
+        if not self.supports(capability):
+            major, minor = capability
+            return False, f"{self.label} runs on {self.gpus}; this GPU is sm_{major}{minor}"
+        func, why = load(self.module)
+        if func is None:
+            return False, why
+        return True, f"{self.label} {_version(self.distributions)} ({self.module})"
+
+    def prepare(self, q, k, v, causal=True):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{self.label} takes float16 or bfloat16 inputs; got {q.dtype}")
+        func, why = load(self.module)
+        if func is None:
+            raise RuntimeError(why)
+
+        def forward():
+            # BSHD views, no copy (see the module docstring).
+            out = func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+            # FA4 returns (out, lse) in some versions, out in others; the output comes first.
+            out = out[0] if isinstance(out, tuple) else out
+            return out.transpose(1, 2)  # back to [batch, heads, seq, dim], a view
+        return forward
+
+
+FA4 = Peer(
+    label="FlashAttention-4", module="flash_attn.cute",
+    distributions=("flash-attn-4", "flash-attn-cute"), install=INSTALL_FA4,
+    installed=fa4_installed,
+    # Its CuTe kernels exist for Hopper (FlashAttentionForwardSm90/BackwardSm90) and Blackwell
+    # (Sm100); its interface refuses other architectures.
+    gpus="Hopper (sm_90) and Blackwell (sm_100) GPUs", supports=lambda cap: cap[0] in (9, 10))
+
+FA2 = Peer(
+    label="flash-attn 2", module="flash_attn",
+    distributions=("flash-attn", "flash_attn"), install=INSTALL_FA2,
+    installed=fa2_installed,
+    gpus="Ampere or newer GPUs (sm_80+)", supports=lambda cap: cap[0] >= 8)
+
+for _name, _peer, _description in (
+    ("fa4", FA4, "FlashAttention-4 (pip flash-attn-4): CuTe DSL kernels, compiled on the first "
+     "call per configuration; layout [batch, seq, heads, dim]"),
+    ("flash_attn2", FA2, "flash-attn 2 (pip flash-attn): CUTLASS kernels on mma.sync; layout "
+     "[batch, seq, heads, dim]"),
+):
+    register(Implementation(
+        name=_name,
+        description=_description,
+        seed_script="",  # the blog has no script for either
+        available=_peer.available,
+        prepare=_peer.prepare,
+        gqa=True,
+    ))
