@@ -171,62 +171,67 @@ def ring(args, seq, dev):
 
 
 def measure(args, dev, dtype):
+    size = dist.get_world_size()
+    for seq in args.seqs:  # checked first: a bad length should not wait for the others' runs
+        if seq % (2 * size):
+            raise ValueError(f"--seqs: {seq} is not a multiple of 2 x {size} ranks")
+    return [row for seq in args.seqs for row in measure_seq(args, dev, dtype, seq)]
+
+
+def measure_seq(args, dev, dtype, seq):
+    """The rows of one global length; its tensors are freed on return."""
     rank, size = dist.get_rank(), dist.get_world_size()
     kv_heads = args.kv_heads or args.heads
     rows = []
-    for seq in args.seqs:
-        if seq % (2 * size):
-            raise ValueError(f"--seqs: {seq} is not a multiple of 2 x {size} ranks")
-        shard = seq // size
-        g = torch.Generator(device=dev).manual_seed(1000 + rank)  # each rank its own shard
+    shard = seq // size
+    g = torch.Generator(device=dev).manual_seed(1000 + rank)  # each rank its own shard
 
-        def rand(h):
-            return torch.randn(args.batch, h, shard, args.head_dim, generator=g, device=dev,
-                               dtype=torch.float32).to(dtype)
-        q, k, v, dout = rand(args.heads), rand(kv_heads), rand(kv_heads), rand(args.heads)
-        outputs = {}
-        for impl in args.impls:
-            if impl == "torch_cp" and dev.type != "cuda":
-                rows.append(dict(seq=seq, impl=impl, skipped="PyTorch's context parallelism "
-                                 "dispatches CUDA SDPA kernels only"))
-                continue
-            context, attention = (ring if impl == "ring" else torch_cp)(args, seq, dev)
-            for mode in args.modes:
-                row = dict(seq=seq, impl=impl, mode=mode, ranks=size)
-                try:
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats(dev)
-                    with context():
-                        ms = timed_ms(lambda: step(attention, q, k, v, dout, mode), args.iters,
-                                      args.warmup, dev)
-                        if mode == "fwd":
-                            outputs[impl] = step(attention, q, k, v, dout, mode)
-                    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
-                    ok = 1.0
-                except torch.OutOfMemoryError:
-                    ms, peak, ok = 0.0, 0, 0.0
-                # the slowest rank sets the step time; an out-of-memory rank fails the row
-                stats = torch.tensor([ms, peak / 2**30, -ok], device=dev, dtype=torch.float64)
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-                ms, peak_gib, failed = stats.tolist()
-                if failed > -1:
-                    row["error"] = "out of memory"
-                else:
-                    flops = attention_flops(args.batch, args.heads, seq, seq, args.head_dim,
-                                            causal=True, mode=mode)
-                    row.update(time_ms=ms, peak_gib_per_gpu=peak_gib,
-                               tflops_per_gpu=flops / (ms * 1e-3) / size / 1e12)
-                rows.append(row)
-                if rank == 0:
-                    print(json.dumps(row), flush=True)
-        if len(outputs) == 2:  # same inputs, same sharding: the outputs should agree
-            diff = (outputs["ring"].float() - outputs["torch_cp"].float()).abs().max()
-            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-            for row in rows:
-                if row["seq"] == seq and row.get("mode") == "fwd":
-                    row["max_abs_diff_ring_vs_torch_cp"] = diff.item()
-        del q, k, v, dout, outputs
+    def rand(h):
+        return torch.randn(args.batch, h, shard, args.head_dim, generator=g, device=dev,
+                           dtype=torch.float32).to(dtype)
+    q, k, v, dout = rand(args.heads), rand(kv_heads), rand(kv_heads), rand(args.heads)
+    outputs = {}
+    for impl in args.impls:
+        if impl == "torch_cp" and dev.type != "cuda":
+            rows.append(dict(seq=seq, impl=impl, skipped="PyTorch's context parallelism "
+                             "dispatches CUDA SDPA kernels only"))
+            continue
+        context, attention = (ring if impl == "ring" else torch_cp)(args, seq, dev)
+        for mode in args.modes:
+            row = dict(seq=seq, impl=impl, mode=mode, ranks=size)
+            try:
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(dev)
+                with context():
+                    ms = timed_ms(lambda: step(attention, q, k, v, dout, mode), args.iters,
+                                  args.warmup, dev)
+                    if mode == "fwd":
+                        outputs[impl] = step(attention, q, k, v, dout, mode)
+                peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+                ok = 1.0
+            except torch.OutOfMemoryError:
+                ms, peak, ok = 0.0, 0, 0.0
+            # the slowest rank sets the step time; an out-of-memory rank fails the row
+            stats = torch.tensor([ms, peak / 2**30, -ok], device=dev, dtype=torch.float64)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            ms, peak_gib, failed = stats.tolist()
+            if failed > -1:
+                row["error"] = "out of memory"
+            else:
+                flops = attention_flops(args.batch, args.heads, seq, seq, args.head_dim,
+                                        causal=True, mode=mode)
+                row.update(time_ms=ms, peak_gib_per_gpu=peak_gib,
+                           tflops_per_gpu=flops / (ms * 1e-3) / size / 1e12)
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if len(outputs) == 2:  # same inputs, same sharding: the outputs should agree
+        diff = (outputs["ring"].float() - outputs["torch_cp"].float()).abs().max()
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        for row in rows:
+            if row["seq"] == seq and row.get("mode") == "fwd":
+                row["max_abs_diff_ring_vs_torch_cp"] = diff.item()
     return rows
 
 

@@ -13,7 +13,6 @@ steps per element here). In fp32 that is "exact up to fp32 rounding": the LSE me
 roundings, not an approximation. Every buffer the ops allocate starts as NaN.
 """
 
-import os
 import socket
 import time
 from datetime import timedelta

@@ -55,7 +55,7 @@ def _check_equal_shards(q, k, group, size):
     rank's, and the causal structure assumes equal chunks). Checked with one all-reduce the first
     time a group sees a shape: on GPUs it stalls the host until the GPU catches up, which a
     training loop should pay once, not per layer."""
-    key = (group, tuple(q.shape), tuple(k.shape))
+    key = (group, size, tuple(q.shape), tuple(k.shape))
     if size == 1 or key in _checked_shapes:
         return
     dims = torch.tensor([*q.shape, *k.shape], dtype=torch.int64)
