@@ -209,15 +209,17 @@ def measure_seq(args, dev, dtype, seq):
                     if mode == "fwd":
                         outputs[impl] = step(attention, q, k, v, dout, mode)
                 peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
-                ok = 1.0
-            except torch.OutOfMemoryError:
-                ms, peak, ok = 0.0, 0, 0.0
-            # the slowest rank sets the step time; an out-of-memory rank fails the row
-            stats = torch.tensor([ms, peak / 2**30, -ok], device=dev, dtype=torch.float64)
+                error = None
+            except Exception as e:  # noqa: BLE001  (out of memory, or a peer's failure): a row
+                ms, peak, error = 0.0, 0, f"{type(e).__name__}: {e}"[:300]
+            # the slowest rank sets the step time; a rank that failed fails the row
+            stats = torch.tensor([ms, peak / 2**30, error is not None], device=dev,
+                                 dtype=torch.float64)
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             ms, peak_gib, failed = stats.tolist()
-            if failed > -1:
-                row["error"] = "out of memory"
+            if failed:
+                row["error"] = error or "failed on another rank"
+                outputs.pop(impl, None)  # every rank then agrees on the comparison below
             else:
                 flops = attention_flops(args.batch, args.heads, seq, seq, args.head_dim,
                                         causal=True, mode=mode)
