@@ -342,6 +342,10 @@ def main():
         if rank:
             return
     result["env"] = collect_env()
+    if torch.cuda.is_available():
+        result["env"]["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    result["env"].update({k: os.environ[k] for k in ("NCCL_NVLS_ENABLE",
+                                                     "TORCH_SYMM_MEM_DISABLE_MULTICAST")})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
