@@ -1,4 +1,4 @@
-"""Ring attention: exact causal attention over a sequence sharded across the ranks of a
+r"""Ring attention: exact causal attention over a sequence sharded across the ranks of a
 torch.distributed group, built on attnscope's custom ops.
 
 Each rank keeps its queries; the K/V shards travel around the ring (rank r sends to r+1 and
@@ -20,19 +20,20 @@ Which blocks a step computes (causal): let a rank's shard hold chunks of the seq
 order. A block from the same rank is the diagonal: causal, top-left aligned (equal lengths). A
 block from earlier positions is fully visible (causal=False); one from later positions is skipped.
 With load_balance="zigzag", rank r holds chunks a = r and b = 2W-1-r; the K/V of rank src holds
-chunks src and 2W-1-src. Per step, on the chunk grid (\\ causal, # full, . nothing):
+chunks src and 2W-1-src. Per step, on the chunk grid (\ causal, # full, . nothing):
 
       src == r (step 0)          src < r                    src > r
            k: a   b                   k: src  tail               k: src  tail
-     q: a   [ \\   . ]         q: a   [  #     .  ]        q: a   [  .     .  ]
-        b   [ #   \\ ]            b   [  #     .  ]           b   [  #     #  ]
+     q: a   [ \   . ]         q: a   [  #     .  ]        q: a   [  .     .  ]
+        b   [ #   \ ]            b   [  #     .  ]           b   [  #     #  ]
      one causal call on     all queries x the head     the tail queries x all
      the whole shard        chunk of k/v, full         of k/v, full
 
 (src < r: chunk src precedes both of r's chunks, chunk 2W-1-src follows both. src > r: chunk a
 precedes both of src's chunks, chunk b follows both.) Every off-diagonal step is c x 2c of full
-attention on every rank (c the chunk length), so the ranks stay in step; with
-load_balance="none" rank r computes r full blocks and skips the rest.
+attention on every rank (c the chunk length), and the diagonal 2c x 2c causal the same work, so
+the ranks stay in step. With load_balance="none" rank r computes its diagonal and r full blocks
+and skips the rest: the ring runs at the pace of rank W-1.
 """
 
 from __future__ import annotations
