@@ -26,7 +26,7 @@ from attnscope.attention import fused
 from attnscope.attention.reference import attention_reference
 from attnscope.parallel import chunk_order, ring_attention, shard_sequence, unshard_sequence
 
-FLOORS = {torch.float32: 1e-5, torch.float16: 2e-3}
+FLOORS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3}
 SPAWN_TIMEOUT_S = 240  # a hung collective fails the test instead of blocking CI
 
 
@@ -52,10 +52,13 @@ def _grads(fn, tensors, dout):
 
 def check_ring(layout, load_balance, dtype, heads, kv_heads, chunk, head_dim, causal=True,
                seed=0, group=None):
-    """Assert the tolerance rule on this rank's shard of out, dq, dk, dv."""
+    """Assert the tolerance rule on this rank's shard of out, dq, dk, dv (on this rank's GPU
+    under NCCL)."""
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     seq = chunk * size * (2 if load_balance == "zigzag" else 1)
-    q, k, v, dout = _full_inputs(layout, heads, kv_heads, seq, head_dim, dtype, seed)
+    device = "cuda" if dist.is_initialized() and dist.get_backend(group) == "nccl" else "cpu"
+    q, k, v, dout = (t.to(device) for t in _full_inputs(layout, heads, kv_heads, seq, head_dim,
+                                                        dtype, seed))
     kwargs = dict(causal=causal, layout=layout)
     refs = _grads(lambda *t: attention_reference(*t, **kwargs), (q.double(), k.double(),
                   v.double()), dout.double())
@@ -107,11 +110,16 @@ def check_unequal_shards_refused(group=None):
 
 # ---- spawned gloo ranks ---------------------------------------------------------------------
 
-def _rank_main(rank, size, port, cases):
-    torch.set_num_threads(1)  # the ranks share two cores
+def _rank_main(rank, size, port, cases, backend):
+    torch.set_num_threads(1)  # the CPU ranks share two cores
     fused._empty = _poison  # this process only: every op output starts as NaN
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=timedelta(seconds=SPAWN_TIMEOUT_S // 2))
+    device = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = {"device_id": torch.device("cuda", rank)}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=timedelta(seconds=SPAWN_TIMEOUT_S // 2),
+                            **device)
     try:
         for fn, kwargs in cases:
             fn(**kwargs)
@@ -125,14 +133,18 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def spawn(size, cases, monkeypatch):
-    """Run `cases` on `size` gloo ranks; a failure on a rank fails the test with its traceback."""
-    # The children import triton fresh: the interpreter must be on there even where this
-    # process has a GPU and runs compiled kernels.
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def spawn(size, cases, monkeypatch, backend="gloo"):
+    """Run `cases` on `size` ranks (gloo on CPU, or NCCL with a GPU each); a failure on a rank
+    fails the test with its traceback."""
+    if backend == "gloo":
+        # The children import triton fresh: the interpreter must be on there even where this
+        # process has a GPU and runs compiled kernels.
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # multicast stays off on the lent machines
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    context = mp.start_processes(_rank_main, args=(size, _free_port(), cases), nprocs=size,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(_rank_main, args=(size, _free_port(), cases, backend),
+                                 nprocs=size, join=False, start_method="spawn")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not context.join(timeout=5):
         if time.monotonic() > deadline:
@@ -236,3 +248,14 @@ def test_world_size_one_cuda_bf16(load_balance):
         err = (got.double() - ref).abs().max().item()
         torch_err = (low.double() - ref).abs().max().item()
         assert err <= 2 * torch_err + 4e-3, f"{name}: {err:.3g} > 2 x {torch_err:.3g} + 4e-3"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("load_balance", ["zigzag", "none"])
+def test_gpus_nccl_bf16(load_balance, monkeypatch):
+    """Up to 4 GPUs over NCCL, bf16, GQA: the ring with compiled kernels and real overlap. The
+    bf16 floor also covers each step's block dk/dv rounded to bf16 before the fp32 sum."""
+    spawn(min(4, torch.cuda.device_count()), [_case(
+        check_ring, layout="bhsd", load_balance=load_balance, dtype=torch.bfloat16, heads=8,
+        kv_heads=2, chunk=512, head_dim=128)], monkeypatch, backend="nccl")
