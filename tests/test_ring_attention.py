@@ -3,7 +3,8 @@
 CPU: 2 and 3 gloo ranks in spawned processes (the kernels through the Triton interpreter, fp32
 and fp16), both load balances, GQA, head_dim 40, both layouts; world size 1 in this process.
 Each rank draws the same seeded full q, k, v and upstream gradient, takes its shard, runs the
-ring forward and backward, and checks its shard of out, dq, dk, dv.
+ring forward and backward, and checks its shard of out, dq, dk, dv. GPU (`cuda`): world size 1
+in bf16, and 2-4 GPUs over NCCL in bf16 where the machine has them.
 
 Tolerance rule, as the fused op's tests: max abs error against float64 autograd of
 attention_reference at most twice the error of the same reference computed in the input dtype,
