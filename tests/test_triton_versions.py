@@ -147,3 +147,19 @@ def test_direct_launch_reads_the_runner_tritons_compiled_kernel_makes():
 
 def _source(obj):
     return re.sub(r"\s+", " ", inspect.getsource(obj))  # one line: calls wrap differently
+
+
+def test_a_triton_without_the_gluon_api_falls_back_with_one_warning(monkeypatch):
+    # Where Gluon lacks a name the kernel uses, the dispatch keeps the Triton kernel and says
+    # once, naming what is missing, instead of failing at the kernel's first compile.
+    import warnings
+    monkeypatch.setattr(gluon_compat, "missing", lambda: ["tma.async_load"])
+    kernels._hopper.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"lacks tma\.async_load.*falls back"):
+            assert kernels._hopper() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert kernels._hopper() is None  # decided once per process: no second warning
+    finally:
+        kernels._hopper.cache_clear()
