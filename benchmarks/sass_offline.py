@@ -31,7 +31,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 COUNTED = ("HGMMA", "WARPGROUP", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "LDGSTS",
-           "UTMALDG", "BAR", "LDL", "STL", "LDS", "STS", "SHFL")
+           "UTMALDG", "UTMASTG", "SYNCS", "BAR", "USETMAXREG", "LDL", "STL", "LDS", "STS", "SHFL")
 
 
 def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
@@ -113,7 +113,9 @@ def cuobjdump(compiled, *flags):
 def ptxas_advice(compiled):
     """ptxas's own performance remarks on the PTX (e.g. C7515: wgmma serialized because other
     instructions write the accumulator registers mid-pipeline), which Triton's build discards."""
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    # the ptxas Triton itself runs for sm_90: 3.9 takes its newer one (its PTX needs it)
+    from triton.backends.nvidia.compiler import get_ptxas
+    exe = get_ptxas(90).path
     with tempfile.TemporaryDirectory() as tmp:
         ptx = pathlib.Path(tmp, "k.ptx")
         ptx.write_text(compiled.asm["ptx"])

@@ -29,9 +29,10 @@ Limits: head_dim <= 256 (registers); inputs must live on one CUDA device, or on 
 TRITON_INTERPRET=1 set before triton is imported (fp16/fp32 there: the interpreter's bf16 dot is
 wrong). The backward is attention_bwd.py.
 
-On an H200/H100 (sm_90) with Triton 3.6, fp16/bf16 calls launched eagerly (not traced by
-torch.compile; autograd's eager forward counts as eager), with head_dim 128, contiguous inputs
-and a key length that is a multiple of 128 run attention_fwd_hopper.py instead: the same
+On an H200/H100 (sm_90) with a Triton whose Gluon has what the Hopper kernel uses (3.6, 3.7 and
+3.9 do: gluon_compat), fp16/bf16 calls launched eagerly (not traced by torch.compile; autograd's
+eager forward counts as eager), with head_dim 128, contiguous inputs and a key length that is a
+multiple of 128 run attention_fwd_hopper.py instead: the same
 algorithm written in Gluon with a warp-specialized, FlashAttention-3 style schedule
 (`uses_hopper_kernel` decides; notes/kernel.md, v8).
 
@@ -42,6 +43,8 @@ once per argument signature.
 
 import contextlib
 import functools
+import inspect
+import warnings
 
 import torch
 
@@ -406,35 +409,62 @@ except ImportError:  # another layout: set ours before every launch that needs o
     _NULL_ALLOCATOR = _thread_allocator = None
 
 
-GLUON_TRITON = "3.6."  # the Triton release the Gluon kernel was written and tested for
-
-
 @functools.cache
 def _hopper():
-    # The Gluon kernel module, or None on any other Triton: Gluon is experimental and its API
-    # changes between releases (3.9 renamed the TMA copies), which would surface only when the
-    # kernel first compiles, as an error instead of the Triton kernel.
-    if not triton.__version__.startswith(GLUON_TRITON):
-        return None
-    try:
-        from attnscope.kernels import attention_fwd_hopper
-    except Exception:  # an incomplete Gluon: keep the Triton kernel
-        return None
-    return attention_fwd_hopper
+    # The Gluon kernel module, or None where this Triton's Gluon lacks what it uses (Gluon is
+    # experimental and its API changes between releases; gluon_compat maps the renames known):
+    # then the Triton kernel runs, and the first sm_90 call says once what was lost.
+    from attnscope.kernels import gluon_compat
+    lacking = gluon_compat.missing()
+    if not lacking:
+        try:
+            from attnscope.kernels import attention_fwd_hopper
+            return attention_fwd_hopper
+        except Exception as e:  # noqa: BLE001 (any failure: keep the Triton kernel)
+            lacking = [f"{type(e).__name__}: {e}"]
+    warnings.warn(f"attnscope: Triton {triton.__version__}'s Gluon lacks {', '.join(lacking)}; "
+                  "the Hopper (sm_90) attention forward falls back to the Triton kernel (~30 % "
+                  "slower at head_dim 128 on the H200)", RuntimeWarning)
+    return None
 
 
 def uses_hopper_kernel(q, k, v, out, scale):
     """True when an eager forward of these tensors runs the Gluon Hopper kernel
-    (attention_fwd_hopper.py) instead of this file's: an sm_90 GPU, Triton 3.6, no pinned
-    config, a positive scale (that kernel masks before scaling) and the inputs it takes (its
-    `supports`)."""
-    if _pinned is not None or not q.is_cuda or is_interpreted() or not scale > 0:
+    (attention_fwd_hopper.py) instead of this file's: an sm_90 GPU, a Triton whose Gluon has
+    what that kernel uses (gluon_compat), no pinned config, a positive scale (that kernel masks
+    before scaling) and the inputs it takes (its `supports`)."""
+    if (_pinned is not None or not q.is_cuda or is_interpreted() or not scale > 0
+            or device_properties(q.device).major != 9):
         return False
     hopper = _hopper()
     return hopper is not None and hopper.supports(q, k, v, out)
 
 
-FAST_LAUNCH_TRITON = "3.6."  # the Triton release whose CompiledKernel launch FastLaunch uses
+# How Triton's CudaLauncher (a CompiledKernel's runner) calls its launcher, known by the runner's
+# own parameters: "flat" (3.6: a C launcher generated per signature takes grid, stream, function,
+# cooperative, pdl, global scratch, profile scratch, packed metadata, launch metadata, enter and
+# exit hooks, then every kernel argument spread) or "packed" (3.7 to 3.9: one generic launcher
+# takes grid, stream, function, cooperative, pdl, packed metadata, launch metadata, the hooks,
+# global scratch, profile scratch, the runner's arg_annotations and kernel_signature, then the
+# kernel arguments as one tuple). Constexprs are passed in both and skipped by the launcher.
+_RUNNER_PARAMS = ("gridX", "gridY", "gridZ", "stream", "function")
+_LAUNCHER_LAYOUTS = {
+    (*_RUNNER_PARAMS, "args"): "flat",
+    (*_RUNNER_PARAMS, "kernel_metadata", "launch_metadata", "launch_enter_hook",
+     "launch_exit_hook", "args"): "packed",
+}
+
+
+@functools.cache
+def launcher_layout():
+    """The installed Triton's launcher layout ("flat", "packed"), or None for one that _Bound
+    does not know (its launches then go through Triton's own runner)."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+        params = tuple(inspect.signature(CudaLauncher.__call__).parameters)[1:]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    return _LAUNCHER_LAYOUTS.get(params)
 
 
 class FastLaunch:
@@ -446,11 +476,11 @@ class FastLaunch:
     seed-shape kernel itself. The first launch under a key goes through it; later ones are
     `_Bound` launches of the compiled kernel. So `key` must determine everything Triton
     specializes on, and every argument from `per_call` on: callers build it from the device,
-    dtype, shapes, strides, pointer alignment, constexprs, options and those arguments. Used on
-    Triton 3.6 (the CompiledKernel launch it was checked on); elsewhere, and in the interpreter,
-    every call takes the ordinary launch. `bound` may be a dict shared by several kernels whose
-    callers' keys never coincide (the forward's two kernels: `attention_fwd` looks a call up
-    before it knows which kernel runs it)."""
+    dtype, shapes, strides, pointer alignment, constexprs, options and those arguments. Used where
+    the launcher's layout is known (`launcher_layout`: Triton 3.6 to 3.9); elsewhere, and in the
+    interpreter, every call takes the ordinary launch. `bound` may be a dict shared by several
+    kernels whose callers' keys never coincide (the forward's two kernels: `attention_fwd` looks
+    a call up before it knows which kernel runs it)."""
 
     MAX_KEYS = 256  # a process that launches ever new shapes keeps at most this many
 
@@ -458,7 +488,7 @@ class FastLaunch:
         self.kernel = kernel
         self.bound = {} if bound is None else bound
         self.enabled = (isinstance(kernel, triton.runtime.JITFunction)
-                        and triton.__version__.startswith(FAST_LAUNCH_TRITON))
+                        and launcher_layout() is not None)
 
     def __call__(self, key, grid, args, kwargs, per_call=None):
         bound = self.bound.get(key)
@@ -484,24 +514,30 @@ def _hooked(hook):
 class _Bound:
     """One compiled kernel, its grid and its trailing arguments fixed: a call passes the rest.
 
-    It calls the C launcher Triton generated for the kernel's signature itself, with the
+    It calls Triton's C launcher itself (in `launcher_layout`'s argument order), with the
     current stream and global scratch as Triton's `CompiledKernel[grid]` runner would find
     them, minus that runner's per-call work (a closure, the device lookup, launch metadata and
     calls of empty hook chains). A launch with Triton's launch hooks set (a profiler such as
-    proton) or profile scratch takes Triton's own runner, as does anything that is not a 3.6
-    CompiledKernel (tests' stand-ins)."""
+    proton), profile scratch or the global sanitizer takes Triton's own runner, as does
+    anything that is not a CompiledKernel of a known layout (tests' stand-ins)."""
 
     def __init__(self, compiled, grid, suffix):
         self.compiled, self.grid, self.suffix = compiled, (*grid, 1, 1)[:3], suffix
         run = getattr(compiled, "_run", None)  # the CudaLauncher, made by the first launch
-        self.direct = (getattr(run, "profile_scratch_size", 1) == 0
-                       and hasattr(compiled, "packed_metadata") and hasattr(run, "launch"))
+        layout = launcher_layout()
+        self.packed = layout == "packed"
+        self.direct = (layout is not None and getattr(run, "profile_scratch_size", 1) == 0
+                       and not getattr(run, "gsan_enabled", False)
+                       and hasattr(compiled, "packed_metadata") and hasattr(run, "launch")
+                       and (not self.packed or hasattr(run, "arg_annotations")))
         if self.direct:
             gx, gy, gz = self.grid
             self.scratch = gx * gy * gz * run.num_ctas * run.global_scratch_size
             self.scratch_align = run.global_scratch_align
             self.head = (run.launch, compiled.function, run.launch_cooperative_grid,
                          run.launch_pdl, compiled.packed_metadata)
+            if self.packed:
+                self.signature = (run.arg_annotations, run.kernel_signature)
 
     def __call__(self, args):
         runtime = triton.knobs.runtime
@@ -515,8 +551,12 @@ class _Bound:
         if self.scratch:
             ensure_scratch_allocator()
             scratch = _thread_allocator.get()(self.scratch, self.scratch_align, stream)
-        launch(*self.grid, stream, function, cooperative, pdl, scratch, None, metadata, None,
-               None, None, *args, *self.suffix)
+        if self.packed:
+            launch(*self.grid, stream, function, cooperative, pdl, metadata, None, None, None,
+                   scratch, None, *self.signature, (*args, *self.suffix))
+        else:
+            launch(*self.grid, stream, function, cooperative, pdl, scratch, None, metadata, None,
+                   None, None, *args, *self.suffix)
         return self.compiled
 
 

@@ -27,7 +27,7 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   while the other's matrix multiplies do.
 
 What it needs (attention_fwd routes everything else to the Triton kernel): an sm_90 GPU,
-Triton 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, heads, seq,
+Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, heads, seq,
 head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), a key length
 that is a multiple of BLOCK_N, a positive scale, and a launch that is not being traced (under
 torch.compile the Triton kernel runs). Query tiles that run past a head's end read the next
@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _eager,
                                              _grouped_tile, device_properties,
                                              ensure_scratch_allocator, head_group)
+from attnscope.kernels.gluon_compat import tma_load, tma_store
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
@@ -97,19 +98,19 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
         for wg in gl.static_range(NUM_WG):
             mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
             mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_hz * N_CTX_Q + first_row + wg * ROWS, 0],
-                                            q_ready.index(wg), q_smem.index(wg))
+            tma_load(q_desc, [off_hz * N_CTX_Q + first_row + wg * ROWS, 0], q_ready.index(wg),
+                     q_smem.index(wg))
         for j in range(n_blocks):
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0],
-                                            k_ready.index(slot), k_smem.index(slot))
+            tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(slot),
+                     k_smem.index(slot))
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0],
-                                            v_ready.index(slot), v_smem.index(slot))
+            tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(slot),
+                     v_smem.index(slot))
         it += n_blocks
         ti += 1
 
@@ -249,7 +250,7 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
             tma.store_wait(0)
             o_smem.index(WG).store(out)
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [off_hz * N_CTX_Q + m0, 0], o_smem.index(WG))
+            tma_store(o_desc, [off_hz * N_CTX_Q + m0, 0], o_smem.index(WG))
         else:  # rows past this head's end (a 2-D copy would write the next head's rows)
             o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
             o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))

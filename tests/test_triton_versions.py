@@ -1,0 +1,165 @@
+"""The Hopper kernel and the direct launcher against the Triton installed (CI installs the newest).
+
+Gluon is experimental and Triton's launcher is private: a new Triton can rename what the Gluon
+kernel calls or reorder what the launcher takes, and either would surface only on a GPU. These
+tests catch it on the CPU machine: the Gluon kernel is compiled for sm_90 (Triton compiles to PTX
+and, with the ptxas its wheel ships, to SASS without a GPU), and _Bound's direct launch is
+compared, argument by argument, with what Triton's own CudaLauncher passes to the launcher.
+"""
+
+import inspect
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import triton
+
+from attnscope.kernels import attention_fwd as kernels
+from attnscope.kernels import gluon_compat
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Runs in a fresh interpreter with TRITON_INTERPRET=0 (this process has the interpreter on, and
+# Triton reads that once, at import): compile the Gluon kernel as a launch would, through
+# benchmarks/sass_offline.py's offline driver, and count what the PTX and SASS hold.
+_COMPILE = r"""
+import json, re, sys
+sys.path.insert(0, sys.argv[1])
+import sass_offline
+compiled = sass_offline.compile_gluon(128, None, "bf16")
+ptx = compiled.asm["ptx"]
+counts = {"ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
+    ("wgmma", r"wgmma\.mma_async"), ("tma_load", r"cp\.async\.bulk\.tensor\.\dd\.shared"),
+    ("tma_store", r"cp\.async\.bulk\.tensor\.\dd\.global"), ("mbarrier", r"mbarrier\."),
+    ("setmaxnreg", r"setmaxnreg"))}}
+try:
+    sass = sass_offline.cuobjdump(compiled, "-sass")
+except (OSError, sass_offline.subprocess.CalledProcessError) as e:
+    counts["sass_error"] = str(e)
+else:
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+    counts["sass"] = {name: sum(op.startswith(name) for op in ops)
+                      for name in ("HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG")}
+print(json.dumps(counts))
+"""
+
+
+@pytest.fixture(scope="module")
+def hopper_compile():
+    if gluon_compat.missing():
+        pytest.fail(f"Triton {triton.__version__}'s Gluon lacks {gluon_compat.missing()}: the "
+                    "Hopper kernel would fall back to the Triton kernel on every H200")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "benchmarks")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_gluon_api_is_all_there():
+    # The names the kernel uses, as chosen for this Triton (3.9 renamed the TMA copies).
+    assert gluon_compat.missing() == []
+    assert callable(gluon_compat.tma_load) and callable(gluon_compat.tma_store)
+
+
+def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
+    # Per consumer warpgroup and K/V block: Q K^T and P V as asynchronous wgmma; the loader's
+    # Q, K and V copies and the epilogue's O store through the copy engine; mbarriers between
+    # them; a register split between the partitions (setmaxnreg). Counts of 3.6's SASS for
+    # this config (benchmarks/sass_offline.py --gluon --head-dim 128): HGMMA 64, UTMALDG 8,
+    # UTMASTG 2; 3.7.1 and 3.9.0 give the same.
+    ptx = hopper_compile["ptx"]
+    assert ptx["wgmma"] > 0 and ptx["tma_load"] > 0 and ptx["tma_store"] > 0, ptx
+    assert ptx["mbarrier"] > 0 and ptx["setmaxnreg"] > 0, ptx
+    if "sass" not in hopper_compile:
+        pytest.skip(f"PTX checked; the wheel's cuobjdump did not run here: "
+                    f"{hopper_compile['sass_error']}")
+    sass = hopper_compile["sass"]
+    assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["UTMASTG"] > 0, sass
+    assert sass["SYNCS"] > 0 and sass["USETMAXREG"] > 0, sass
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def test_direct_launch_passes_what_tritons_runner_passes(monkeypatch):
+    # The same launch both ways into a recording launcher: Triton's CudaLauncher (the
+    # CompiledKernel's runner) called as CompiledKernel[grid] calls it with no launch hook, and
+    # _Bound's direct call. Global scratch is on, as for the kernels that make TMA descriptors
+    # on the device.
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.runtime import driver
+    assert kernels.launcher_layout() in ("flat", "packed"), (
+        f"Triton {triton.__version__}'s CudaLauncher.__call__ takes an argument list _Bound does "
+        "not know: every eager launch takes Triton's slower runner")
+    run = object.__new__(CudaLauncher)  # no GPU: set what __init__ would from the metadata
+    run.launch = _Recorder()
+    run.num_ctas, run.global_scratch_size, run.global_scratch_align = 1, 640, 128
+    run.profile_scratch_size, run.profile_scratch_align = 0, 1
+    run.launch_cooperative_grid, run.launch_pdl = False, True
+    run.arg_annotations, run.kernel_signature = "annotations", "signature"
+    run.gsan_enabled = False
+    compiled = types.SimpleNamespace(_run=run, function=1234, packed_metadata=("metadata",))
+    stream = 77
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: stream,
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    scratch = lambda size, align, s: ("scratch", size, align, s)  # noqa: E731
+    triton.set_allocator(scratch)
+    # the runner reads triton.runtime.driver.active, which would look for a GPU
+    monkeypatch.setattr(driver, "_active", types.SimpleNamespace())
+    try:
+        grid, args, suffix = (6, 2, 1), (object(), 5), (64, True)  # object(): a tensor
+        run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
+            *args, *suffix)
+        bound = kernels._Bound(compiled, grid, suffix)
+        assert bound.direct
+        bound(args)
+    finally:
+        triton.set_allocator(kernels._NULL_ALLOCATOR)
+    expected, direct = run.launch.calls
+    assert direct[:4] == (6, 2, 1, stream) and len(direct) == len(expected)
+    for got, want in zip(direct, expected):
+        assert got is want or got == want, (direct, expected)
+
+
+def test_direct_launch_reads_the_runner_tritons_compiled_kernel_makes():
+    # What _Bound takes from a CompiledKernel: its runner (`_run`, made on first launch, the
+    # driver's launcher class), `function` and `packed_metadata`, and the runner's parameters
+    # (CompiledKernel[grid] passes the packed metadata right after the function).
+    from triton.compiler.compiler import CompiledKernel
+    source = _source(CompiledKernel.__getitem__)
+    assert re.search(r"self\.run\(grid\[0\], grid\[1\], grid\[2\], stream, self\.function, "
+                     r"self\.packed_metadata, launch_metadata,", source), source
+    assert "self._run = driver.active.launcher_cls(" in _source(CompiledKernel)
+
+
+def _source(obj):
+    return re.sub(r"\s+", " ", inspect.getsource(obj))  # one line: calls wrap differently
+
+
+def test_a_triton_without_the_gluon_api_falls_back_with_one_warning(monkeypatch):
+    # Where Gluon lacks a name the kernel uses, the dispatch keeps the Triton kernel and says
+    # once, naming what is missing, instead of failing at the kernel's first compile.
+    import warnings
+    monkeypatch.setattr(gluon_compat, "missing", lambda: ["tma.async_load"])
+    kernels._hopper.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"lacks tma\.async_load.*falls back"):
+            assert kernels._hopper() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert kernels._hopper() is None  # decided once per process: no second warning
+    finally:
+        kernels._hopper.cache_clear()
