@@ -7,6 +7,7 @@ layouts, and registers the launch as a PyTorch custom op so torch.compile traces
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 
@@ -33,6 +34,11 @@ def _kernels():
     if _kernel_module is None:
         _kernel_module = importlib.import_module("attnscope.kernels.attention_fwd")
     return _kernel_module
+
+
+@functools.cache
+def _decode_kernels():
+    return importlib.import_module("attnscope.kernels.attention_decode")
 
 
 def _validate(q, k, v, causal, scale, layout, causal_alignment):
@@ -171,6 +177,14 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
     lse = _empty((batch, heads, q_len), torch.float32, device)
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
+        return out, lse
+    # Eager CUDA inference with few queries: the split-KV decode kernel (all q heads of a KV head
+    # in one program, keys split over programs) instead of one program per query block and head.
+    if (wrap is None and device.type == "cuda" and q_len <= _decode_kernels().MAX_Q_LEN
+            and (bottom_right or not causal)
+            and not (q.requires_grad or k.requires_grad or v.requires_grad)):
+        with _on_device(device):
+            _decode_kernels().attention_decode(q4, k4, v4, out4, lse, causal=causal, scale=scale)
         return out, lse
     with _on_device(device):
         kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
