@@ -233,12 +233,14 @@ def test_bad_input_says_what_it_got(change, error, match):
 
 
 def test_split_rule_fills_the_gpu_without_tiny_chunks():
-    # On 132 SMs (H200): the shapes, and a long single-sequence cache.
-    assert kernels.num_splits_for(64 * 8, 8192, 64, 132) == 2
-    assert kernels.num_splits_for(8 * 8, 32768, 64, 132) == 9
-    assert kernels.num_splits_for(1 * 8, 131072, 64, 132) == 66
-    assert kernels.num_splits_for(1, 1 << 20, 64, 132) == kernels.MAX_SPLITS
-    assert kernels.num_splits_for(1, 100, 64, 132) == 1  # 2 tiles: too short to split
+    # 264 slots: 132 SMs (H200) x 2 programs of 3-stage 64 x 128 bf16 K/V tiles.
+    assert kernels.num_splits_for(64 * 8, 8192, 64, 264) == 1  # 512 programs: two full waves
+    assert kernels.num_splits_for(8 * 8, 32768, 64, 264) == 4  # 256 programs: one wave
+    assert kernels.num_splits_for(1 * 8, 131072, 64, 264) == 33  # 264 programs
+    assert kernels.num_splits_for(1, 1 << 20, 64, 264) == kernels.MAX_SPLITS
+    assert kernels.num_splits_for(1, 100, 64, 264) == 1  # 2 tiles: too short to split
+    # 300 groups overflow one wave: splitting 5 ways makes the second wave's tail short.
+    assert kernels.num_splits_for(300, 8192, 64, 264) == 5
 
 
 # ---- GPU ------------------------------------------------------------------------------------

@@ -18,10 +18,12 @@ reading K and V from HBM once, so this kernel is organised around that read:
    (a multiple of BLOCK_N), one program per chunk (grid axis 0). A program runs the usual online
    softmax over its chunk (running max m_i, sum l_i, fp32 accumulator, exp2 with the scale folded
    into log2(e)) and writes a PARTIAL result: its normalised output O_s = acc / l_i and its
-   log-sum-exp L_s = m_i + log2(l_i) (log2 domain), both fp32. How many splits: `num_splits_for`
-   asks for enough programs to fill every SM a few times over (WAVES), without chunks shorter
-   than MIN_SPLIT_BLOCKS K/V tiles (each program pays its Q load, its prologue and a partial row
-   to write and merge).
+   log-sum-exp L_s = m_i + log2(l_i) (log2 domain), both fp32. How many splits
+   (`num_splits_for`): programs of equal length run in waves of `slots` (SMs x programs one SM
+   holds at once, bounded by the shared memory of the K/V pipeline), so the launch takes
+   ceil(programs / slots) waves of (tiles per program + a fixed cost per program); the rule
+   picks the split count with the least such time. Splitting more than the GPU holds at once
+   only adds programs; too few leaves SMs idle or a ragged last wave.
 
 3. Merge. A second small kernel, one program per output row, combines the partials exactly:
    with M = max_s L_s and w_s = 2^(L_s - M), out = sum_s w_s O_s / sum_s w_s and
@@ -49,6 +51,8 @@ fp16/bf16/fp32 (fp32 dots in IEEE, not tf32). Forward only: decode is inference.
 This module imports only torch and triton (no other attnscope.kernels module).
 """
 
+import functools
+
 import torch
 
 import triton
@@ -60,13 +64,15 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts log2-domain LSEs back 
 # Calls of the fused op with at most this many queries take this kernel (attention/fused.py).
 MAX_Q_LEN = 8
 
-# Split rule (num_splits_for). WAVES: programs per SM to aim for; a memory-bound program keeps its
-# SM's load pipes busy only together with others, and several waves hide the ragged last one.
-# MIN_SPLIT_BLOCKS: the shortest chunk, in K/V tiles, worth a program and a partial row.
-# MAX_SPLITS bounds the partial buffers and the merge's walk.
-WAVES = 4
+# Split rule (num_splits_for). PROGRAM_COST_TILES: what a program costs besides its K/V walk (its
+# Q load, prologue, partial row and share of the merge), in K/V tiles: an estimate for the lab's
+# --splits sweeps to check. MIN_SPLIT_BLOCKS: the shortest chunk, in K/V tiles, worth a program.
+# MAX_SPLITS bounds the partial buffers and the merge's walk. MAX_RESIDENT: programs an SM holds
+# at once at most (4 warps each; ~128 registers a thread leave room for 4 in 64K registers).
+PROGRAM_COST_TILES = 2
 MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 256
+MAX_RESIDENT = 4
 MERGE_TILE = 16  # partial rows the merge reads per step
 
 
@@ -283,21 +289,32 @@ def config_for(head_dim, rows, dtype):
     return block_m, block_n, block_d, 4, num_stages
 
 
-def _sm_count(device):
-    # The interpreter has no SMs: 4 makes the rule split CPU tests' short caches too.
+def slots(device, block_n, block_d, dtype, num_stages):
+    """Programs the GPU runs at once: SMs x programs per SM, the latter bounded by the shared
+    memory that num_stages K and V tiles take (and MAX_RESIDENT). The interpreter has no SMs: 4
+    makes the rule split CPU tests' short caches too."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    props = torch.cuda.get_device_properties(device)
+    smem = num_stages * 2 * block_n * block_d * dtype.itemsize
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)  # sm_90's if unknown
+    return props.multi_processor_count * max(1, min(MAX_RESIDENT, per_sm // smem))
 
 
-def num_splits_for(programs, kv_len, block_n, sm_count):
-    """Splits of each (batch, kv head, row block)'s keys: enough that `programs * splits` fills
-    every SM WAVES times over, but no chunk shorter than MIN_SPLIT_BLOCKS tiles of block_n keys,
-    and at most MAX_SPLITS. E.g. on 132 SMs: (64 seqs x 8 kv heads, 8192 keys) -> 2 splits;
-    (8 x 8, 32768 keys) -> 9; (1 x 8, 131072 keys) -> 66."""
+@functools.lru_cache(maxsize=1024)
+def num_splits_for(groups, kv_len, block_n, slots):
+    """Splits of each of `groups` (batch, kv head, row block)'s kv_len keys that minimise the
+    launch's time in tiles, ceil(groups * splits / slots) waves x (tiles a split +
+    PROGRAM_COST_TILES), the fewest splits on a tie; chunks of at least MIN_SPLIT_BLOCKS tiles of
+    block_n keys, at most MAX_SPLITS. E.g. on 132 SMs x 2 (head_dim 128, bf16, 3 stages):
+    64 seqs x 8 kv heads, 8192 keys -> 1 (512 programs, two full waves); 8 x 8, 32768 keys -> 4
+    (256 programs, one wave); 1 x 8, 131072 keys -> 33."""
     tiles = -(-kv_len // block_n)
-    wanted = -(-WAVES * sm_count // programs)
-    return max(1, min(wanted, tiles // MIN_SPLIT_BLOCKS, MAX_SPLITS))
+    most = max(1, min(tiles // MIN_SPLIT_BLOCKS, MAX_SPLITS))
+
+    def cost(splits):
+        return -(-groups * splits // slots) * (-(-tiles // splits) + PROGRAM_COST_TILES)
+    return min(range(1, most + 1), key=cost)  # min keeps the first (fewest splits) of ties
 
 
 def _empty(shape, dtype, device):
@@ -330,7 +347,8 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     programs = batch * kv_heads * row_blocks
     tiles = max(1, -(-kv_len // block_n))
     if num_splits is None:
-        num_splits = num_splits_for(programs, kv_len, block_n, _sm_count(q.device))
+        num_splits = num_splits_for(programs, kv_len, block_n,
+                                    slots(q.device, block_n, block_d, q.dtype, num_stages))
     num_splits = max(1, min(num_splits, MAX_SPLITS, tiles))
     chunk = -(-tiles // num_splits) * block_n
     num_splits = -(-max(kv_len, 1) // chunk)  # no split left without keys by rounding
