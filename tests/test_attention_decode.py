@@ -24,19 +24,17 @@ from attnscope.attention import fused
 from attnscope.attention.reference import attention_reference
 from attnscope.kernels import attention_decode as kernels
 
+# (dtype, absolute error floor, LSE relative tolerance) and the NaN fill of the op's outputs
+from test_fused_attention import CPU_DTYPES, GPU_DTYPES, nan_outputs  # noqa: F401
+
 CPU = torch.device("cpu")
-# (dtype, absolute error floor, LSE relative tolerance), as test_fused_attention.py
-CPU_DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 1e-3, 1e-3)]
-GPU_DTYPES = [(torch.bfloat16, 4e-3, 1e-3), (torch.float16, 1e-3, 1e-3)]
 
 
 @pytest.fixture(autouse=True)
-def nan_outputs(monkeypatch):
-    """Every output and scratch buffer the decode path allocates starts as NaN."""
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    monkeypatch.setattr(fused, "_empty", poisoned)
-    monkeypatch.setattr(kernels, "_empty", poisoned)
+def nan_scratch(monkeypatch):
+    """The kernel's partial results start as NaN too: the merge must read only written ones."""
+    monkeypatch.setattr(kernels, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
 
 
 @pytest.fixture

@@ -19,11 +19,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    fused._validate_causal_and_scale(causal, scale)
     if q.dtype not in fused.DTYPES:
         raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:

@@ -41,6 +41,15 @@ def _decode_kernels():
     return importlib.import_module("attnscope.kernels.attention_decode")
 
 
+def _validate_causal_and_scale(causal, scale):
+    # (also the decode function's, attention/decode.py)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+
+
 def _validate(q, k, v, causal, scale, layout, causal_alignment):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -49,11 +58,7 @@ def _validate(q, k, v, causal, scale, layout, causal_alignment):
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     if causal_alignment not in ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    _validate_causal_and_scale(causal, scale)
     expected = LAYOUTS[layout]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
