@@ -231,14 +231,14 @@ def test_bad_input_says_what_it_got(change, error, match):
 
 
 def test_split_rule_fills_the_gpu_without_tiny_chunks():
-    # 264 slots: 132 SMs (H200) x 2 programs of 3-stage 64 x 128 bf16 K/V tiles.
-    assert kernels.num_splits_for(64 * 8, 8192, 64, 264) == 1  # 512 programs: two full waves
-    assert kernels.num_splits_for(8 * 8, 32768, 64, 264) == 4  # 256 programs: one wave
-    assert kernels.num_splits_for(1 * 8, 131072, 64, 264) == 33  # 264 programs
-    assert kernels.num_splits_for(1, 1 << 20, 64, 264) == kernels.MAX_SPLITS
-    assert kernels.num_splits_for(1, 100, 64, 264) == 1  # 2 tiles: too short to split
-    # 300 groups overflow one wave: splitting 5 ways makes the second wave's tail short.
-    assert kernels.num_splits_for(300, 8192, 64, 264) == 5
+    # 396 slots: 132 SMs (H200) x 3 programs of 3-stage 64 x 128 bf16 K/V tiles (70 KB each).
+    assert kernels.num_splits_for(64 * 8, 8192, 64, 396) == 3  # 1536 programs: 3.9 waves
+    assert kernels.num_splits_for(8 * 8, 32768, 64, 396) == 6  # 384 programs: one wave
+    assert kernels.num_splits_for(1 * 8, 131072, 64, 396) == 49  # 392 programs
+    assert kernels.num_splits_for(1, 1 << 20, 64, 396) == kernels.MAX_SPLITS
+    assert kernels.num_splits_for(1, 100, 64, 396) == 1  # 2 tiles: too short to split
+    # 300 groups do not fill two waves: 5 splits make 1500 programs, 3.8 waves.
+    assert kernels.num_splits_for(300, 8192, 64, 396) == 5
 
 
 # ---- GPU ------------------------------------------------------------------------------------

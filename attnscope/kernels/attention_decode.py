@@ -77,15 +77,20 @@ MERGE_TILE = 16  # partial rows the merge reads per step
 
 
 @triton.jit
-def _kv_tile(base, BlockTable, offs_n, offs_d, kv_len, stride_n, stride_page, stride_d,
+def _kv_tile(base, BlockTable, start_n, offs_d, kv_len, stride_n, stride_page, stride_d,
              MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    # A [BLOCK_N, BLOCK_D] tile of K or V: key rows offs_n from this (batch, kv head)'s base
-    # (contiguous), or from this kv head's base in the block pool (paged: the block table says
-    # which cache block holds each row). Masks only where the tile needs them (they cost
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The [BLOCK_N, BLOCK_D] tile of K or V at key start_n: rows from this (batch, kv head)'s
+    # base (contiguous), or from this kv head's base in the block pool (paged: the block table
+    # says which cache block holds each row). Masks only where the tile needs them (they cost
     # instructions in the hot loop): key rows past kv_len in MASKED tiles, columns past HEAD_DIM.
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
-    if PAGED:
+    if PAGED and PAGE_SIZE % BLOCK_N == 0:
+        # The tile lies in one cache block: one table entry (start_n < kv_len: it exists).
+        page = tl.load(BlockTable + start_n // PAGE_SIZE).to(tl.int64)
+        rows = page * stride_page + (offs_n % PAGE_SIZE) * stride_n
+    elif PAGED:  # pages smaller than a tile: one table entry per key row (L1 hits mostly)
         if MASKED:
             page = tl.load(BlockTable + offs_n // PAGE_SIZE, mask=n_ok, other=0)
         else:
@@ -116,8 +121,8 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query, l
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _kv_tile(k_base, BlockTable, offs_n, offs_d, kv_len, stride_kn, stride_kp, stride_kd,
-                     MASKED, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D)
+        k = _kv_tile(k_base, BlockTable, start_n, offs_d, kv_len, stride_kn, stride_kp, stride_kd,
+                     MASKED, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         if MASKED:
             visible = (offs_n < kv_len)[None, :]
@@ -134,9 +139,9 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query, l
         p = tl.math.exp2(qk - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        # (a paged V gathers its block-table entries again: L1 hits, and V keeps its own strides)
-        v = _kv_tile(v_base, BlockTable, offs_n, offs_d, kv_len, stride_vn, stride_vp, stride_vd,
-                     MASKED, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D)
+        # (a paged V reads its block-table entries again: L1 hits, and V keeps its own strides)
+        v = _kv_tile(v_base, BlockTable, start_n, offs_d, kv_len, stride_vn, stride_vp, stride_vd,
+                     MASKED, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
@@ -289,14 +294,16 @@ def config_for(head_dim, rows, dtype):
     return block_m, block_n, block_d, 4, num_stages
 
 
-def slots(device, block_n, block_d, dtype, num_stages):
+def slots(device, block_m, block_n, block_d, dtype, num_stages):
     """Programs the GPU runs at once: SMs x programs per SM, the latter bounded by the shared
-    memory that num_stages K and V tiles take (and MAX_RESIDENT). The interpreter has no SMs: 4
-    makes the rule split CPU tests' short caches too."""
+    memory a program takes (and MAX_RESIDENT): num_stages - 1 K/V tile pairs in flight (the
+    pipeliner's buffers) and room for the Q tile twice; an upper bound of what Triton 3.6
+    allocates for sm_90 (70 KB at head_dim 128 bf16: 3 programs an SM). The interpreter has no
+    SMs: 4 makes the rule split CPU tests' short caches too."""
     if device.type != "cuda":
         return 4
     props = torch.cuda.get_device_properties(device)
-    smem = num_stages * 2 * block_n * block_d * dtype.itemsize
+    smem = ((num_stages - 1) * 2 * block_n + 2 * block_m) * block_d * dtype.itemsize
     per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)  # sm_90's if unknown
     return props.multi_processor_count * max(1, min(MAX_RESIDENT, per_sm // smem))
 
@@ -306,9 +313,9 @@ def num_splits_for(groups, kv_len, block_n, slots):
     """Splits of each of `groups` (batch, kv head, row block)'s kv_len keys that minimise the
     launch's time in tiles, ceil(groups * splits / slots) waves x (tiles a split +
     PROGRAM_COST_TILES), the fewest splits on a tie; chunks of at least MIN_SPLIT_BLOCKS tiles of
-    block_n keys, at most MAX_SPLITS. E.g. on 132 SMs x 2 (head_dim 128, bf16, 3 stages):
-    64 seqs x 8 kv heads, 8192 keys -> 1 (512 programs, two full waves); 8 x 8, 32768 keys -> 4
-    (256 programs, one wave); 1 x 8, 131072 keys -> 33."""
+    block_n keys, at most MAX_SPLITS. E.g. on 132 SMs x 3 (head_dim 128, bf16, 3 stages):
+    64 seqs x 8 kv heads, 8192 keys -> 3 (1536 programs, 3.9 waves); 8 x 8, 32768 keys -> 6
+    (384 programs, one wave); 1 x 8, 131072 keys -> 49."""
     tiles = -(-kv_len // block_n)
     most = max(1, min(tiles // MIN_SPLIT_BLOCKS, MAX_SPLITS))
 
@@ -323,7 +330,7 @@ def _empty(shape, dtype, device):
 
 
 def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_table=None,
-                     num_splits=None):
+                     num_splits=None, config=None):
     """Launch split-KV decode attention.
 
     q, out: [batch, heads, q_len, head_dim] views with any strides; lse: contiguous fp32
@@ -333,7 +340,9 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     seqlens: int32 [batch], each sequence's key count (None: every sequence has kv_len keys; a
     paged cache then holds max_blocks * page_size). causal: bottom-right aligned. num_splits:
     None for `num_splits_for`'s rule, else that many (clamped to 1..MAX_SPLITS and to one tile a
-    split). Call with q's device current.
+    split). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `config_for`'s (the lab's
+    sweeps; BLOCK_M, BLOCK_N powers of two >= 16). Call with q's device current. Returns the
+    number of splits launched.
     """
     batch, heads, q_len, head_dim = q.shape
     paged = block_table is not None
@@ -343,12 +352,15 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     group = heads // kv_heads
     block_m, block_n, block_d, num_warps, num_stages = config_for(head_dim, q_len * group,
                                                                   q.dtype)
+    if config is not None:
+        block_m, block_n, num_warps, num_stages = config
     row_blocks = -(-q_len * group // block_m)
     programs = batch * kv_heads * row_blocks
     tiles = max(1, -(-kv_len // block_n))
     if num_splits is None:
         num_splits = num_splits_for(programs, kv_len, block_n,
-                                    slots(q.device, block_n, block_d, q.dtype, num_stages))
+                                    slots(q.device, block_m, block_n, block_d, q.dtype,
+                                          num_stages))
     num_splits = max(1, min(num_splits, MAX_SPLITS, tiles))
     chunk = -(-tiles // num_splits) * block_n
     num_splits = -(-max(kv_len, 1) // chunk)  # no split left without keys by rounding

@@ -9,7 +9,7 @@ Printed per row: ms, the HBM floor (bytes of K and V read / 4.24 TB/s, the H200'
 % of it reached, the ratio to the best peer, and the max abs error against float32 SDPA.
 
     python benchmarks/labs/decode_lab.py --shapes 64,32,8,1,8192,128 8,32,8,1,32768,128 \\
-        --splits 1 2 4 8 16 --page-sizes 16 256 --out decode_lab.jsonl
+        --splits 1 2 4 8 16 --configs 16,64,8,3 16,64,4,2 --page-sizes 16 256 --out lab.jsonl
 """
 
 import argparse
@@ -95,6 +95,9 @@ def main():
     p.add_argument("--splits", nargs="*", type=int, default=[],
                    help="also time the kernel pinned to these split counts (the op's row uses "
                    "the split rule)")
+    p.add_argument("--configs", nargs="*", default=[],
+                   help="also time the kernel pinned to these BLOCK_M,BLOCK_N,num_warps,num_stages "
+                   "configs (split rule's count; e.g. 16,64,8,3)")
     p.add_argument("--page-sizes", nargs="*", type=int, default=[],
                    help="also time fused_attention_with_kvcache on a paged copy of the cache "
                    "with these block sizes")
@@ -115,13 +118,16 @@ def main():
         scale = 1 / math.sqrt(d)
         rows = {"fused_attention (op)": lambda: attnscope.fused_attention(
             q, k, v, causal_alignment="bottom_right")}
-        for n in args.splits:
-            def pinned(n=n):
+        pins = [(f"decode splits={n}", dict(num_splits=n)) for n in args.splits]
+        pins += [(f"decode config={c}", dict(config=tuple(int(x) for x in c.split(","))))
+                 for c in args.configs]
+        for name, pin in pins:
+            def pinned(pin=pin):
                 o = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-                decode.attention_decode(q, k, v, o, lse, causal=True, scale=scale, num_splits=n)
+                decode.attention_decode(q, k, v, o, lse, causal=True, scale=scale, **pin)
                 return o
-            rows[f"decode splits={n}"] = pinned
+            rows[name] = pinned
         for size in args.page_sizes:
             k_pool, v_pool, table = paged(k, v, size)
             seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
