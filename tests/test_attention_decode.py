@@ -316,4 +316,7 @@ def test_gpu_merge_matches_one_split_on_the_lse():
                                         scale=1 / math.sqrt(128), num_splits=n) == n
         results.append((out.float(), lse))
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=0)
-    torch.testing.assert_close(results[0][0], results[1][0], atol=8e-3, rtol=0)  # bf16 ulp ~ 4e-3
+    # Outputs are means over 16384 random values, |out| < ~0.15: 2e-3 is a few bf16 ulps there
+    # (fp16 in the interpreter, 2048 keys, 1 vs 16 splits: 6e-5), while a wrongly weighted merge
+    # is off by the size of the output itself.
+    torch.testing.assert_close(results[0][0], results[1][0], atol=2e-3, rtol=0)
