@@ -279,19 +279,21 @@ def is_interpreted():
 
 def config_for(head_dim, rows, dtype):
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) for head_dim, q_len * GROUP rows and
-    dtype. BLOCK_M: the rows padded to the 16-row minimum of tl.dot, at most 64 (an fp32
-    accumulator of 64 x 256 is already 128 registers a thread at 4 warps). BLOCK_N: 64-key
-    K/V tiles (32 at head_dim 256), num_stages of them in flight per program so the loads of the
-    next tiles overlap this one's math: 3 for 16-bit inputs, 2 for fp32 (twice the bytes a
-    tile; 3 stages of 64 x 128 fp32 K and V would fill shared memory). In the interpreter, small
+    dtype. 16-bit inputs: BLOCK_M the rows padded to the 16-row minimum of tl.dot, at most 64
+    (more rows take more row blocks); 64-key K/V tiles (32 at head_dim 256), num_stages 3 so two
+    tile pairs load while one is used; 8 warps for a 64 x 256 accumulator (at 4, 255 registers
+    and a spill on sm_90). fp32 (IEEE dots on CUDA cores, register-hungry): 16-row blocks,
+    16-key tiles at head_dim 256, 8 warps, 2 stages; the largest that compile without spills for
+    sm_90 with Triton 3.6 (benchmarks/sass_offline.py-style compiles). In the interpreter, small
     tiles so CPU tests cross several tiles, row blocks and a masked diagonal."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     if is_interpreted():
         return 16, 16, block_d, 4, 1
+    if dtype.itemsize == 4:
+        return 16, 64 if block_d <= 128 else 16, block_d, 8, 2
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     block_n = 64 if block_d <= 128 else 32
-    num_stages = 3 if dtype.itemsize == 2 else 2
-    return block_m, block_n, block_d, 4, num_stages
+    return block_m, block_n, block_d, 8 if block_m * block_d > 64 * 128 else 4, 3
 
 
 def slots(device, block_m, block_n, block_d, dtype, num_stages):
