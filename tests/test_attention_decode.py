@@ -185,6 +185,12 @@ def test_paged_cache(page_size, q_len, dtype, floor, lse_tol, splits):
     assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol)
 
 
+def test_empty_cache_gives_zeros_and_neg_inf():
+    q, k, v = make_cache(2, 3, 4, 2, 16, 32, torch.float32)
+    out, lse = fused_attention_with_kvcache(q, k, v, 0, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
 def test_paged_cache_with_one_length_for_all():
     q, k, v = make_cache(2, 1, 4, 4, 40, 16, torch.float16, seed=5)
     k_pool, v_pool, table = page(k, v, 8, seed=6)
@@ -220,6 +226,7 @@ def test_returns_output_only_by_default():
     (dict(cache_seqlens=torch.tensor([3])), ValueError, "cache_seqlens must be int32"),
     (dict(block_table=torch.zeros(1, 2)), ValueError, "block_table must be int32"),
     (dict(scale=float("nan")), TypeError, "scale must be a finite float"),
+    (dict(q=torch.zeros(1, 1, 4, 16, requires_grad=True)), ValueError, "forward only"),
 ])
 def test_bad_input_says_what_it_got(change, error, match):
     args = dict(q=torch.zeros(1, 1, 4, 16), k_cache=torch.zeros(1, 8, 2, 16),

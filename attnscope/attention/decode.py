@@ -60,6 +60,12 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
                 or block_table.shape[0] != batch or block_table.shape[1] == 0:
             raise ValueError(f"block_table must be int32 [batch={batch}, max_blocks >= 1], got "
                              f"{block_table.dtype} {tuple(block_table.shape)}")
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                    or v_cache.requires_grad):
+        raise ValueError("fused_attention_with_kvcache is forward only (no gradient would reach "
+                         "q or the caches): call it under torch.no_grad() or "
+                         "torch.inference_mode(), or pass detached tensors; got inputs that "
+                         "require grad")
     capacity = rows if block_table is None else block_table.shape[1] * rows
     if isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,):
@@ -96,6 +102,8 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
             1 1 1 1 1
     Rows that see no key (a sequence with cache_seqlens 0, or q_len > kv_len) return zeros and
     LSE -inf.
+
+    Inputs that require grad, with grad mode on, raise ValueError (no gradient would flow).
 
     Returns the output [batch, q_len, heads, head_dim] in q's dtype, and with return_lse=True
     also the float32 log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
