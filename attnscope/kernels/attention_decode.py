@@ -40,8 +40,11 @@ Two K/V sources, one kernel (constexpr PAGED):
 - contiguous [batch, kv_heads, kv_len, head_dim], any strides;
 - paged [num_blocks, PAGE_SIZE, kv_heads, head_dim] (any strides) with block_table
   [batch, max_blocks] int32: key n of sequence b lives in cache block block_table[b, n // PAGE_SIZE],
-  row n % PAGE_SIZE. The page index is gathered per key row, so any page size works; head_dim is
-  the contiguous axis either way, so loads stay 16-byte vectors.
+  row n % PAGE_SIZE. A page that holds whole K/V tiles (PAGE_SIZE a multiple of BLOCK_N) costs
+  one table entry a tile; smaller pages, any size, one entry per key row (88 against 162
+  registers at head_dim 128 on sm_90). head_dim is the contiguous axis either way, so K/V loads
+  stay 16-byte cp.async vectors. (Triton 3.6's pipeliner gives the table load a stage of its
+  own, so paged launches keep one K/V tile pair fewer in flight than contiguous ones.)
 Sequences may have their own lengths (`seqlens`, int32 [batch]); splits past a sequence's end run
 no tile and write L_s = -inf.
 
