@@ -7,6 +7,7 @@ layouts, and registers the launch as a PyTorch custom op so torch.compile traces
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 
@@ -35,6 +36,20 @@ def _kernels():
     return _kernel_module
 
 
+@functools.cache
+def _decode_kernels():
+    return importlib.import_module("attnscope.kernels.attention_decode")
+
+
+def _validate_causal_and_scale(causal, scale):
+    # (also the decode function's, attention/decode.py)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+
+
 def _validate(q, k, v, causal, scale, layout, causal_alignment):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -43,11 +58,7 @@ def _validate(q, k, v, causal, scale, layout, causal_alignment):
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
     if causal_alignment not in ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    _validate_causal_and_scale(causal, scale)
     expected = LAYOUTS[layout]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -171,6 +182,14 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
     lse = _empty((batch, heads, q_len), torch.float32, device)
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
+        return out, lse
+    # Eager CUDA inference with few queries: the split-KV decode kernel (all q heads of a KV head
+    # in one program, keys split over programs) instead of one program per query block and head.
+    if (wrap is None and device.type == "cuda" and q_len <= _decode_kernels().MAX_Q_LEN
+            and (bottom_right or not causal)
+            and not (q.requires_grad or k.requires_grad or v.requires_grad)):
+        with _on_device(device):
+            _decode_kernels().attention_decode(q4, k4, v4, out4, lse, causal=causal, scale=scale)
         return out, lse
     with _on_device(device):
         kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,

@@ -1,0 +1,131 @@
+"""Attention of new queries against a KV cache, contiguous or paged: the public decode function.
+
+The kernel is attnscope/kernels/attention_decode.py (split-KV, GQA-packed); this module checks
+inputs and names the shapes. Forward only: decoding is inference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+
+from attnscope.attention import fused
+
+def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {tuple(t.shape)}")
+    fused._validate_causal_and_scale(causal, scale)
+    if q.dtype not in fused.DTYPES:
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, "
+                        f"{k_cache.dtype}, {v_cache.dtype}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q must be a CUDA tensor (or CPU with TRITON_INTERPRET=1), got {q.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
+                    ("block_table", block_table)):
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    batch, q_len, heads, head_dim = q.shape
+    slots, rows, kv_heads, kv_dim = k_cache.shape
+    if kv_dim != head_dim:
+        raise ValueError(f"q and the caches must have the same head_dim, got {head_dim} and "
+                         f"{kv_dim}")
+    if not fused.MIN_HEAD_DIM <= head_dim <= fused.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between {fused.MIN_HEAD_DIM} and "
+                         f"{fused.MAX_HEAD_DIM}, got {head_dim}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q heads must be a multiple of the caches' kv_heads (GQA/MQA), got "
+                         f"{heads} and {kv_heads}")
+    if min(batch, q_len, heads, slots, rows) == 0:
+        raise ValueError(f"q [batch, q_len, heads, head_dim] and the caches must be non-empty, got "
+                         f"q {tuple(q.shape)} and caches {tuple(k_cache.shape)}")
+    if block_table is None:
+        if slots != batch:
+            raise ValueError(f"a contiguous k_cache [batch, max_kv_len, kv_heads, head_dim] must "
+                             f"have q's batch {batch}, got {tuple(k_cache.shape)}")
+    else:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor or None, got "
+                            f"{type(block_table).__name__}")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 \
+                or block_table.shape[0] != batch or block_table.shape[1] == 0:
+            raise ValueError(f"block_table must be int32 [batch={batch}, max_blocks >= 1], got "
+                             f"{block_table.dtype} {tuple(block_table.shape)}")
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                    or v_cache.requires_grad):
+        raise ValueError("fused_attention_with_kvcache is forward only (no gradient would reach "
+                         "q or the caches): call it under torch.no_grad() or "
+                         "torch.inference_mode(), or pass detached tensors; got inputs that "
+                         "require grad")
+    capacity = rows if block_table is None else block_table.shape[1] * rows
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens must be int32 [batch={batch}], got "
+                             f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+    elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+        raise TypeError(f"cache_seqlens must be an int32 tensor or an int, got "
+                        f"{type(cache_seqlens).__name__}")
+    elif not 0 <= cache_seqlens <= capacity:
+        raise ValueError(f"cache_seqlens must be between 0 and the cache's capacity {capacity}, "
+                         f"got {cache_seqlens}")
+
+
+def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
+                                 causal=True, scale=None, return_lse=False):
+    """Attention of q against the first cache_seqlens[b] keys of each sequence's KV cache
+    (split-KV "flash-decoding" kernel; forward only, for inference: no autograd).
+
+    Shapes (flash-attn's flash_attn_with_kvcache convention, sequence before heads):
+        q                 [batch, q_len, heads, head_dim]
+        k_cache, v_cache  contiguous: [batch, max_kv_len, kv_heads, head_dim]
+                          paged:      [num_blocks, block_size, kv_heads, head_dim], with
+        block_table       int32 [batch, max_blocks]: sequence b's keys n live in cache block
+                          block_table[b, n // block_size], row n % block_size
+        cache_seqlens     int32 [batch] (or one int for every sequence): keys held per sequence,
+                          0..capacity (max_kv_len, or max_blocks * block_size). Not checked
+                          against the capacity when a tensor (that would synchronise the device).
+    Any strides. heads must be a multiple of kv_heads (GQA/MQA). dtypes float16, bfloat16 (CUDA),
+    float32; head_dim 16..256; scale defaults to 1/sqrt(head_dim).
+
+    causal=True aligns the mask bottom-right, as a decoding step needs: query i of q_len sees keys
+    j <= kv_len - q_len + i, so the last query sees the whole cache. For q_len=2, kv_len=5:
+            1 1 1 1 0
+            1 1 1 1 1
+    Rows that see no key (a sequence with cache_seqlens 0, or q_len > kv_len) return zeros and
+    LSE -inf.
+
+    Inputs that require grad, with grad mode on, raise ValueError (no gradient would flow).
+
+    Returns the output [batch, q_len, heads, head_dim] in q's dtype, and with return_lse=True
+    also the float32 log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
+    """
+    _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    kernels = fused._decode_kernels()  # imported on first use, like the fused op's
+    if q.device.type == "cpu":
+        fused._check_interpreter(fused._kernels(), q)
+    seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    if seqlens is None and block_table is None:
+        k_cache, v_cache = k_cache[:, :cache_seqlens], v_cache[:, :cache_seqlens]  # views
+    elif seqlens is None:  # one length for every sequence of a paged cache
+        seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    out = fused._empty(q.shape, q.dtype, q.device)
+    batch, q_len, heads, _ = q.shape
+    lse = fused._empty((batch, heads, q_len), torch.float32, q.device)
+    q4, out4 = (rearrange(t, "b s h d -> b h s d") for t in (q, out))
+    if block_table is None:
+        k_cache, v_cache = (rearrange(t, "b s h d -> b h s d") for t in (k_cache, v_cache))
+    with fused._on_device(q.device):
+        kernels.attention_decode(q4, k_cache, v_cache, out4, lse, causal=causal,
+                                 scale=float(scale), seqlens=seqlens, block_table=block_table)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,400 @@
+"""
+Split-KV decode attention (flash-decoding) in Triton, over a contiguous or a paged KV cache
+============================================================================================
+
+At decode time each sequence brings a handful of new queries (q_len 1-8) against thousands of
+cached keys. The prefill kernel (attention_fwd.py) runs one program per (batch, q head, query
+block): at q_len 1 that is a few hundred programs each doing a long serial walk over K/V, most
+SMs idle, and every q head of a GQA group streams the same K/V head again. Decode is bound by
+reading K and V from HBM once, so this kernel is organised around that read:
+
+1. GQA packing. One program takes ALL q heads of one KV head: its tile rows are the q_len * GROUP
+   (query, q head) pairs, row r = query (r // GROUP), q head (kv_head * GROUP + r % GROUP),
+   padded to BLOCK_M >= 16 (the smallest tl.dot tile). Each K/V tile loaded feeds every q head
+   that reads it, so K/V cross HBM once per KV head, not once per q head. More rows than BLOCK_M
+   take several row blocks (grid axis 2); each reads K/V again, so the launch keeps that rare.
+
+2. Split the keys. The keys of each (batch, kv head) are cut into NUM_SPLITS chunks of CHUNK keys
+   (a multiple of BLOCK_N), one program per chunk (grid axis 0). A program runs the usual online
+   softmax over its chunk (running max m_i, sum l_i, fp32 accumulator, exp2 with the scale folded
+   into log2(e)) and writes a PARTIAL result: its normalised output O_s = acc / l_i and its
+   log-sum-exp L_s = m_i + log2(l_i) (log2 domain), both fp32. How many splits
+   (`num_splits_for`): programs of equal length run in waves of `slots` (SMs x programs one SM
+   holds at once, bounded by the shared memory of the K/V pipeline), so the launch takes
+   ceil(programs / slots) waves of (tiles per program + a fixed cost per program); the rule
+   picks the split count with the least such time. Splitting more than the GPU holds at once
+   only adds programs; too few leaves SMs idle or a ragged last wave.
+
+3. Merge. A second small kernel, one program per output row, combines the partials exactly:
+   with M = max_s L_s and w_s = 2^(L_s - M), out = sum_s w_s O_s / sum_s w_s and
+   LSE = (M + log2(sum_s w_s)) * ln 2. A split that saw no key has L_s = -inf, so w_s = 0. With
+   one split the first kernel writes the output and LSE itself (no partials, no merge).
+
+Masking. Causal decode is aligned bottom-right (flash-attn, KV caches): query i of q_len sees
+keys j <= kv_len - q_len + i, so only the last q_len keys need a mask. Within a chunk, the K
+tiles every row of the row block sees whole run without mask arithmetic; the rest (the diagonal
+and the ragged end of the cache) run masked. Rows that see no key (q_len > kv_len, or an empty
+cache) end with l_i == 0 and are written as zeros with LSE -inf, never 0/0.
+
+Two K/V sources, one kernel (constexpr PAGED):
+- contiguous [batch, kv_heads, kv_len, head_dim], any strides;
+- paged [num_blocks, PAGE_SIZE, kv_heads, head_dim] (any strides) with block_table
+  [batch, max_blocks] int32: key n of sequence b lives in cache block block_table[b, n // PAGE_SIZE],
+  row n % PAGE_SIZE. A page that holds whole K/V tiles (PAGE_SIZE a multiple of BLOCK_N) costs
+  one table entry a tile; smaller pages, any size, one entry per key row (88 against 162
+  registers at head_dim 128 on sm_90). head_dim is the contiguous axis either way, so K/V loads
+  stay 16-byte cp.async vectors. (Triton 3.6's pipeliner gives the table load a stage of its
+  own, so paged launches keep one K/V tile pair fewer in flight than contiguous ones.)
+Sequences may have their own lengths (`seqlens`, int32 [batch]); splits past a sequence's end run
+no tile and write L_s = -inf.
+
+Any head_dim 16..256 (tiles BLOCK_D = next power of two wide, extra columns masked to zero);
+fp16/bf16/fp32 (fp32 dots in IEEE, not tf32). Forward only: decode is inference.
+
+This module imports only torch and triton (no other attnscope.kernels module).
+"""
+
+import functools
+
+import torch
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.44269504  # 1/ln(2): exp(x) == exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts log2-domain LSEs back to natural log
+
+# Calls of the fused op with at most this many queries take this kernel (attention/fused.py).
+MAX_Q_LEN = 8
+
+# Split rule (num_splits_for). PROGRAM_COST_TILES: what a program costs besides its K/V walk (its
+# Q load, prologue, partial row and share of the merge), in K/V tiles: an estimate for the lab's
+# --splits sweeps to check. MIN_SPLIT_BLOCKS: the shortest chunk, in K/V tiles, worth a program.
+# MAX_SPLITS bounds the partial buffers and the merge's walk. MAX_RESIDENT: programs an SM holds
+# at once at most (4 warps each; ~128 registers a thread leave room for 4 in 64K registers).
+PROGRAM_COST_TILES = 2
+MIN_SPLIT_BLOCKS = 4
+MAX_SPLITS = 256
+MAX_RESIDENT = 4
+MERGE_TILE = 16  # partial rows the merge reads per step
+
+
+@triton.jit
+def _kv_tile(base, BlockTable, start_n, offs_d, kv_len, stride_n, stride_page, stride_d,
+             MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The [BLOCK_N, BLOCK_D] tile of K or V at key start_n: rows from this (batch, kv head)'s
+    # base (contiguous), or from this kv head's base in the block pool (paged: the block table
+    # says which cache block holds each row). Masks only where the tile needs them (they cost
+    # instructions in the hot loop): key rows past kv_len in MASKED tiles, columns past HEAD_DIM.
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < kv_len
+    if PAGED and PAGE_SIZE % BLOCK_N == 0:
+        # The tile lies in one cache block: one table entry (start_n < kv_len: it exists).
+        page = tl.load(BlockTable + start_n // PAGE_SIZE).to(tl.int64)
+        rows = page * stride_page + (offs_n % PAGE_SIZE) * stride_n
+    elif PAGED:  # pages smaller than a tile: one table entry per key row (L1 hits mostly)
+        if MASKED:
+            page = tl.load(BlockTable + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+        else:
+            page = tl.load(BlockTable + offs_n // PAGE_SIZE)
+        rows = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_n
+    else:
+        rows = offs_n * stride_n
+    ptrs = base + rows[:, None] + offs_d[None, :] * stride_d
+    if MASKED and HEAD_DIM != BLOCK_D:
+        return tl.load(ptrs, mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    elif MASKED:
+        return tl.load(ptrs, mask=n_ok[:, None], other=0.0)
+    elif HEAD_DIM != BLOCK_D:
+        return tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query, lo, hi, kv_len,
+                  causal_offset, qk_scale,  #
+                  stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,  #
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    # K/V tiles [lo, hi) of this program's chunk. MASKED tiles hide keys past kv_len and, when
+    # CAUSAL, keys right of a row's diagonal; a row may then see no key of a tile yet.
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _kv_tile(k_base, BlockTable, start_n, offs_d, kv_len, stride_kn, stride_kp, stride_kd,
+                     MASKED, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        if MASKED:
+            visible = (offs_n < kv_len)[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= query[:, None] + causal_offset)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row with no visible key so far keeps m == -inf; subtracting 0 instead keeps
+            # exp2(-inf - -inf) = NaN out of p and alpha (both become exactly 0).
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_sub = m_new
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # (a paged V reads its block-table entries again: L1 hits, and V keeps its own strides)
+        v = _kv_tile(v_base, BlockTable, start_n, offs_d, kv_len, stride_vn, stride_vp, stride_vd,
+                     MASKED, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
+                  stride_qz, stride_qh, stride_qm, stride_qd,  #
+                  stride_kz, stride_kh, stride_kn, stride_kd,  #
+                  stride_vz, stride_vh, stride_vn, stride_vd,  #
+                  stride_oz, stride_oh, stride_om, stride_od,  #
+                  stride_btz,  #
+                  KV_HEADS, GROUP, Q_LEN, KV_LEN, CHUNK, NUM_SPLITS, qk_scale,  #
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, FINAL: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr):
+    # Grid: (split, batch * kv head, row block). stride_kz/stride_vz step a batch entry, or a
+    # cache block when PAGED. FINAL (one split): write the output and LSE, not partials.
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
+    split = tl.program_id(0)
+    off_zh = tl.program_id(1)
+    row_start = tl.program_id(2) * BLOCK_M
+    off_z = (off_zh // KV_HEADS).to(tl.int64)
+    off_hkv = (off_zh % KV_HEADS).to(tl.int64)
+    if VARLEN:
+        kv_len = tl.load(SeqLens + off_z)
+    else:
+        kv_len = KV_LEN
+
+    # Rows: (query, q head) pairs of this KV head's group.
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Q_LEN * GROUP
+    d_ok = offs_d < HEAD_DIM
+    query = offs_m // GROUP
+    off_h = off_hkv * GROUP + offs_m % GROUP
+    q_ptrs = (Q + off_z * stride_qz + off_h[:, None] * stride_qh + query[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    if PAGED:
+        k_base = K + off_hkv * stride_kh
+        v_base = V + off_hkv * stride_vh
+        BlockTable += off_z * stride_btz
+    else:
+        k_base = K + off_z * stride_kz + off_hkv * stride_kh
+        v_base = V + off_z * stride_vz + off_hkv * stride_vh
+
+    # Key range: this split's chunk, cut at the cache's end and, when causal, at what the block's
+    # last query sees. Keys [lo, mid) are seen whole by every row of the block: no masks there.
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, kv_len)
+    causal_offset = kv_len - Q_LEN  # bottom-right: query i sees keys j <= i + causal_offset
+    if CAUSAL:
+        last_query = tl.minimum((row_start + BLOCK_M - 1) // GROUP, Q_LEN - 1)
+        hi = tl.minimum(hi, last_query + causal_offset + 1)
+        seen_by_all = row_start // GROUP + causal_offset + 1
+    else:
+        seen_by_all = kv_len
+    mid = lo + tl.maximum(tl.minimum(seen_by_all, hi) - lo, 0) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # stage 1: tiles every row sees whole, no masking
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query,
+                                  lo, mid, kv_len, causal_offset, qk_scale,  #
+                                  stride_kn, stride_kz, stride_kd, stride_vn, stride_vz, stride_vd,
+                                  False, CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                  INPUT_PRECISION)
+    # stage 2: the diagonal and the ragged end of the cache, masked
+    acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query,
+                                  mid, hi, kv_len, causal_offset, qk_scale,  #
+                                  stride_kn, stride_kz, stride_kd, stride_vn, stride_vz, stride_vd,
+                                  True, CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                  INPUT_PRECISION)
+
+    # epilogue: rows that saw no key have l_i == 0: output 0, LSE -inf (log2(0))
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse2 = m_i + tl.math.log2(l_i)
+    row = (off_z * (KV_HEADS * GROUP) + off_h) * Q_LEN + query  # index of (z, h, query) in Lse
+    if FINAL:
+        tl.store(Lse + row, lse2 * LN2, mask=m_ok)
+        o_ptrs = (Out + off_z * stride_oz + off_h[:, None] * stride_oh
+                  + query[:, None] * stride_om + offs_d[None, :] * stride_od)
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    else:
+        part = row * NUM_SPLITS + split  # partials: [batch, heads, q_len, NUM_SPLITS, HEAD_DIM]
+        tl.store(LsePart + part, lse2, mask=m_ok)
+        tl.store(OutPart + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_merge(OutPart, LsePart, Out, Lse,  #
+                  stride_oz, stride_oh, stride_om, stride_od,  #
+                  HEADS, Q_LEN, NUM_SPLITS,  #
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  MERGE_TILE: tl.constexpr):
+    # One program per output row (batch, head, query): the LSE-weighted mean of its partials.
+    row = tl.program_id(0).to(tl.int64)
+    off_z = row // (HEADS * Q_LEN)
+    off_h = row // Q_LEN % HEADS
+    query = row % Q_LEN
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(LsePart + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS,
+                    other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
+    total = tl.sum(tl.math.exp2(lse_s - m_sub), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # Partials in tiles of MERGE_TILE splits: a [BLOCK_S, BLOCK_D] tile would not fit registers.
+    for s0 in tl.range(0, NUM_SPLITS, MERGE_TILE):
+        offs_t = s0 + tl.arange(0, MERGE_TILE)
+        t_ok = offs_t < NUM_SPLITS
+        w = tl.math.exp2(tl.load(LsePart + row * NUM_SPLITS + offs_t, mask=t_ok,
+                                 other=float("-inf")) - m_sub)
+        o = tl.load(OutPart + (row * NUM_SPLITS + offs_t)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+    acc = acc / tl.where(total == 0.0, 1.0, total)
+    tl.store(Lse + row, (m + tl.math.log2(total)) * LN2)
+    tl.store(Out + off_z * stride_oz + off_h * stride_oh + query * stride_om + offs_d * stride_od,
+             acc.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def is_interpreted():
+    """True when these kernels were defined under TRITON_INTERPRET=1 (they run on CPU tensors)."""
+    return not isinstance(_decode_split, triton.runtime.JITFunction)
+
+
+def config_for(head_dim, rows, dtype):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) for head_dim, q_len * GROUP rows and
+    dtype. 16-bit inputs: BLOCK_M the rows padded to the 16-row minimum of tl.dot, at most 64
+    (more rows take more row blocks); 64-key K/V tiles (32 at head_dim 256), num_stages 3 so two
+    tile pairs load while one is used; 8 warps for a 64 x 256 accumulator (at 4, 255 registers
+    and a spill on sm_90). fp32 (IEEE dots on CUDA cores, register-hungry): 16-row blocks,
+    16-key tiles at head_dim 256, 8 warps, 2 stages; the largest that compile without spills for
+    sm_90 with Triton 3.6 (benchmarks/sass_offline.py-style compiles). In the interpreter, small
+    tiles so CPU tests cross several tiles, row blocks and a masked diagonal."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    if is_interpreted():
+        return 16, 16, block_d, 4, 1
+    if dtype.itemsize == 4:
+        return 16, 64 if block_d <= 128 else 16, block_d, 8, 2
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    block_n = 64 if block_d <= 128 else 32
+    return block_m, block_n, block_d, 8 if block_m * block_d > 64 * 128 else 4, 3
+
+
+def slots(device, block_m, block_n, block_d, dtype, num_stages):
+    """Programs the GPU runs at once: SMs x programs per SM, the latter bounded by the shared
+    memory a program takes (and MAX_RESIDENT): num_stages - 1 K/V tile pairs in flight (the
+    pipeliner's buffers) and room for the Q tile twice; an upper bound of what Triton 3.6
+    allocates for sm_90 (70 KB at head_dim 128 bf16: 3 programs an SM). The interpreter has no
+    SMs: 4 makes the rule split CPU tests' short caches too."""
+    if device.type != "cuda":
+        return 4
+    props = torch.cuda.get_device_properties(device)
+    smem = ((num_stages - 1) * 2 * block_n + 2 * block_m) * block_d * dtype.itemsize
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)  # sm_90's if unknown
+    return props.multi_processor_count * max(1, min(MAX_RESIDENT, per_sm // smem))
+
+
+@functools.lru_cache(maxsize=1024)
+def num_splits_for(groups, kv_len, block_n, slots):
+    """Splits of each of `groups` (batch, kv head, row block)'s kv_len keys that minimise the
+    launch's time in tiles, ceil(groups * splits / slots) waves x (tiles a split +
+    PROGRAM_COST_TILES), the fewest splits on a tie; chunks of at least MIN_SPLIT_BLOCKS tiles of
+    block_n keys, at most MAX_SPLITS. E.g. on 132 SMs x 3 (head_dim 128, bf16, 3 stages):
+    64 seqs x 8 kv heads, 8192 keys -> 3 (1536 programs, 3.9 waves); 8 x 8, 32768 keys -> 6
+    (384 programs, one wave); 1 x 8, 131072 keys -> 49."""
+    tiles = -(-kv_len // block_n)
+    most = max(1, min(tiles // MIN_SPLIT_BLOCKS, MAX_SPLITS))
+
+    def cost(splits):
+        return -(-groups * splits // slots) * (-(-tiles // splits) + PROGRAM_COST_TILES)
+    return min(range(1, most + 1), key=cost)  # min keeps the first (fewest splits) of ties
+
+
+def _empty(shape, dtype, device):
+    # Scratch for the partials: tests replace it with a NaN fill to prove every partial is written.
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_table=None,
+                     num_splits=None, config=None):
+    """Launch split-KV decode attention.
+
+    q, out: [batch, heads, q_len, head_dim] views with any strides; lse: contiguous fp32
+    [batch, heads, q_len] (natural log). K/V, any strides, either
+      contiguous (block_table None): [batch, kv_heads, kv_len, head_dim], or
+      paged: [num_blocks, page_size, kv_heads, head_dim] with block_table int32 [batch, max_blocks].
+    seqlens: int32 [batch], each sequence's key count (None: every sequence has kv_len keys; a
+    paged cache then holds max_blocks * page_size). causal: bottom-right aligned. num_splits:
+    None for `num_splits_for`'s rule, else that many (clamped to 1..MAX_SPLITS and to one tile a
+    split). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `config_for`'s (the lab's
+    sweeps; BLOCK_M, BLOCK_N powers of two >= 16). Call with q's device current. Returns the
+    number of splits launched.
+    """
+    batch, heads, q_len, head_dim = q.shape
+    paged = block_table is not None
+    kv_heads = k.shape[2] if paged else k.shape[1]
+    page_size = k.shape[1] if paged else 1
+    kv_len = block_table.shape[1] * page_size if paged else k.shape[2]  # keys a sequence may hold
+    group = heads // kv_heads
+    block_m, block_n, block_d, num_warps, num_stages = config_for(head_dim, q_len * group,
+                                                                  q.dtype)
+    if config is not None:
+        block_m, block_n, num_warps, num_stages = config
+    row_blocks = -(-q_len * group // block_m)
+    programs = batch * kv_heads * row_blocks
+    tiles = max(1, -(-kv_len // block_n))
+    if num_splits is None:
+        num_splits = num_splits_for(programs, kv_len, block_n,
+                                    slots(q.device, block_m, block_n, block_d, q.dtype,
+                                          num_stages))
+    num_splits = max(1, min(num_splits, MAX_SPLITS, tiles))
+    chunk = -(-tiles // num_splits) * block_n
+    num_splits = -(-max(kv_len, 1) // chunk)  # no split left without keys by rounding
+    final = num_splits == 1
+    if final:
+        out_part, lse_part = out, lse  # unused: the split kernel writes out and lse itself
+    else:
+        out_part = _empty((batch, heads, q_len, num_splits, head_dim), torch.float32, q.device)
+        lse_part = _empty((batch, heads, q_len, num_splits), torch.float32, q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 unused on 16-bit inputs
+    seqlens_arg = seqlens if seqlens is not None else lse  # unused when not VARLEN
+    table_arg = block_table if paged else lse  # unused when not PAGED
+    if paged:  # [num_blocks, page_size, kv_heads, d]: block, head, row, column strides
+        k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
+        v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+    else:
+        k_strides, v_strides = k.stride(), v.stride()
+    _decode_split[(num_splits, batch * kv_heads, row_blocks)](
+        q, k, v, out, lse, out_part, lse_part, seqlens_arg, table_arg,  #
+        *q.stride(), *k_strides, *v_strides, *out.stride(),  #
+        block_table.stride(0) if paged else 0,  #
+        kv_heads, group, q_len, kv_len, chunk, num_splits, scale * LOG2E,  #
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        PAGED=paged, PAGE_SIZE=page_size, VARLEN=seqlens is not None, FINAL=final,
+        INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+    if not final:
+        block_s = max(MERGE_TILE, triton.next_power_of_2(num_splits))
+        _decode_merge[(batch * heads * q_len,)](
+            out_part, lse_part, out, lse, *out.stride(), heads, q_len, num_splits,  #
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, MERGE_TILE=MERGE_TILE,
+            num_warps=4 if block_d <= 128 else 8)
+    return num_splits

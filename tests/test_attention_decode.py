@@ -1,0 +1,329 @@
+"""Split-KV decode attention (fused_attention_with_kvcache, and the fused op's decode route)
+against the float64 reference.
+
+Tolerance rule (as test_fused_attention.py and FlashAttention's tests): the kernel's max abs error
+against float64 must be at most twice the error of PyTorch's own attention computed in the same
+dtype, plus a small absolute floor; LSEs within a relative tolerance. Outputs and the kernel's
+partial-result scratch are poisoned with NaN before the kernels run, so an element left unwritten
+fails. The reference for a cache gathers each sequence's first cache_seqlens keys (through the
+block table when paged) and runs attention_reference with bottom-right alignment.
+
+CPU runs go through the Triton interpreter (fp32, fp16) with 16 x 16 tiles, so small caches
+cross several tiles, row blocks and splits; the `cuda` tests run bf16/fp16 at serving sizes,
+including issue 20's two decode shapes.
+"""
+
+import math
+
+import pytest
+import torch
+
+import attnscope
+from attnscope import fused_attention, fused_attention_with_kvcache
+from attnscope.attention import fused
+from attnscope.attention.reference import attention_reference
+from attnscope.kernels import attention_decode as kernels
+
+# (dtype, absolute error floor, LSE relative tolerance) and the NaN fill of the op's outputs
+from test_fused_attention import CPU_DTYPES, GPU_DTYPES, nan_outputs  # noqa: F401
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def nan_scratch(monkeypatch):
+    """The kernel's partial results start as NaN too: the merge must read only written ones."""
+    monkeypatch.setattr(kernels, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    """Call splits(n) to make the launch's split rule answer n (the launch still clamps it)."""
+    def force(n):
+        monkeypatch.setattr(kernels, "num_splits_for", lambda *args: n)
+    return force
+
+
+def randn(*shape, dtype, device=CPU, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, dtype=dtype, device=device, generator=g)
+
+
+def make_cache(batch, q_len, heads, kv_heads, capacity, head_dim, dtype, device=CPU, seed=0):
+    """q [batch, q_len, heads, d] and a contiguous cache [batch, capacity, kv_heads, d] each."""
+    q = randn(batch, q_len, heads, head_dim, dtype=dtype, device=device, seed=seed)
+    k = randn(batch, capacity, kv_heads, head_dim, dtype=dtype, device=device, seed=seed + 1)
+    v = randn(batch, capacity, kv_heads, head_dim, dtype=dtype, device=device, seed=seed + 2)
+    return q, k, v
+
+
+def page(k, v, page_size, seed=0):
+    """The same caches as a shuffled block pool [num_blocks, page_size, kv_heads, d] and the
+    int32 block table that finds each sequence's keys in it (plus unused blocks, so a wrong
+    index reads other data)."""
+    batch, capacity, kv_heads, d = k.shape
+    per_seq = -(-capacity // page_size)
+    pad = per_seq * page_size - capacity
+    k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (k, v))
+    num_blocks = batch * per_seq + 3
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_blocks, generator=g)[:batch * per_seq]
+    pools = []
+    for t in (k, v):
+        pool = randn(num_blocks, page_size, kv_heads, d, dtype=t.dtype, device=t.device,
+                     seed=seed + 7)
+        pool[order] = t.reshape(batch * per_seq, page_size, kv_heads, d)
+        pools.append(pool)
+    table = order.reshape(batch, per_seq).to(torch.int32).to(k.device)
+    return pools[0], pools[1], table
+
+
+def reference(q, k, v, seqlens, causal, scale=None, dtype=torch.float64):
+    """Per sequence, attention_reference over its first seqlens[b] keys of a contiguous cache:
+    out [batch, q_len, heads, d] in `dtype`, LSE [batch, heads, q_len] in float64."""
+    outs, lses = [], []
+    for b, n in enumerate(seqlens):
+        qb, kb, vb = q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n]
+        if n == 0:  # no key: zeros and -inf by the op's contract
+            outs.append(torch.zeros(qb.shape, dtype=dtype, device=q.device))
+            lses.append(torch.full((1, q.shape[2], q.shape[1]), float("-inf"), dtype=torch.float64,
+                                   device=q.device))
+            continue
+        out, lse = attention_reference(qb, kb, vb, causal=causal, scale=scale, layout="bshd",
+                                       causal_alignment="bottom_right", return_lse=True,
+                                       dtype=dtype)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def assert_close(out, lse, q, k, v, seqlens, floor, lse_tol, causal=True, scale=None):
+    """The tolerance rule on out and LSE; k, v: the contiguous caches the call read."""
+    ref, ref_lse = reference(q, k, v, seqlens, causal, scale)
+    low, _ = reference(q, k, v, seqlens, causal, scale, dtype=q.dtype)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any(), "NaN: unwritten element or 0/0"
+    err = (out.double() - ref).abs().max().item()
+    torch_err = (low.double() - ref).abs().max().item()
+    assert err <= 2 * torch_err + floor, f"error {err:.3g} > 2 x torch's {torch_err:.3g} + {floor}"
+    masked = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), masked), "LSE -inf exactly on rows that see no key"
+    if (~masked).any():
+        lse_err = (lse.double() - ref_lse)[~masked].abs().max().item()
+        assert lse_err <= lse_tol * max(1.0, ref_lse[~masked].abs().max().item())
+    rows_without_key = masked.transpose(1, 2)  # [batch, q_len, heads]
+    assert (out[rows_without_key] == 0).all(), "rows that see no key are zeros"
+
+
+# ---- CPU (Triton interpreter) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("batch,q_len,heads,kv_heads,kv_len,head_dim", [
+    (2, 1, 4, 4, 1, 16),      # one key: a single masked tile; GQA 1
+    (2, 3, 8, 2, 17, 40),     # GQA 4, q_len 3 (12 rows); ragged keys; head_dim 40 pads to 64
+    (1, 8, 4, 1, 1000, 96),   # MQA, q_len 8: 32 rows = 2 row blocks; many tiles and splits
+    (2, 1, 2, 2, 77, 256),    # the widest head_dim
+])
+def test_contiguous_cache(batch, q_len, heads, kv_heads, kv_len, head_dim, dtype, floor,
+                          lse_tol):
+    q, k, v = make_cache(batch, q_len, heads, kv_heads, kv_len, head_dim, dtype)
+    out, lse = fused_attention_with_kvcache(q, k, v, kv_len, return_lse=True)
+    assert_close(out, lse, q, k, v, [kv_len] * batch, floor, lse_tol)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 300])
+def test_any_split_count_gives_the_same_attention(num_splits, splits):
+    # 100 keys are 7 tiles of 16: 3 splits do not divide them, and 300 is clamped to 7 (one
+    # tile a split). q_len 3 puts the causal diagonal inside the last split.
+    splits(num_splits)
+    q, k, v = make_cache(2, 3, 4, 2, 100, 32, torch.float32)
+    out, lse = fused_attention_with_kvcache(q, k, v, 100, return_lse=True)
+    assert_close(out, lse, q, k, v, [100, 100], 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+def test_non_causal(dtype, floor, lse_tol, splits):
+    splits(3)
+    q, k, v = make_cache(2, 5, 4, 1, 70, 64, dtype)
+    out, lse = fused_attention_with_kvcache(q, k, v, 70, causal=False, return_lse=True)
+    assert_close(out, lse, q, k, v, [70, 70], floor, lse_tol, causal=False)
+
+
+def test_more_queries_than_keys_leaves_rows_without_keys():
+    # Bottom-right with q_len 8 and 3 keys: queries 0-4 see nothing (zeros, LSE -inf).
+    q, k, v = make_cache(1, 8, 2, 1, 3, 16, torch.float32)
+    out, lse = fused_attention_with_kvcache(q, k, v, 3, return_lse=True)
+    assert_close(out, lse, q, k, v, [3], 1e-5, 1e-5)
+    assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+def test_sequences_of_different_lengths(dtype, floor, lse_tol, splits):
+    # Empty, one key, ragged, full: with 4 splits of 32 keys the short sequences' later splits
+    # see no key at all, and the merge must weight their partials 0.
+    splits(4)
+    q, k, v = make_cache(4, 2, 4, 2, 100, 48, dtype)
+    seqlens = torch.tensor([0, 1, 17, 100], dtype=torch.int32)
+    out, lse = fused_attention_with_kvcache(q, k, v, seqlens, return_lse=True)
+    assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("page_size,q_len", [
+    (16, 1),  # vLLM's page size, one query: a page is one K/V tile
+    (5, 4),   # pages smaller than a tile and not a power of two; 4 queries x GQA 4
+])
+def test_paged_cache(page_size, q_len, dtype, floor, lse_tol, splits):
+    splits(3)
+    q, k, v = make_cache(4, q_len, 8, 2, 64, 32, dtype, seed=3)
+    seqlens = torch.tensor([37, 0, 64, 5], dtype=torch.int32)
+    k_pool, v_pool, table = page(k, v, page_size, seed=4)
+    out, lse = fused_attention_with_kvcache(q, k_pool, v_pool, seqlens, block_table=table,
+                                            return_lse=True)
+    assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol)
+
+
+def test_empty_cache_gives_zeros_and_neg_inf():
+    q, k, v = make_cache(2, 3, 4, 2, 16, 32, torch.float32)
+    out, lse = fused_attention_with_kvcache(q, k, v, 0, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_paged_cache_with_one_length_for_all():
+    q, k, v = make_cache(2, 1, 4, 4, 40, 16, torch.float16, seed=5)
+    k_pool, v_pool, table = page(k, v, 8, seed=6)
+    out, lse = fused_attention_with_kvcache(q, k_pool, v_pool, 33, block_table=table,
+                                            return_lse=True)
+    assert_close(out, lse, q, k, v, [33, 33], 1e-3, 1e-3)
+
+
+def test_strided_inputs_and_custom_scale():
+    # q: a head_dim slice of a wider tensor; the caches: every other entry of a larger batch.
+    q = randn(2, 2, 4, 96, dtype=torch.float32, seed=8)[..., 16:80]
+    k = randn(4, 50, 2, 64, dtype=torch.float32, seed=9)[::2]
+    v = randn(4, 50, 2, 64, dtype=torch.float32, seed=10)[::2]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    out, lse = fused_attention_with_kvcache(q, k, v, 50, scale=0.3, return_lse=True)
+    assert_close(out, lse, q, k, v, [50, 50], 1e-5, 1e-5, scale=0.3)
+
+
+def test_returns_output_only_by_default():
+    q, k, v = make_cache(1, 1, 2, 2, 9, 16, torch.float32)
+    out = fused_attention_with_kvcache(q, k, v, 9)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    assert attnscope.fused_attention_with_kvcache is fused_attention_with_kvcache
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(q=torch.zeros(1, 2, 16)), ValueError, "q must be 4-D"),
+    (dict(k_cache=torch.zeros(1, 8, 2, 16, dtype=torch.float16)), TypeError, "share one dtype"),
+    (dict(q=torch.zeros(1, 1, 3, 16)), ValueError, "multiple of the caches' kv_heads"),
+    (dict(k_cache=torch.zeros(2, 8, 2, 16), v_cache=torch.zeros(2, 8, 2, 16)), ValueError,
+     "must have q's batch 1"),
+    (dict(cache_seqlens=9), ValueError, "between 0 and the cache's capacity 8"),
+    (dict(cache_seqlens=torch.tensor([3])), ValueError, "cache_seqlens must be int32"),
+    (dict(block_table=torch.zeros(1, 2)), ValueError, "block_table must be int32"),
+    (dict(scale=float("nan")), TypeError, "scale must be a finite float"),
+    (dict(q=torch.zeros(1, 1, 4, 16, requires_grad=True)), ValueError, "forward only"),
+])
+def test_bad_input_says_what_it_got(change, error, match):
+    args = dict(q=torch.zeros(1, 1, 4, 16), k_cache=torch.zeros(1, 8, 2, 16),
+                v_cache=torch.zeros(1, 8, 2, 16), cache_seqlens=8, block_table=None, scale=None)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        fused_attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
+                                     args.pop("cache_seqlens"), **args)
+
+
+def test_split_rule_fills_the_gpu_without_tiny_chunks():
+    # 396 slots: 132 SMs (H200) x 3 programs of 3-stage 64 x 128 bf16 K/V tiles (70 KB each).
+    assert kernels.num_splits_for(64 * 8, 8192, 64, 396) == 3  # 1536 programs: 3.9 waves
+    assert kernels.num_splits_for(8 * 8, 32768, 64, 396) == 6  # 384 programs: one wave
+    assert kernels.num_splits_for(1 * 8, 131072, 64, 396) == 49  # 392 programs
+    assert kernels.num_splits_for(1, 1 << 20, 64, 396) == kernels.MAX_SPLITS
+    assert kernels.num_splits_for(1, 100, 64, 396) == 1  # 2 tiles: too short to split
+    # 300 groups do not fill two waves: 5 splits make 1500 programs, 3.8 waves.
+    assert kernels.num_splits_for(300, 8192, 64, 396) == 5
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+def _bhsd(t):
+    return t.transpose(1, 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("batch,heads,kv_heads,kv_len", [
+    (64, 32, 8, 8192),   # issue 20's first decode shape
+    (8, 32, 8, 32768),   # issue 20's second: long caches, many splits
+    (3, 16, 16, 1000),   # MHA, a cache length no tile size divides
+])
+@pytest.mark.parametrize("q_len", [1, 3, 8])
+def test_gpu_decode_through_the_op(batch, heads, kv_heads, kv_len, q_len, dtype, floor, lse_tol,
+                                   monkeypatch):
+    # fused_attention at q_len <= MAX_Q_LEN, bottom-right, inference: routed to the decode kernel.
+    launches = []
+    launch = kernels.attention_decode
+    monkeypatch.setattr(kernels, "attention_decode",
+                        lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    q, k, v = make_cache(batch, q_len, heads, kv_heads, kv_len, 128, dtype, "cuda", seed=11)
+    out, lse = fused_attention(_bhsd(q), _bhsd(k), _bhsd(v), causal_alignment="bottom_right",
+                               return_lse=True)
+    assert launches == [1], "short bottom-right inference calls take the decode kernel"
+    assert_close(_bhsd(out), lse, q, k, v, [kv_len] * batch, floor, lse_tol)
+
+
+@pytest.mark.cuda
+def test_gpu_training_and_top_left_calls_keep_the_prefill_kernel(monkeypatch):
+    monkeypatch.setattr(kernels, "attention_decode", lambda *a, **kw: pytest.fail("decode ran"))
+    q, k, v = (_bhsd(t) for t in make_cache(2, 1, 8, 2, 300, 64, torch.bfloat16, "cuda"))
+    fused_attention(q, k, v, causal_alignment="top_left")
+    q.requires_grad_(True)
+    fused_attention(q, k, v, causal_alignment="bottom_right").sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_paged_cache(page_size, head_dim, dtype, floor, lse_tol):
+    batch, capacity = 16, 4096
+    q, k, v = make_cache(batch, 2, 32, 8, capacity, head_dim, dtype, "cuda", seed=12)
+    g = torch.Generator().manual_seed(13)
+    seqlens = torch.randint(0, capacity + 1, (batch,), generator=g, dtype=torch.int32)
+    seqlens[0], seqlens[1] = 0, capacity  # an empty sequence and a full one
+    k_pool, v_pool, table = page(k, v, page_size, seed=14)
+    out, lse = fused_attention_with_kvcache(q, k_pool, v_pool, seqlens.cuda(), block_table=table,
+                                            return_lse=True)
+    assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [40, 96, 256])
+def test_gpu_fp32_and_odd_head_dims(head_dim):
+    # fp32 takes IEEE dots (tf32 would miss 1e-5 by two orders) and 2-stage pipelining.
+    q, k, v = make_cache(4, 4, 8, 2, 3000, head_dim, torch.float32, "cuda", seed=15)
+    out, lse = fused_attention_with_kvcache(q, k, v, 3000, return_lse=True)
+    assert_close(out, lse, q, k, v, [3000] * 4, 1e-5, 1e-5)
+
+
+@pytest.mark.cuda
+def test_gpu_merge_matches_one_split_on_the_lse():
+    # Splitting must not change the math beyond rounding: LSE of 1 vs 64 splits.
+    q, k, v = make_cache(2, 1, 8, 8, 16384, 128, torch.bfloat16, "cuda", seed=16)
+    results = []
+    for n in (1, 64):
+        out = torch.empty_like(_bhsd(q))
+        lse = torch.empty(2, 8, 1, dtype=torch.float32, device="cuda")
+        assert kernels.attention_decode(_bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=True,
+                                        scale=1 / math.sqrt(128), num_splits=n) == n
+        results.append((out.float(), lse))
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=0)
+    # Outputs are means over 16384 random values, |out| < ~0.15: 2e-3 is a few bf16 ulps there
+    # (fp16 in the interpreter, 2048 keys, 1 vs 16 splits: 6e-5), while a wrongly weighted merge
+    # is off by the size of the output itself.
+    torch.testing.assert_close(results[0][0], results[1][0], atol=2e-3, rtol=0)
