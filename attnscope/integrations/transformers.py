@@ -53,13 +53,9 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from attnscope.attention.fused import fused_attention
+from attnscope.attention.fused import DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, fused_attention
 
 NAME = "attnscope"
-
-# The op's limits (attnscope.fused_attention's docstring); outside them a call falls back.
-_HEAD_DIMS = range(16, 257)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Why a call cannot take the op: reason -> what the warning says.
 REASONS = {
@@ -72,7 +68,8 @@ REASONS = {
     "dropout": "attention dropout is on",
     "position_bias": "the model adds a position bias to the scores",
     "attention_sinks": "the model uses attention sinks",
-    "head_dim": "the head dims are outside the op's range (q, k, v equal, 16..256)",
+    "head_dim": f"the head dims are outside the op's range (q, k, v equal, {MIN_HEAD_DIM}.."
+                f"{MAX_HEAD_DIM})",
     "dtype_device": "the dtype or device is not one the op runs (fp16/bf16/fp32 on CUDA; "
                     "fp16/fp32 on CPU)",
 }
@@ -162,10 +159,10 @@ def _call_reason(query, key, value, attention_mask, dropout, kwargs):
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         return "attention_sinks"
     dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
-    if len(dims) != 1 or dims.pop() not in _HEAD_DIMS:
+    if len(dims) != 1 or not MIN_HEAD_DIM <= dims.pop() <= MAX_HEAD_DIM:
         return "head_dim"
     device = query.device.type
-    if (query.dtype not in _DTYPES or device not in ("cuda", "cpu")
+    if (query.dtype not in DTYPES or device not in ("cuda", "cpu")
             or (device == "cpu" and query.dtype == torch.bfloat16)):
         return "dtype_device"
     return None
