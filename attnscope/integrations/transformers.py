@@ -136,6 +136,7 @@ def create_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                           attention_mask, local_size, allow_is_causal_skip)
     if reason is None:
         return None
+    # Both skips off: SDPA must get the mask itself, since a None would read as plain causal.
     kwargs.pop("allow_is_bidirectional_skip", None)
     mask = sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
                      mask_function=mask_function, attention_mask=attention_mask,
