@@ -289,7 +289,7 @@ def test_attention_function_refuses_softcap_and_falls_back_on_dropout():
     assert out.shape == (1, 4, 2, 32) and hf.fallbacks == {"dropout": 1}
 
 
-# ---- GPU: bfloat16 at a small realistic size ------------------------------------------------------
+# ---- GPU: bfloat16 at a small realistic size ----------------------------------------------------
 
 # Llama-like proportions at 4 layers: head_dim 128 (the Hopper kernel's), 16 q heads on 4 k/v heads
 # (initializer_range stays TINY's 0.1: peaked attention, so a wrong mask moves logits by O(1)).
