@@ -12,7 +12,7 @@ import torch
 
 from attnscope.attention import registry
 from attnscope.attention.reference import attention_reference
-from attnscope.profile import bench
+from attnscope.profile import bench, metrics, sweeps
 from attnscope.profile.flops import attention_flops
 
 
@@ -27,8 +27,10 @@ def _eager(q, k, v, causal=True):
     return lambda: attention_reference(q, k, v, causal=causal, dtype=q.dtype)
 
 
-def _impl(name, prepare, available=lambda device: (True, "runs")):
-    return registry.Implementation(name, f"fake {name}", "", available, prepare)
+def _impl(name, prepare, available=lambda device: (True, "runs"), gqa=True):
+    # "fused" stands for ours (the ratio's subject); every fake takes GQA inputs unless told not.
+    return registry.Implementation(name, f"fake {name}", "", available, prepare,
+                                   ours=name == "fused", gqa=gqa)
 
 
 def _no_gqa(q, k, v):
@@ -80,27 +82,27 @@ FAST = ("--device", "cpu", "--warmup-ms", "1", "--rep-ms", "5")
 # --- sweeps ---
 
 def test_default_sweep_is_the_issues():
-    shapes = [(c.batch, c.heads, c.seq, c.head_dim, c.kv_heads) for c in bench.SWEEPS["default"]]
+    shapes = [(c.batch, c.heads, c.seq, c.head_dim, c.kv_heads) for c in sweeps.SWEEPS["default"]]
     assert shapes[:6] == [(16, 16, 512, 64, 16), (8, 16, 1024, 64, 16), (4, 32, 4096, 64, 32),
                           (4, 32, 4096, 128, 32), (2, 16, 16384, 128, 16), (8, 16, 1024, 128, 16)]
-    gqa = [c for c in bench.SWEEPS["default"] if c.kv_heads != c.heads]
+    gqa = [c for c in sweeps.SWEEPS["default"] if c.kv_heads != c.heads]
     assert len(gqa) == 1 and gqa[0].heads % gqa[0].kv_heads == 0
-    assert [c.shape for c in bench.SWEEPS["seed"]] == [[8, 16, 1024, 64]]
+    assert [c.shape for c in sweeps.SWEEPS["seed"]] == [[8, 16, 1024, 64]]
 
 
 def test_cpu_sweep_is_small():
-    for c in bench.SWEEPS["cpu"]:
+    for c in sweeps.SWEEPS["cpu"]:
         assert c.batch * c.heads * c.seq * c.seq <= 2**18  # eager scores stay tiny on 2 cores
         assert c.heads % c.kv_heads == 0
 
 
 def test_kv_heads_override_replaces_every_shape_and_checks_divisibility():
-    cases = bench.resolve_sweep("default", 1)
+    cases = sweeps.resolve_sweep("default", 1)
     assert {c.kv_heads for c in cases} == {1}
     # the two (4,32,4096,128) shapes differ only in kv_heads, so the override merges them
-    assert len(cases) == len(bench.SWEEPS["default"]) - 1
+    assert len(cases) == len(sweeps.SWEEPS["default"]) - 1
     with pytest.raises(ValueError, match="must divide"):
-        bench.resolve_sweep("default", 3)
+        sweeps.resolve_sweep("default", 3)
 
 
 def test_input_sets_exceed_l2():
@@ -114,11 +116,12 @@ def test_input_sets_exceed_l2():
 
 def test_memory_skip_only_score_materializers_at_long_sequences():
     free = 140 * 2**30  # an H200
-    long, short = bench._case(2, 16, 16384, 128), bench._case(4, 32, 4096, 128)
-    assert "GiB" in bench.score_memory_skip("naive", long, free)
-    assert bench.score_memory_skip("sdpa_math", short, free) is None
-    assert bench.score_memory_skip("sdpa_cudnn", long, free) is None
-    assert bench.score_memory_skip("naive", long, None) is None
+    long, short = sweeps.case(2, 16, 16384, 128), sweeps.case(4, 32, 4096, 128)
+    naive, math_, cudnn = map(registry.get, ("naive", "sdpa_math", "sdpa_cudnn"))
+    assert "GiB" in bench.score_memory_skip(naive, long, free)
+    assert bench.score_memory_skip(math_, short, free) is None
+    assert bench.score_memory_skip(cudnn, long, free) is None
+    assert bench.score_memory_skip(naive, long, None) is None
 
 
 # --- ratio ---
@@ -152,15 +155,15 @@ def test_geomean_over_shapes():
 # --- reference ---
 
 @pytest.mark.parametrize("budget, rows, chunk", [
-    (3 * 40 * bench.REF_BYTES_PER_SCORE, 3, 1),  # one head is over budget: its last 3 rows
-    (3 * 40 * 40 * bench.REF_BYTES_PER_SCORE, 40, 3),  # 3 whole heads at a time, 8 = 3+3+2
+    (3 * 40 * metrics.REF_BYTES_PER_SCORE, 3, 1),  # one head is over budget: its last 3 rows
+    (3 * 40 * 40 * metrics.REF_BYTES_PER_SCORE, 40, 3),  # 3 whole heads at a time, 8 = 3+3+2
 ])
 def test_reference_slices_and_chunks_exactly(budget, rows, chunk):
     torch.manual_seed(0)
     # GQA (4 query heads on 2 K/V heads) so the K/V head of every flattened query head is checked
     q = torch.randn(2, 4, 40, 16)
     k, v = torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
-    ref, region = bench.reference_output(q, k, v, causal=True, budget_bytes=budget)
+    ref, region = metrics.reference_output(q, k, v, causal=True, budget_bytes=budget)
     assert region == {"batch_heads": 8, "query_rows": [40 - rows, 40], "chunk_batch_heads": chunk}
     full = attention_reference(q, k, v, causal=True)
     torch.testing.assert_close(ref, full[:, :, 40 - rows:], rtol=0, atol=1e-12)
@@ -176,7 +179,7 @@ def test_cpu_run_writes_rows_with_the_schema(fakes, tmp_path, capsys):
     assert doc["sweep"] == "cpu" and doc["complete"] is True
     assert "CPU wall time" in doc["timing"]["timer"]
     rows = doc["rows"]
-    assert len(rows) == len(bench.SWEEPS["cpu"]) * len(fakes)
+    assert len(rows) == len(sweeps.SWEEPS["cpu"]) * len(fakes)
     by = {(r["impl"], r["kv_heads"] != r["shape"][1]): r for r in rows}
     for gqa in (False, True):
         fused, slow = by["fused", gqa], by["peer_slow", gqa]
@@ -217,16 +220,18 @@ def test_no_causal_needs_a_causal_argument(fakes, tmp_path):
     assert fused["causal"] is False and 0 < fused["error"] < 0.05  # compared with full attention
 
 
-def test_gqa_failure_is_unsupported_for_peers_and_failed_for_ours(fakes, tmp_path):
+def test_gqa_is_unsupported_without_the_field_and_a_failure_where_claimed(fakes, tmp_path):
+    # The registry's gqa field decides, not the name: an entry that claims GQA and breaks on it
+    # failed; one that does not claim it is never called with GQA inputs.
     fakes["fused"] = _impl("fused", _broadcasting)
-    fakes["peer_broadcast"] = _impl("peer_broadcast", _broadcasting)
+    fakes["peer_broadcast"] = _impl("peer_broadcast", _broadcasting, gqa=False)
     out = tmp_path / "b.json"
     args = _parse("--sweep", "cpu", "--impl", "peer_broadcast", "fused", "--json", str(out), *FAST)
     assert bench.run(args) == 0
     gqa = [r for r in json.loads(out.read_text())["rows"] if r["kv_heads"] != r["shape"][1]]
     assert [(r["impl"], r["status"]) for r in gqa] == [("peer_broadcast", "unsupported"),
                                                        ("fused", "failed")]
-    assert all("RuntimeError" in r["reason"] for r in gqa)
+    assert "gqa field" in gqa[0]["reason"] and "RuntimeError" in gqa[1]["reason"]
 
 
 @pytest.mark.parametrize("argv, names", [
@@ -321,7 +326,7 @@ def test_backward_modes_time_the_pass_they_name(fakes, tmp_path, mode):
     assert doc["mode"] == mode and "autograd.grad" in doc["timed"]
     rows = {(r["impl"], tuple(r["shape"])): r for r in doc["rows"]}
     sleep_ms = SLEEP_S * 1e3
-    for case in bench.SWEEPS["cpu"]:
+    for case in sweeps.SWEEPS["cpu"]:
         shape = tuple(case.shape)
         slow_fwd, slow_bwd, fused = (rows[name, shape] for name in ("peer_slow_fwd",
                                                                      "peer_slow_bwd", "fused"))
@@ -339,12 +344,12 @@ def test_backward_modes_time_the_pass_they_name(fakes, tmp_path, mode):
         no_graph = rows["peer_no_graph", shape]
         assert no_graph["status"] == "unsupported" and "autograd graph" in no_graph["reason"]
     # every timed call ran a backward: first call, warm-up and >= MIN_CPU_REPEATS per shape
-    assert _SlowBackward.calls >= len(bench.SWEEPS["cpu"]) * (bench.MIN_CPU_REPEATS + 2)
+    assert _SlowBackward.calls >= len(sweeps.SWEEPS["cpu"]) * (bench.MIN_CPU_REPEATS + 2)
 
 
 def test_backward_gradients_are_the_references():
     # What "bwd" times returns the gradients of the prepared forward on its own inputs.
-    q, k, v = bench._with_grad(bench._make_inputs(bench._case(1, 2, 16, 16), torch.float32,
+    q, k, v = bench._with_grad(bench._make_inputs(sweeps.case(1, 2, 16, 16), torch.float32,
                                                   torch.device("cpu"), 0))
     forward = _eager(q, k, v)
     out = forward()
@@ -359,10 +364,11 @@ def test_backward_gradients_are_the_references():
 
 
 def test_backward_modes_budget_more_score_memory():
-    case, free = bench._case(4, 32, 4096, 128), 64 * 2**30
-    assert bench.score_memory_skip("naive", case, free, "fwd") is None
-    assert "6 fp32 copies" in bench.score_memory_skip("naive", case, free, "bwd")
-    assert bench.score_memory_skip("sdpa_flash", case, free, "bwd") is None
+    case, free = sweeps.case(4, 32, 4096, 128), 64 * 2**30
+    naive, flash = registry.get("naive"), registry.get("sdpa_flash")
+    assert bench.score_memory_skip(naive, case, free, "fwd") is None
+    assert "6 fp32 copies" in bench.score_memory_skip(naive, case, free, "bwd")
+    assert bench.score_memory_skip(flash, case, free, "bwd") is None
 
 
 def test_unknown_mode_is_refused():
@@ -381,3 +387,48 @@ def test_real_entries_on_cpu(tmp_path, causal):
     assert {r["dtype"] for r in rows} == {"fp32"}
     assert all(r["status"] == "ok" and r["causal"] is causal for r in rows)
     assert all(r["error"] < 1e-5 for r in rows)
+
+
+# --- refusals before any timing -----------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, says", [
+    (("--warmup-ms", "-5", "--rep-ms", "-1"), "--warmup-ms must be >= 0 and --rep-ms > 0"),
+    (("--rep-ms", "0"), "--rep-ms > 0"),
+])
+def test_negative_or_zero_timing_is_refused(fakes, capsys, argv, says):
+    assert bench.run(_parse("--device", "cpu", *argv)) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["directory", "under_a_file"])
+def test_unwritable_json_is_refused_before_timing(fakes, tmp_path, capsys, monkeypatch, where):
+    monkeypatch.setattr(bench, "_case_rows", lambda *a: pytest.fail("timed anyway"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")  # a path under a file cannot be created, even by root
+    path = tmp_path if where == "directory" else blocker / "bench.json"
+    assert bench.run(_parse("--sweep", "cpu", "--json", str(path), *FAST)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench: error: ") and len(err.splitlines()) == 1
+    assert ("is a directory" if where == "directory" else "cannot write --json") in err
+
+
+def test_json_unwritable_mid_run_is_one_line(fakes, tmp_path, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(bench.runs, "write_text", full)
+    out = tmp_path / "b.json"
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "peer_fast", "--json", str(out),
+                            *FAST)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"bench: error: cannot write --json {out}: No space left")
+
+
+def test_rows_record_the_versions(fakes, tmp_path):
+    out = tmp_path / "b.json"
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "peer_fast", "--json", str(out),
+                            *FAST)) == 0
+    doc = json.loads(out.read_text())
+    import triton
+    assert (doc["env"]["torch"], doc["env"]["triton"]) == (torch.__version__, triton.__version__)
+    assert all((r["torch"], r["triton"]) == (torch.__version__, triton.__version__)
+               for r in doc["rows"])

@@ -87,4 +87,5 @@ register(Implementation(
     seed_script="04_d_kernels_attention.py",
     available=_available,
     prepare=_prepare,
+    gqa=True,  # flash_attn_func reads k/v heads per group of q heads
 ))

@@ -24,7 +24,6 @@ and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C kee
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import inspect
 import itertools
@@ -33,31 +32,30 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
 from attnscope.attention import registry
-from attnscope.attention.reference import attention_reference
-from attnscope.profile import compare
-from attnscope.profile.capture import DTYPES
+from attnscope.profile import runs
 from attnscope.profile.env import collect_env
 from attnscope.profile.flops import attention_flops
+from attnscope.profile.inputs import (DEFAULT_DTYPE, DTYPES, make_inputs, resolve_device,
+                                      resolve_impls)
+from attnscope.profile.metrics import (REF_MEMORY_FRACTION, max_abs_error, pct_of_peak,
+                                       reference_output, tflops)
+from attnscope.profile.sweeps import SWEEPS, Case, resolve_sweep
+from attnscope.profile.table import fmt
 
 HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
         "float64, first-call cost")
 
-PEAK_DTYPE = "bf16"  # env's measured peak is a bf16 matmul; other dtypes get no % of peak
-
-# Ours; every other registry entry is a peer for ratio_to_best_peer.
-OURS = frozenset({"fused"})
-
-# Entries that materialize the [B, H, S, S] scores. Budgeted at three live fp32 score tensors
+# Entries that materialize the [B, H, S, S] scores (the registry's `materializes_scores`). Budgeted at three live fp32 score tensors
 # (scores, masked scores, probabilities; sdpa_math upcasts bf16 to fp32, the eager ones hold
 # fewer bytes, so it is an upper bound). Such an entry is skipped when that exceeds half the free
 # memory; the other half holds inputs, rotation sets, the reference and allocator slack.
-MATERIALIZES_SCORES = frozenset({"naive", "naive_inplace", "naive_compiled", "sdpa_math"})
 SCORE_BYTES = 3 * 4
 SCORE_MEMORY_FRACTION = 0.5
 
@@ -65,11 +63,6 @@ SCORE_MEMORY_FRACTION = 0.5
 # small shapes would otherwise need hundreds of them.
 DEFAULT_L2_BYTES = 60 * 10**6
 MAX_INPUT_SETS = 16
-
-# attention_reference keeps about four float64 [rows, S] tensors per head at once (scores, masked
-# scores, probabilities, nan_to_num's copy); it gets this fraction of the free memory.
-REF_BYTES_PER_SCORE = 4 * 8
-REF_MEMORY_FRACTION = 0.25
 
 MIN_CPU_REPEATS = 3  # a median of fewer is one sample
 
@@ -79,70 +72,16 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 BACKWARD_SCORE_FACTOR = 2
 
 
-@dataclass(frozen=True)
-class Case:
-    batch: int
-    heads: int
-    seq: int
-    head_dim: int
-    kv_heads: int  # equal to heads unless GQA/MQA
-
-    @property
-    def shape(self) -> list[int]:
-        return [self.batch, self.heads, self.seq, self.head_dim]
-
-
-def _case(batch, heads, seq, head_dim, kv_heads=None) -> Case:
-    return Case(batch, heads, seq, head_dim, heads if kv_heads is None else kv_heads)
-
-
-SWEEPS: dict[str, tuple[Case, ...]] = {
-    # Issue 5's sweep: the peers' table in ../shared/data/h200_peers.md, head_dim 128 at the seed
-    # length, and GQA at 4 query heads per K/V head (Llama-style).
-    "default": (
-        _case(16, 16, 512, 64),
-        _case(8, 16, 1024, 64),
-        _case(4, 32, 4096, 64),
-        _case(4, 32, 4096, 128),
-        _case(2, 16, 16384, 128),
-        _case(8, 16, 1024, 128),
-        _case(4, 32, 4096, 128, kv_heads=8),
-    ),
-    # The blog's shape (04_*.py defaults).
-    "seed": (_case(8, 16, 1024, 64),),
-    # Seconds on a CPU, the fused op included (Triton interpreter); 96 is no power of two on
-    # purpose, and one GQA shape keeps that path in the smoke run.
-    "cpu": (
-        _case(1, 2, 128, 64),
-        _case(1, 4, 96, 32, kv_heads=2),
-    ),
-}
-
-
-def resolve_sweep(name: str, kv_heads: int | None) -> tuple[Case, ...]:
-    """The named sweep, with every shape's K/V heads replaced when `kv_heads` is given."""
-    if name not in SWEEPS:
-        raise ValueError(f"unknown sweep {name!r}; valid names: {', '.join(SWEEPS)}")
-    cases = SWEEPS[name]
-    if kv_heads is None:
-        return cases
-    bad = [c.heads for c in cases if kv_heads < 1 or c.heads % kv_heads]
-    if bad:
-        raise ValueError(f"--kv-heads {kv_heads} must divide the query heads of every shape in "
-                         f"sweep {name!r}; got query heads {sorted(set(bad))}")
-    return tuple(dict.fromkeys(dataclasses.replace(c, kv_heads=kv_heads) for c in cases))
-
-
 def input_sets(set_bytes: int, l2_bytes: int) -> int:
     """How many q/k/v/out sets to cycle through so that, between two uses of one set, the others
     move at least an L2's worth of data and the set is evicted."""
     return min(MAX_INPUT_SETS, 1 + math.ceil(l2_bytes / set_bytes))
 
 
-def score_memory_skip(name: str, case: Case, free_bytes: int | None,
+def score_memory_skip(impl, case: Case, free_bytes: int | None,
                       mode: str = "fwd") -> str | None:
-    """Why `name` is skipped at `case` (the memory estimate above), or None to run it."""
-    if name not in MATERIALIZES_SCORES or free_bytes is None:
+    """Why `impl` is skipped at `case` (the memory estimate above), or None to run it."""
+    if not impl.materializes_scores or free_bytes is None:
         return None
     copies = 3 if mode == "fwd" else 3 * BACKWARD_SCORE_FACTOR
     need = case.batch * case.heads * case.seq * case.seq * SCORE_BYTES // 3 * copies
@@ -156,12 +95,18 @@ def _case_key(row: dict) -> tuple:
     return (tuple(row["shape"]), row["kv_heads"], row["dtype"], row["causal"], row["mode"])
 
 
+def _ours() -> set[str]:
+    # Every registry entry that is not ours is a peer for ratio_to_best_peer.
+    return {name for name, impl in registry.IMPLEMENTATIONS.items() if impl.ours}
+
+
 def with_peer_ratios(rows: list[dict]) -> list[dict]:
     """Copies of `rows` with ratio_to_best_peer = fastest ok peer's median / this row's median,
     per shape/dtype/causal/mode; > 1 means faster than every peer. None without a timed peer."""
     best: dict[tuple, float] = {}
+    ours = _ours()
     for row in rows:
-        if row["status"] == "ok" and row["impl"] not in OURS:
+        if row["status"] == "ok" and row["impl"] not in ours:
             key = _case_key(row)
             best[key] = min(best.get(key, math.inf), row["median_ms"])
     out = []
@@ -175,7 +120,7 @@ def with_peer_ratios(rows: list[dict]) -> list[dict]:
 def geomean_ratios(rows: list[dict]) -> dict[str, dict]:
     """For each of ours: geometric mean of ratio_to_best_peer over the shapes where it has one."""
     summary = {}
-    for name in sorted(OURS):
+    for name in sorted(_ours()):
         ratios = [r["ratio_to_best_peer"] for r in rows
                   if r["impl"] == name and r["ratio_to_best_peer"] is not None]
         if ratios:
@@ -183,37 +128,6 @@ def geomean_ratios(rows: list[dict]) -> dict[str, dict]:
                              math.exp(statistics.fmean(math.log(x) for x in ratios)),
                              "shapes": len(ratios)}
     return summary
-
-
-# --- reference -------------------------------------------------------------------------------
-
-def reference_output(q, k, v, *, causal: bool, budget_bytes: float):
-    """Float64 attention for as much of the output as `budget_bytes` allows at a time.
-
-    Computed in chunks of (batch, head) pairs. When one head alone is over budget, only its last
-    query rows are compared: they see every key, so the longest reductions are the ones checked;
-    "bottom_right" alignment keeps each sliced row's true causal window (lengths are equal).
-    Returns (reference [B, H, rows, D] float64, region) where region records what was compared.
-    """
-    batch, heads, seq, head_dim = q.shape
-    kv_heads = k.shape[1]
-    per_row = seq * REF_BYTES_PER_SCORE
-    rows = int(min(seq, max(1, budget_bytes // per_row)))
-    start = seq - rows
-    chunk = int(min(batch * heads, max(1, budget_bytes // (rows * per_row))))
-    # flat query head i = b * heads + h reads K/V head b * kv_heads + h // group
-    flat = torch.arange(batch * heads, device=q.device)
-    kv_index = (flat // heads) * kv_heads + (flat % heads) // (heads // kv_heads)
-    q_flat, k_flat, v_flat = (t.flatten(0, 1) for t in (q, k, v))
-    ref = torch.empty(batch * heads, rows, head_dim, dtype=torch.float64, device=q.device)
-    for i in range(0, batch * heads, chunk):
-        idx = kv_index[i:i + chunk]
-        ref[i:i + chunk] = attention_reference(
-            q_flat[i:i + chunk, start:][None], k_flat[idx][None], v_flat[idx][None],
-            causal=causal, causal_alignment="bottom_right")[0]
-    region = {"batch_heads": batch * heads, "query_rows": [start, seq],
-              "chunk_batch_heads": chunk}
-    return ref.unflatten(0, (batch, heads)), region
 
 
 def _free_bytes(device: torch.device) -> int | None:
@@ -281,7 +195,7 @@ class _Context:
     mode: str
     warmup_ms: float
     rep_ms: float
-    peak_tflops: float | None
+    env: dict
     available: dict[str, tuple[bool, str]]
 
 
@@ -319,7 +233,9 @@ def _row(ctx: _Context, case: Case, name: str) -> dict:
     return {"shape": case.shape, "kv_heads": case.kv_heads, "dtype": ctx.dtype,
             "causal": ctx.causal, "mode": ctx.mode, "impl": name, "status": "ok", "reason": "",
             "median_ms": None, "tflops": None, "pct_of_peak": None, "ratio_to_best_peer": None,
-            "error": None, "error_compared": None, "first_call_ms": None, "input_sets": None}
+            "error": None, "error_compared": None, "first_call_ms": None, "input_sets": None,
+            # Versions on every row, so rows copied out of their file still say what ran them.
+            "torch": ctx.env.get("torch"), "triton": ctx.env.get("triton")}
 
 
 def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -> dict:
@@ -331,10 +247,12 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
     if not ctx.causal and not _takes_causal(impl):
         return {**row, "status": "unsupported",
                 "reason": "prepare() takes no causal argument (causal only)"}
-    skip = score_memory_skip(impl.name, case, free_bytes, ctx.mode)
+    if case.kv_heads != case.heads and not impl.gqa:
+        return {**row, "status": "unsupported",
+                "reason": "takes no K/V with fewer heads than q (the registry's gqa field)"}
+    skip = score_memory_skip(impl, case, free_bytes, ctx.mode)
     if skip:
         return {**row, "status": "skipped", "reason": skip}
-    started = False  # whether a first output came back: failures before it may be refusals
     try:
         forward = _prepare(impl, *inputs[0], ctx.causal)
         # First call on this shape in this process: what a user waits for (JIT, autotune, plans);
@@ -357,11 +275,10 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
             ref, region = reference
             start, stop = region["query_rows"]
             with torch.no_grad():
-                row["error"] = (out[:, :, start:stop].double() - ref).abs().max().item()
+                row["error"] = max_abs_error(out[:, :, start:stop], ref)
             row["error_compared"] = region
         if ctx.mode != "bwd":
             del out  # "bwd" keeps it: the first timed call differentiates its graph
-        started = True
         calls = [first]
         for qkv in inputs[1:]:
             other = _prepare(impl, *qkv, ctx.causal)
@@ -376,17 +293,11 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
         return {**row, "status": "unsupported", "reason": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # noqa: BLE001 -- one entry's failure must not end the sweep
         first = str(exc).splitlines()[0] if str(exc) else ""
-        reason = f"{type(exc).__name__}: {first}"
-        if not started and case.kv_heads != case.heads and impl.name not in OURS:
-            # A peer without GQA breaks on the first K/V head broadcast; GQA is our contract,
-            # so the same failure of ours stays 'failed'.
-            return {**row, "status": "unsupported", "reason": f"GQA input failed: {reason}"}
-        return {**row, "status": "failed", "reason": reason}
+        return {**row, "status": "failed", "reason": f"{type(exc).__name__}: {first}"}
     flops = attention_flops(case.batch, case.heads, case.seq, case.seq, case.head_dim,
                             causal=ctx.causal, mode=ctx.mode)
-    row.update(median_ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-    if ctx.peak_tflops:
-        row["pct_of_peak"] = 100.0 * row["tflops"] / ctx.peak_tflops
+    row.update(median_ms=ms, tflops=tflops(flops, ms * 1e-3))
+    row["pct_of_peak"] = pct_of_peak(row["tflops"], ctx.dtype, ctx.env)
     if row["error"] is not None and not math.isfinite(row["error"]):
         row.update(status="failed", reason="output is not finite", error=None)
     return row
@@ -399,17 +310,14 @@ def _write_json(path: str, header: dict, rows: list[dict], complete: bool) -> No
     head = json.dumps({**header, "complete": complete, "summary": geomean_ratios(rows)}, indent=1)
     # One row per line: a results file under git diffs row by row.
     body = ",\n".join("  " + json.dumps(row) for row in rows)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f'{head[:-2]},\n "rows": [\n{body}\n ]\n}}\n')
-    os.replace(tmp, path)  # atomic: an interrupt mid-write leaves the previous complete file
+    runs.write_text(path, f'{head[:-2]},\n "rows": [\n{body}\n ]\n}}\n')
 
 
 def _progress(i: int, total: int, row: dict) -> str:
     shape = "x".join(map(str, row["shape"]))
     if row["status"] == "ok":
         what = (f"{row['median_ms']:.4f} ms  {row['tflops']:.1f} TFLOP/s  "
-                f"err {compare.fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
+                f"err {fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
     else:
         what = f"{row['status']}: {row['reason']}"
     return f"[{i}/{total}] {shape} kv{row['kv_heads']} {row['impl']}: {what}"
@@ -419,7 +327,7 @@ def format_table(rows: list[dict], time_label: str) -> str:
     head = ["shape B,H,S,D", "kv", "impl", "status", time_label, "TFLOP/s", "% peak",
             "x best peer", "max err", "1st call ms"]
     body = [[",".join(map(str, r["shape"])), str(r["kv_heads"]), r["impl"], r["status"],
-             *(compare.fmt(r[key], spec) for key, spec in (
+             *(fmt(r[key], spec) for key, spec in (
                  ("median_ms", ".4f"), ("tflops", ".1f"), ("pct_of_peak", ".1f"),
                  ("ratio_to_best_peer", ".3f"), ("error", ".2e"), ("first_call_ms", ".1f")))]
             for r in rows]
@@ -466,15 +374,31 @@ def add_arguments(parser) -> None:
 
 
 def _resolve(args):
-    device = torch.device(compare.resolve_device(args.device))
-    args.dtype = args.dtype or compare.DEFAULT_DTYPE[device.type]
+    if args.warmup_ms < 0 or args.rep_ms <= 0:
+        raise ValueError(f"--warmup-ms must be >= 0 and --rep-ms > 0, got {args.warmup_ms:g} "
+                         f"and {args.rep_ms:g}")
+    device = torch.device(resolve_device(args.device))
+    args.dtype = args.dtype or DEFAULT_DTYPE[device.type]
     sweep = args.sweep or ("default" if device.type == "cuda" else "cpu")
     cases = resolve_sweep(sweep, args.kv_heads)
-    impls = [registry.get(n) for n in args.impl] if args.impl else list(
-        registry.IMPLEMENTATIONS.values())
+    impls, notes = resolve_impls(args.impl)
     if not impls:
         raise ValueError("no implementations are registered")
-    return device, sweep, cases, impls
+    return device, sweep, cases, impls, notes
+
+
+def _check_json_path(path: str) -> None:
+    """ValueError, saying why, when --json could not be written."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise ValueError(f"--json {path} is a directory; give a file name such as "
+                         f"{os.path.join(path, 'bench.json')}")
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with tempfile.TemporaryFile(dir=os.path.dirname(target)):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write --json {path}: {exc.strerror or exc}") from None
 
 
 def _timing_block(device: torch.device, l2_bytes: int | None, args) -> dict:
@@ -511,12 +435,9 @@ def _reference_or_none(qkv, causal: bool, device: torch.device):
 
 
 def _make_inputs(case: Case, dtype: torch.dtype, device: torch.device, index: int):
-    # Seeded per shape and set, so every implementation sees the same data; normal, not zeros.
-    gen = torch.Generator(device=device).manual_seed(1000 * index + case.seq + case.head_dim)
-    q_shape = (case.batch, case.heads, case.seq, case.head_dim)
-    kv_shape = (case.batch, case.kv_heads, case.seq, case.head_dim)
-    return tuple(torch.randn(s, generator=gen, device=device, dtype=dtype)
-                 for s in (q_shape, kv_shape, kv_shape))
+    # Seeded per shape and set, so every implementation sees the same data.
+    return make_inputs(*case.shape, dtype, device, seed=1000 * index + case.seq + case.head_dim,
+                       kv_heads=case.kv_heads, draw_on=device)
 
 
 def _with_grad(qkv):
@@ -555,7 +476,7 @@ def _header(env: dict, sweep: str, device: torch.device, l2_bytes: int | None, a
         "error": "max abs difference of the forward output against attention_reference in "
         "float64 on the same inputs (input set 0), in every mode; error_compared says which "
         "batch*heads and query rows",
-        "skip_rule": f"{sorted(MATERIALIZES_SCORES)} skipped when B*H*S*S*{SCORE_BYTES} bytes "
+        "skip_rule": f"entries that materialize the scores skipped when B*H*S*S*{SCORE_BYTES} bytes "
         f"> {SCORE_MEMORY_FRACTION:.0%} of free memory",
     }
 
@@ -569,12 +490,14 @@ def _available(impl, device: torch.device) -> tuple[bool, str]:
 
 def run(args) -> int:
     try:
-        device, sweep, cases, impls = _resolve(args)
+        device, sweep, cases, impls, notes = _resolve(args)
+        if args.json:
+            _check_json_path(args.json)  # now, not after the first row's minutes of timing
     except ValueError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    for note in notes:
+        print(note, file=sys.stderr)
     env = collect_env()
     gpu = env.get("gpu") or {}
     l2_bytes = None
@@ -584,7 +507,7 @@ def run(args) -> int:
     ctx = _Context(
         device=device, dtype=args.dtype, causal=args.causal, mode=args.mode,
         warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-        peak_tflops=gpu.get("measured_bf16_peak_tflops") if args.dtype == PEAK_DTYPE else None,
+        env=env,
         available={impl.name: _available(impl, device) for impl in impls})
     header = _header(env, sweep, device, l2_bytes, args)
     time_label = "median ms" if device.type == "cuda" else "CPU wall ms"
@@ -601,11 +524,15 @@ def run(args) -> int:
                     print(_progress(len(rows), total, row), file=sys.stderr)
                     if args.json:
                         _write_json(args.json, header, rows, complete=False)
+        if args.json:
+            _write_json(args.json, header, rows, complete=True)
     except KeyboardInterrupt:
         print(format_table(with_peer_ratios(rows), time_label))
         raise
-    if args.json:
-        _write_json(args.json, header, rows, complete=True)
+    except OSError as exc:  # a full disk, or a folder that turned unwritable mid-run
+        print(f"bench: error: cannot write --json {args.json}: {exc.strerror or exc}; "
+              f"{len(rows)} rows measured, the file keeps what was last written", file=sys.stderr)
+        return 1
     final = with_peer_ratios(rows)
     print(format_table(final, time_label))
     for name, s in geomean_ratios(final).items():

@@ -21,7 +21,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from attnscope.profile import artifacts, compare
+from attnscope.profile import artifacts, runs
+from attnscope.profile.metrics import PEAK_DTYPES
+from attnscope.profile.table import COLUMNS, CPU_NOTE, evidence_text, table_cells
 from attnscope.profile.tensor_cores import name_verdict, short_name
 from attnscope.profile.trace import TraceError, find_row_trace, forward_events, load_events
 
@@ -52,7 +54,8 @@ def require_dependencies():
 
 
 def run(args) -> int:
-    folder = Path(args.results_dir)
+    # A compare --out folder reads its last complete run (OUT/latest); a run folder reads itself.
+    folder = runs.resolve(args.results_dir)
     try:
         path = write_report(folder, Path(args.output) if args.output else folder / DEFAULT_NAME)
     except ReportError as e:
@@ -62,23 +65,42 @@ def run(args) -> int:
     return 0
 
 
+def _check_output(output: Path):
+    """Fail before rendering when the page could not be written there."""
+    if output.is_dir():
+        raise ReportError(f"-o {output} is a directory; give a file name such as "
+                          f"{output / DEFAULT_NAME}")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"cannot create the folder of {output}: {e.strerror or e}") from None
+    if not os.access(output.parent, os.W_OK | os.X_OK):
+        raise ReportError(f"cannot write {output}: its folder is not writable")
+
+
 def write_report(folder, output) -> Path:
     require_dependencies()
     folder, output = Path(folder), Path(output)
     try:
-        results = json.loads((folder / "results.json").read_text())
+        results = json.loads((folder / runs.RESULTS).read_text())
     except OSError as e:
         raise ReportError(f"no results.json in {folder} ({e.strerror or e}); run "
                           f"`python -m attnscope.profile compare --out {folder}` first") from None
     except json.JSONDecodeError as e:
-        raise ReportError(f"{folder / 'results.json'} is not valid JSON: {e}") from None
+        raise ReportError(f"{folder / runs.RESULTS} is not valid JSON: {e}") from None
+    if not isinstance(results, dict) or not results.get("rows"):
+        raise ReportError(f"{folder / runs.RESULTS} holds no rows: the run that wrote it "
+                          f"finished no implementation; nothing to report")
+    _check_output(output)
     page = _Page(results, folder, output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(page.render())
+    try:
+        runs.write_text(output, page.render())
+    except OSError as e:
+        raise ReportError(f"cannot write {output}: {e.strerror or e}") from None
     return output
 
 
-# Free-text columns of compare.COLUMNS, left-aligned; the others hold numbers.
+# Free-text columns of COLUMNS, left-aligned; the others hold numbers.
 TEXT_COLUMNS = ("impl", "Tensor Cores", "launch API", "status")
 
 
@@ -117,7 +139,10 @@ class _Page:
 
         shape = self.results.get("shape", {})
         title = (f"attnscope: {', '.join(f'{k} {v}' for k, v in shape.items())}, "
-                 f"{self.results.get('dtype')}, {self.device}")
+                 f"{self.results.get('dtype')}, {self.device}"
+                 # Files from before run folders carry no flag: they were complete.
+                 + ("" if self.results.get("complete", True) else
+                    f" (incomplete run: {len(self.rows)} rows)"))
         sections = [self.table(), self.charts(), self.sweep(), self.timelines(),
                     self.fused_kernel(), self.traces()]
         nav = "".join(f'<a href="#{a}">{t}</a>' for a, t in (
@@ -132,14 +157,14 @@ class _Page:
     # --- table and env ------------------------------------------------------------------------
 
     def table(self) -> str:
-        headers = [h for h, _, _ in compare.COLUMNS]
+        headers = [h for h, _, _ in COLUMNS]
         align = ['' if h in TEXT_COLUMNS else ' class="num"' for h in headers]
         head = "".join(f"<th>{_e(h)}</th>" for h in headers)
         body = "".join("<tr>" + "".join(f"<td{a}>{_e(c)}</td>" for a, c in zip(align, cells))
-                       + "</tr>" for cells in compare.table_cells(self.rows, self.device))
+                       + "</tr>" for cells in table_cells(self.rows, self.device))
         notes = [UNITS]
         if self.device == "cpu":
-            notes.append(compare.CPU_NOTE)
+            notes.append(CPU_NOTE)
         env = dict(self.results.get("env") or {})
         gpu = env.pop("gpu", None) or {}
         pairs = list(env.items()) + [(f"gpu.{k}", v) for k, v in gpu.items()]
@@ -172,7 +197,7 @@ class _Page:
             "kernels per forward"))
         peak = ((self.results.get("env") or {}).get("gpu") or {}).get("measured_bf16_peak_tflops")
         reference = None
-        if peak and self.results.get("dtype") in ("bf16", "fp16"):
+        if peak and self.results.get("dtype") in PEAK_DTYPES:
             reference = (peak, f"measured bf16 matmul peak {peak:g} TFLOP/s")
         else:
             parts.append(_note("no measured peak for this GPU and dtype: TFLOP/s without a "
@@ -260,36 +285,57 @@ class _Page:
                 f'<td class="num">{op["ts"] - t0:.1f}</td>'
                 f'<td class="num">{op.get("dur", 0):.1f}</td>'
                 f'<td class="{cls}">{_e(verdict["verdict"]) if verdict else "-"}</td>'
-                f'<td>{_e(compare.evidence_text(verdict)) if verdict else "copy/set"}</td></tr>')
+                f'<td>{_e(evidence_text(verdict)) if verdict else "copy/set"}</td></tr>')
         return f'<table class="ops">{head}{"".join(body)}</table>'
 
     # --- fused kernel ---------------------------------------------------------------------------
 
     def fused_kernel(self) -> str:
-        folder = self.results.get("kernel_artifacts")
-        candidates = [Path(folder)] if folder else []
-        candidates.append(self.folder / compare.KERNEL_DIR)
-        found = next((a for a in map(artifacts.load, candidates) if a), None)
-        source = (found or {}).get("source") or artifacts.source_file().read_text()
-        meta = (found or {}).get("meta", {})
-        name = meta.get("kernel") or artifacts.KERNEL  # the Gluon kernel's where the op ran it
-        where = meta.get("source") or artifacts.source_location(source)
+        candidates = self._artifact_folders()
+        found = next((a for a in map(artifacts.load_all, candidates) if a), [])
+        if not found:
+            looked = ", ".join(self._href(c) for c in candidates) or "-"
+            if self.device == "cpu":
+                why = ("this was a CPU run, where our kernels run in the Triton interpreter, "
+                       "which compiles nothing")
+            else:
+                why = f"this folder has none (looked in: {looked})"
+            return _section("fused", "Our compiled kernels", _note(
+                f"compiled artifacts missing: {why}. `compare` on CUDA writes our kernels' "
+                "source, TTIR, TTGIR, LLIR, PTX and SASS to the run folder's <impl>/kernel/, and "
+                "this panel then shows each kernel's launch config, registers, spills, shared "
+                "memory, instruction mix and which source lines became matrix instructions."))
+        panels = "".join(self._kernel_panel(f) for f in found)
+        title = "Our compiled kernels: " + ", ".join(f["name"] for f in found)
+        return _section("fused", title, panels)
+
+    def _artifact_folders(self) -> list[Path]:
+        """Where this run's compiled artifacts may be: the folder compare recorded (relative to
+        the run folder, or absolute from older runs), then <impl>/kernel/ of each row."""
+        folders = []
+        recorded = self.results.get("kernel_artifacts")
+        if recorded:
+            folders.append(self.folder / recorded if not Path(recorded).is_absolute()
+                           else Path(recorded))
+        folders += [self.folder / artifacts.folder_for(r["impl"]) for r in self.ok]
+        return list(dict.fromkeys(folders))
+
+    def _kernel_panel(self, found) -> str:
+        meta, name = found["meta"], found["name"]
+        where = meta.get("source") or "?"
         lines = {}
-        if found and found.get("ptx"):
+        if found.get("ptx"):
             lines = artifacts.ptx_line_map(found["ptx"], where.rsplit(":", 1)[0])
-        compiled = self._compiled(found, lines) if found else _note(
-            "compiled artifacts need a GPU run: `compare` on CUDA writes the fused kernel's "
-            f"TTIR, TTGIR, LLIR, PTX and SASS to OUT/{compare.KERNEL_DIR.as_posix()}/, and this "
-            "panel then shows its launch config, registers, spills, shared memory, instruction "
-            "mix and which source lines became matrix instructions. This folder has none.")
-        body = (f'<p>Source: <code>{_e(where)}</code> (<code>def {_e(name)}'
+        source = (_source_html(found["source"], lines) if found.get("source") else _note(
+            f"source missing: no {name}.{artifacts.SOURCE_SUFFIX} in {found['folder']}"))
+        return (f'<h3 id="kernel-{_e(name)}">{_e(name)}</h3>'
+                f'<p>Source: <code>{_e(where)}</code> (<code>def {_e(name)}'
                 f"</code>), from its first jit function on. Lines marked "
                 f"in green became matrix (Tensor Core) instructions; "
                 f"the badges count the PTX instructions the compiler's line info ties to each "
                 f"line and link to them.</p>"
-                f'<div class="pair"><div class="srcpane">{_source_html(source, lines)}</div>'
-                f'<div class="compiled">{compiled}</div></div>')
-        return _section("fused", f"Fused kernel: {_e(name)}", body)
+                f'<div class="pair"><div class="srcpane">{source}</div>'
+                f'<div class="compiled">{self._compiled(found, lines)}</div></div>')
 
     def _compiled(self, found, lines) -> str:
         meta = found["meta"]
@@ -304,7 +350,7 @@ class _Page:
                ("spills", compiled.get("spills")),
                ("shared memory (bytes)", compiled.get("shared_memory_bytes")),
                ("target", compiled.get("target")),
-               ("Tensor Cores", compare.evidence_text(meta["tensor_cores"])
+               ("Tensor Cores", evidence_text(meta["tensor_cores"])
                 if meta.get("tensor_cores") else None)])]
         mixes = {kind: artifacts.instruction_mix(found[kind], kind)
                  for kind in ("sass", "ptx") if found.get(kind)}
@@ -320,7 +366,7 @@ class _Page:
         parts += ["<h3>Source lines and what they became</h3>", _line_list(lines)]
         links = [f'<a href="{_e(self._href(found["folder"] / name))}">{_e(name)}</a>'
                  for name in sorted(os.listdir(found["folder"]))
-                 if name.startswith(artifacts.KERNEL + ".")]
+                 if name.startswith(found["name"] + ".")]
         parts.append("<p>Artifacts: " + ", ".join(links) + "</p>")
         return "".join(parts)
 
