@@ -18,7 +18,7 @@ import torch
 
 from attnscope.attention import IMPLEMENTATIONS, Implementation
 from attnscope.attention.registry import CompiledKernel
-from attnscope.profile import artifacts, compare, report, runs
+from attnscope.profile import artifacts, compare, compiled, report, runs
 from attnscope.profile import tensor_cores as tc
 from attnscope.profile.cli import main
 from attnscope.profile.table import COLUMNS, CPU_NOTE
@@ -354,7 +354,7 @@ def test_compiled_evidence_wins_over_the_name(monkeypatch):
     def triton_verdicts(names):
         seen.extend(names)
         return {KERNEL: tc.sass_verdict(SASS)}
-    monkeypatch.setattr(tc, "triton_verdicts", triton_verdicts)
+    monkeypatch.setattr(compiled, "triton_verdicts", triton_verdicts)
     kernels = [{"name": n, "tensor_cores": tc.name_verdict(n)} for n in (KERNEL, SOFTMAX)]
     compare._add_compiled_evidence(kernels)
     assert seen == [KERNEL, SOFTMAX]
@@ -426,7 +426,7 @@ def test_compare_writes_the_records_an_entry_hands_over(tmp_path, monkeypatch):
 
 
 def test_compiled_evidence_of_our_entry_comes_from_its_records(monkeypatch):
-    monkeypatch.setattr(tc, "triton_verdicts", lambda names: {})  # nothing found in Triton's
+    monkeypatch.setattr(compiled, "triton_verdicts", lambda names: {})  # nothing found in Triton's
     impl = Implementation("ours", "", "", lambda d: (True, ""), lambda q, k, v: None,
                           ours=True, compiled_kernels=lambda: [_h200_record()])
     kernels = [{"name": KERNEL, "tensor_cores": tc.name_verdict(KERNEL)}]

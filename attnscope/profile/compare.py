@@ -11,7 +11,7 @@ pointed at the folder only once the run has finished; so an interrupted or faile
 touches the last complete one, and keeps its own finished rows beside it. A lock refuses a second
 run into the same `--out` while one is in progress.
 
-Triton kernels compiled in this process get Tensor Core evidence from their compiled code (tier 2
+Triton kernels compiled in this process (compiled.py) get Tensor Core evidence from their code (tier 2
 of tensor_cores.py); the entries that are ours hand over their compiled kernels
 (`compiled_kernels()`, CompiledKernel records), whose artifacts go to `<run>/<impl>/kernel/`
 (artifacts.py); every kernel event of the written traces carries its verdict and evidence (which
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from attnscope.attention import attention_reference
-from attnscope.profile import artifacts, report, runs
+from attnscope.profile import artifacts, compiled, report, runs
 from attnscope.profile import tensor_cores as tc
 from attnscope.profile.capture import MODES, capture
 from attnscope.profile.env import collect_env
@@ -146,11 +146,11 @@ def _add_compiled_evidence(kernels, impl=None):
     `other`."""
     if not kernels:
         return
-    compiled = tc.triton_verdicts([k["name"] for k in kernels])
+    verdicts = compiled.triton_verdicts([k["name"] for k in kernels])
     for record in _records(impl):
-        compiled[record.name] = artifacts.verdict(record)
+        verdicts[record.name] = artifacts.verdict(record)
     for k in kernels:
-        k["tensor_cores"] = tc.combine(compiled.get(k["name"]), k["tensor_cores"])
+        k["tensor_cores"] = tc.combine(verdicts.get(k["name"]), k["tensor_cores"])
 
 
 def _records(impl) -> list:
