@@ -12,7 +12,7 @@ import torch
 
 from attnscope.attention import registry
 from attnscope.attention.reference import attention_reference
-from attnscope.profile import bench, metrics, sweeps
+from attnscope.profile import bench, metrics, sweeps, timing
 from attnscope.profile.flops import attention_flops
 
 
@@ -108,10 +108,10 @@ def test_kv_heads_override_replaces_every_shape_and_checks_divisibility():
 def test_input_sets_exceed_l2():
     l2 = 60 * 10**6
     for set_bytes in (10**6, 48 * 2**20, 200 * 2**20):
-        n = bench.input_sets(set_bytes, l2)
-        assert (n - 1) * set_bytes >= l2 or n == bench.MAX_INPUT_SETS
-    assert bench.input_sets(400 * 2**20, l2) == 2
-    assert bench.input_sets(1000, l2) == bench.MAX_INPUT_SETS
+        n = timing.input_sets(set_bytes, l2)
+        assert (n - 1) * set_bytes >= l2 or n == timing.MAX_INPUT_SETS
+    assert timing.input_sets(400 * 2**20, l2) == 2
+    assert timing.input_sets(1000, l2) == timing.MAX_INPUT_SETS
 
 
 def test_memory_skip_only_score_materializers_at_long_sequences():
@@ -344,7 +344,7 @@ def test_backward_modes_time_the_pass_they_name(fakes, tmp_path, mode):
         no_graph = rows["peer_no_graph", shape]
         assert no_graph["status"] == "unsupported" and "autograd graph" in no_graph["reason"]
     # every timed call ran a backward: first call, warm-up and >= MIN_CPU_REPEATS per shape
-    assert _SlowBackward.calls >= len(sweeps.SWEEPS["cpu"]) * (bench.MIN_CPU_REPEATS + 2)
+    assert _SlowBackward.calls >= len(sweeps.SWEEPS["cpu"]) * (timing.MIN_CPU_REPEATS + 2)
 
 
 def test_backward_gradients_are_the_references():

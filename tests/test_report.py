@@ -14,7 +14,6 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-import torch
 
 from attnscope.attention import IMPLEMENTATIONS, Implementation
 from attnscope.attention.registry import CompiledKernel

@@ -13,10 +13,8 @@ is `torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)` on that saved 
 dout is a fixed random normal tensor. An entry whose output carries no autograd graph is a row
 with status 'unsupported' in the backward modes.
 
-On CUDA the time is `triton.testing.do_bench(return_mode="median")` over a closure that cycles
-through several prepared input sets, so that every call reads q/k/v the L2 cache has not kept
-(do_bench also clears L2 between timed calls; the rotation keeps the figure honest either way).
-Without CUDA the time is CPU wall time (`time.perf_counter`, median of repeats), labelled so.
+The time of one call is timing.py's: do_bench's median over a rotation of prepared input sets
+on CUDA, CPU wall time (labelled so) elsewhere. The shapes are sweeps.py's.
 
 A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
 and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C keeps what finished.
@@ -24,9 +22,7 @@ and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C kee
 
 from __future__ import annotations
 
-import gc
 import inspect
-import itertools
 import json
 import math
 import os
@@ -48,34 +44,23 @@ from attnscope.profile.metrics import (REF_MEMORY_FRACTION, max_abs_error, pct_o
                                        reference_output, tflops)
 from attnscope.profile.sweeps import SWEEPS, Case, resolve_sweep
 from attnscope.profile.table import fmt
+from attnscope.profile.timing import DEFAULT_L2_BYTES, input_sets, median_ms, sync, timing_block
 
 HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
         "float64, first-call cost")
 
-# Entries that materialize the [B, H, S, S] scores (the registry's `materializes_scores`). Budgeted at three live fp32 score tensors
-# (scores, masked scores, probabilities; sdpa_math upcasts bf16 to fp32, the eager ones hold
-# fewer bytes, so it is an upper bound). Such an entry is skipped when that exceeds half the free
-# memory; the other half holds inputs, rotation sets, the reference and allocator slack.
+# Entries that materialize the [B, H, S, S] scores (the registry's `materializes_scores`).
+# Budgeted at three live fp32 score tensors (scores, masked scores, probabilities; sdpa_math
+# upcasts bf16 to fp32, the eager ones hold fewer bytes, so it is an upper bound). Such an entry
+# is skipped when that exceeds half the free memory; the other half holds inputs, rotation sets,
+# the reference and allocator slack.
 SCORE_BYTES = 3 * 4
 SCORE_MEMORY_FRACTION = 0.5
-
-# L2 size when the device properties do not say (H200: 60 MB); rotation sets are capped because
-# small shapes would otherwise need hundreds of them.
-DEFAULT_L2_BYTES = 60 * 10**6
-MAX_INPUT_SETS = 16
-
-MIN_CPU_REPEATS = 3  # a median of fewer is one sample
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 # A backward keeps the forward's saved scores/probabilities and builds their gradients next to
 # them: score materializers are budgeted at twice the forward's score memory in those modes.
 BACKWARD_SCORE_FACTOR = 2
-
-
-def input_sets(set_bytes: int, l2_bytes: int) -> int:
-    """How many q/k/v/out sets to cycle through so that, between two uses of one set, the others
-    move at least an L2's worth of data and the set is evicted."""
-    return min(MAX_INPUT_SETS, 1 + math.ceil(l2_bytes / set_bytes))
 
 
 def score_memory_skip(impl, case: Case, free_bytes: int | None,
@@ -137,52 +122,6 @@ def _free_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not Linux: no estimate, nothing skipped
         return None
-
-
-# --- timing ----------------------------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(forwards, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
-    """Median time of one call, each call taking the next prepared forward in turn. Python's
-    cyclic garbage collector is off while timing, as in `timeit`. Two H200 runs read host-bound
-    small-shape rows 1.3-2.4x slow right after a compiling first call (flex); collector passes
-    over what a compile leaves behind, landing inside the timed loop, are the suspected cause."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _median_ms_no_gc(forwards, device, warmup_ms, rep_ms)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _median_ms_no_gc(forwards, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
-    cycle = itertools.cycle(forwards)
-
-    def call():
-        return next(cycle)()
-
-    if device.type == "cuda":
-        import triton.testing  # only here: CPU runs never need Triton's driver
-
-        return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms,
-                                             return_mode="median"))
-    deadline = time.perf_counter() + warmup_ms / 1e3
-    call()
-    while time.perf_counter() < deadline:
-        call()
-    times = []
-    deadline = time.perf_counter() + rep_ms / 1e3
-    while len(times) < MIN_CPU_REPEATS or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 # --- one row ---------------------------------------------------------------------------------
@@ -265,7 +204,7 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
         first = _timed_call(forward, inputs[0], out, ctx.mode)
         if ctx.mode != "fwd":
             first()
-        _sync(ctx.device)
+        sync(ctx.device)
         row["first_call_ms"] = (time.perf_counter() - t0) * 1e3
         q = inputs[0][0]
         if tuple(out.shape) != tuple(q.shape):
@@ -285,7 +224,7 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
             calls.append(_timed_call(other, qkv, other() if ctx.mode == "bwd" else None,
                                      ctx.mode))
         row["input_sets"] = len(calls)
-        ms = _median_ms(calls, ctx.device, ctx.warmup_ms, ctx.rep_ms)
+        ms = median_ms(calls, ctx.device, ctx.warmup_ms, ctx.rep_ms)
     except torch.OutOfMemoryError as exc:
         return {**row, "status": "oom", "reason": str(exc).splitlines()[0]}
     except (NotImplementedError, ValueError, TypeError) as exc:
@@ -401,20 +340,6 @@ def _check_json_path(path: str) -> None:
         raise ValueError(f"cannot write --json {path}: {exc.strerror or exc}") from None
 
 
-def _timing_block(device: torch.device, l2_bytes: int | None, args) -> dict:
-    if device.type == "cuda":
-        return {"timer": "triton.testing.do_bench, return_mode='median', CUDA events",
-                "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
-                "rotation": f"each timed call takes the next of `input_sets` prepared forwards, "
-                f"each on its own q/k/v; sets = 1 + ceil(L2 / bytes of q+k+v+out), at most "
-                f"{MAX_INPUT_SETS}, so a set is evicted before its next use; do_bench also "
-                f"clears L2 before each timed call",
-                "l2_bytes": l2_bytes}
-    return {"timer": "CPU wall time: time.perf_counter median over repeats (not GPU time)",
-            "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
-            "min_repeats": MIN_CPU_REPEATS, "rotation": "none: one input set"}
-
-
 MODE_TIMED = {
     "fwd": "the forward under torch.no_grad",
     "bwd": "torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) on a graph built by one "
@@ -467,7 +392,7 @@ def _header(env: dict, sweep: str, device: torch.device, l2_bytes: int | None, a
     return {
         "env": env, "command": list(sys.argv), "sweep": sweep, "device": device.type,
         "mode": args.mode, "timed": MODE_TIMED[args.mode],
-        "timing": _timing_block(device, l2_bytes, args),
+        "timing": timing_block(device, l2_bytes, args),
         "first_call": "first_call_ms: wall time of the first forward() on that shape in this "
         "process (with its first backward in the bwd and fwd_bwd modes; prepare() excluded), "
         "synchronized; includes Triton JIT compilation and "
@@ -476,8 +401,8 @@ def _header(env: dict, sweep: str, device: torch.device, l2_bytes: int | None, a
         "error": "max abs difference of the forward output against attention_reference in "
         "float64 on the same inputs (input set 0), in every mode; error_compared says which "
         "batch*heads and query rows",
-        "skip_rule": f"entries that materialize the scores skipped when B*H*S*S*{SCORE_BYTES} bytes "
-        f"> {SCORE_MEMORY_FRACTION:.0%} of free memory",
+        "skip_rule": f"entries that materialize the scores skipped when B*H*S*S*{SCORE_BYTES} "
+        f"bytes > {SCORE_MEMORY_FRACTION:.0%} of free memory",
     }
 
 

@@ -11,8 +11,8 @@ pointed at the folder only once the run has finished; so an interrupted or faile
 touches the last complete one, and keeps its own finished rows beside it. A lock refuses a second
 run into the same `--out` while one is in progress.
 
-Triton kernels compiled in this process (compiled.py) get Tensor Core evidence from their code (tier 2
-of tensor_cores.py); the entries that are ours hand over their compiled kernels
+Triton kernels compiled in this process (compiled.py) get Tensor Core evidence from their code
+(tier 2 of tensor_cores.py); the entries that are ours hand over their compiled kernels
 (`compiled_kernels()`, CompiledKernel records), whose artifacts go to `<run>/<impl>/kernel/`
 (artifacts.py); every kernel event of the written traces carries its verdict and evidence (which
 `analyze` reads back) and, for our kernels, their source line and compiled configuration, for

@@ -16,12 +16,11 @@ import html
 import importlib.util
 import json
 import os
-import re
 import statistics
 import sys
 from pathlib import Path
 
-from attnscope.profile import artifacts, runs
+from attnscope.profile import artifacts, runs, source_view
 from attnscope.profile.metrics import PEAK_DTYPES
 from attnscope.profile.table import COLUMNS, CPU_NOTE, evidence_text, table_cells
 from attnscope.profile.tensor_cores import name_verdict, short_name
@@ -32,7 +31,6 @@ HELP = ("HTML report from a compare folder: table, charts, per-forward timelines
 DEFAULT_NAME = "report.html"
 BENCH_FILE = "bench.json"
 NEEDS = ("matplotlib", "pygments")
-MAX_PTX_SHOWN = 40  # instructions listed per source line; the .4.ptx file has them all
 
 
 class ReportError(RuntimeError):
@@ -326,8 +324,11 @@ class _Page:
         lines = {}
         if found.get("ptx"):
             lines = artifacts.ptx_line_map(found["ptx"], where.rsplit(":", 1)[0])
-        source = (_source_html(found["source"], lines) if found.get("source") else _note(
-            f"source missing: no {name}.{artifacts.SOURCE_SUFFIX} in {found['folder']}"))
+        if found.get("source"):
+            source = source_view.source_html(found["source"], lines)
+        else:
+            source = _note(f"source missing: no {name}.{artifacts.SOURCE_SUFFIX} in "
+                           f"{found['folder']}")
         return (f'<h3 id="kernel-{_e(name)}">{_e(name)}</h3>'
                 f'<p>Source: <code>{_e(where)}</code> (<code>def {_e(name)}'
                 f"</code>), from its first jit function on. Lines marked "
@@ -363,7 +364,7 @@ class _Page:
                       f'<table class="kv"><tr><th>class</th>{head}</tr>{body}</table>']
             if "sass" not in mixes:
                 parts.append(_note("no SASS: no cuobjdump was found on the GPU machine"))
-        parts += ["<h3>Source lines and what they became</h3>", _line_list(lines)]
+        parts += ["<h3>Source lines and what they became</h3>", source_view.line_list(lines)]
         links = [f'<a href="{_e(self._href(found["folder"] / name))}">{_e(name)}</a>'
                  for name in sorted(os.listdir(found["folder"]))
                  if name.startswith(found["name"] + ".")]
@@ -396,67 +397,6 @@ class _Page:
 def _display_name(kernel_name: str) -> str:
     # short_name stops at the first '(', which an anonymous namespace puts mid-name.
     return short_name(kernel_name.replace("(anonymous namespace)::", ""))
-
-
-def _badges(entry) -> str:
-    if not entry:
-        return ""
-    classes, inlined = entry["classes"], entry["inlined"]
-    shown = [(classes.get("matrix"), "mma", "b-mma"), (classes.get("exp2"), "ex2", "b-exp"),
-             (classes.get("global loads"), "ld", "b-mem"),
-             (classes.get("global stores"), "st", "b-mem"),
-             (inlined.get("matrix"), "mma inlined", "b-call")]
-    return "".join(f'<span class="badge {css}">{n} {label}</span>' for n, label, css in shown if n)
-
-
-def _source_html(source: str, lines: dict) -> str:
-    """The source, highlighted line by line, with an anchor per line and the PTX badges.
-    HtmlFormatter closes its spans at each line end, so its output splits into lines."""
-    from pygments import highlight
-    from pygments.formatters import HtmlFormatter
-    from pygments.lexers import PythonLexer
-
-    code = highlight(source, PythonLexer(), HtmlFormatter(nowrap=True)).split("\n")
-    # From the first jit function on (@triton.jit, or @gluon.jit in the Hopper kernel): the
-    # module docstring and imports compile to nothing.
-    first = next((i for i, line in enumerate(source.splitlines())
-                  if re.match(r"@(triton|gluon)\.jit", line)), 0)
-    rows = []
-    for number, text in enumerate(code[first:source.count("\n") + 1], first + 1):
-        entry = lines.get(number)
-        hot = " hot" if entry and entry["classes"].get("matrix") else ""
-        badges = _badges(entry)
-        if badges:
-            badges = f'<a href="#ptx-L{number}">{badges}</a>'
-        rows.append(f'<tr id="src-L{number}" class="line{hot}"><td class="ln">{number}</td>'
-                    f'<td class="bd">{badges}</td><td class="code">{text}</td></tr>')
-    return f'<table class="src">{"".join(rows)}</table>'
-
-
-def _line_list(lines: dict) -> str:
-    """Source lines that became matrix or exp2 instructions, or call inlined code that did,
-    each with the PTX attributed to it."""
-    picked = [(n, e) for n, e in sorted(lines.items())
-              if e["classes"].get("matrix") or e["classes"].get("exp2")
-              or e["inlined"].get("matrix")]
-    if not picked:
-        return _note("the PTX carries no line info for this source file (TRITON_DISABLE_LINE_INFO "
-                     "set?), or none of its lines became matrix or exp2 instructions")
-    items = []
-    for number, entry in picked:
-        what = "; ".join(filter(None, (
-            ", ".join(f"{n} {cls}" for cls, n in entry["classes"].most_common()),
-            "call site of inlined code: " + ", ".join(
-                f"{n} {cls}" for cls, n in entry["inlined"].most_common())
-            if entry["inlined"] else "")))
-        shown = entry["instructions"][:MAX_PTX_SHOWN]
-        more = len(entry["instructions"]) - len(shown)
-        listing = _e("\n".join(shown) + (f"\n... {more} more" if more > 0 else ""))
-        items.append(f'<li id="ptx-L{number}"><a href="#src-L{number}">line {number}</a>: '
-                     f"{_e(what)}"
-                     + (f"<details><summary>PTX</summary><pre>{listing}</pre></details>"
-                        if shown else "") + "</li>")
-    return f'<ul class="lines">{"".join(items)}</ul>'
 
 
 UNITS = ("Units: times in microseconds per forward (CUDA us/fwd: busy GPU time, the sum of the "

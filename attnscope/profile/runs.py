@@ -17,9 +17,9 @@ alive (same host, pid gone) is taken over.
 Readers (`report`, `ncu`) call `resolve()`: `OUT/latest` when there is one, else OUT itself, so
 the flat folders written before run folders existed (tests/data, results/h200/compare) still read.
 
-`write_bytes()`, `write_text()` and `write_json()` are the one atomic write of the package: the new content goes to
-a temporary file beside the target, then replaces it in one step, so an interrupted write leaves
-the previous file whole.
+`write_bytes()`, `write_text()` and `write_json()` are the package's one atomic write: the new
+content goes to a temporary file beside the target, then replaces it in one step, so an
+interrupted write leaves the previous file whole.
 """
 
 from __future__ import annotations

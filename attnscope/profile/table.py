@@ -12,6 +12,7 @@ CPU_NOTE = ("note: running on the CPU (no CUDA device requested or present): GPU
             "and the fused kernel runs through the Triton interpreter, so its CPU time is the "
             "interpreter's.")
 
+
 def evidence_text(verdict: dict) -> str:
     """One line saying how a kernel's Tensor Core verdict is known, with its figures."""
     evidence = verdict.get("evidence", "name")
