@@ -432,3 +432,41 @@ def test_rows_record_the_versions(fakes, tmp_path):
     assert (doc["env"]["torch"], doc["env"]["triton"]) == (torch.__version__, triton.__version__)
     assert all((r["torch"], r["triton"]) == (torch.__version__, triton.__version__)
                for r in doc["rows"])
+
+
+# --- the wide sweep -----------------------------------------------------------------------------
+
+def test_wide_sweep_deals_every_axis_by_rule():
+    wide = sweeps.SWEEPS["wide"]
+    assert len(wide) == 60  # 6 head_dims x 10 lengths, each once
+    assert {(c.head_dim, c.seq) for c in wide} == {
+        (d, s) for d in sweeps.WIDE_HEAD_DIMS for s in sweeps.WIDE_LENGTHS}
+    assert any(s % 128 for s in sweeps.WIDE_LENGTHS) and max(sweeps.WIDE_LENGTHS) == 16384
+
+    def fill(c):  # "under": fewer query tiles of 128 than 132 SMs, where the length allows it
+        return "under" if c.batch * c.heads == 8 else "over"
+    axes = {"d": lambda c: c.head_dim, "seq": lambda c: c.seq,
+            "ratio": lambda c: c.heads // c.kv_heads, "fill": fill, "dtype": lambda c: c.dtype}
+    values = {name: {f(c) for c in wide} for name, f in axes.items()}
+    assert values["ratio"] == {1, 4, 8} and values["dtype"] == {"bf16", "fp16"}
+    # Every pair of axes that the rule promises meets in every combination.
+    for a, b in [("d", "ratio"), ("d", "fill"), ("d", "dtype"), ("seq", "fill"),
+                 ("seq", "dtype"), ("ratio", "fill"), ("ratio", "dtype"), ("fill", "dtype")]:
+        met = {(axes[a](c), axes[b](c)) for c in wide}
+        assert len(met) == len(values[a]) * len(values[b]), (a, b)
+    for c in wide:
+        assert c.heads % c.kv_heads == 0
+        if fill(c) == "under" and c.seq <= 2048:
+            assert c.batch * c.heads * -(-c.seq // 128) < 132  # fewer tiles than SMs
+        assert c.batch * c.heads * c.seq <= sweeps.WIDE_TOKENS  # q of 1 GiB at most (d 256)
+
+
+def test_a_case_dtype_wins_over_the_flag(fakes, tmp_path, monkeypatch):
+    monkeypatch.setitem(sweeps.SWEEPS, "typed", (sweeps.case(1, 2, 16, 16, dtype="fp16"),
+                                                 sweeps.case(1, 2, 16, 16)))
+    out = tmp_path / "b.json"
+    assert bench.run(_parse("--sweep", "typed", "--impl", "peer_fast", "--dtype", "fp32",
+                            "--json", str(out), *FAST)) == 0
+    doc = json.loads(out.read_text())
+    assert [r["dtype"] for r in doc["rows"]] == ["fp16", "fp32"]
+    assert [c["dtype"] for c in doc["cases"]] == ["fp16", None]

@@ -22,6 +22,7 @@ and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C kee
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -286,7 +287,8 @@ def add_arguments(parser) -> None:
                         help="implementations to time, in this order (default: every registered "
                         "one; `attnscope list` names them)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
-                        help="input dtype (default: bf16 on CUDA, as in the peers' measurements; "
+                        help="input dtype of the shapes that name none (the wide sweep's name "
+                        "theirs) (default: bf16 on CUDA, as in the peers' measurements; "
                         "fp32 on the CPU, where the Triton interpreter gets bf16 wrong)")
     parser.add_argument("--no-causal", dest="causal", action="store_false",
                         help="full attention instead of causal; entries whose prepare() takes no "
@@ -371,6 +373,8 @@ def _with_grad(qkv):
 
 def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
     """Rows of one shape, one per implementation, all on the same inputs and reference."""
+    if case.dtype:  # the wide sweep's cases carry their own dtype
+        ctx = dataclasses.replace(ctx, dtype=case.dtype)
     dtype = DTYPES[ctx.dtype]
     q_bytes = case.batch * case.heads * case.seq * case.head_dim * dtype.itemsize
     set_bytes = 2 * q_bytes + 2 * q_bytes * case.kv_heads // case.heads  # q, out, k, v
@@ -388,9 +392,13 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
             torch.cuda.empty_cache()  # the next entry starts from the same free memory
 
 
-def _header(env: dict, sweep: str, device: torch.device, l2_bytes: int | None, args) -> dict:
+def _header(env: dict, sweep: str, cases, device: torch.device, l2_bytes: int | None,
+            args) -> dict:
     return {
         "env": env, "command": list(sys.argv), "sweep": sweep, "device": device.type,
+        # The torch/Triton pair every row ran on (each row repeats it), and the swept shapes.
+        "torch": env.get("torch"), "triton": env.get("triton"),
+        "cases": [dataclasses.asdict(c) for c in cases],
         "mode": args.mode, "timed": MODE_TIMED[args.mode],
         "timing": timing_block(device, l2_bytes, args),
         "first_call": "first_call_ms: wall time of the first forward() on that shape in this "
@@ -434,7 +442,7 @@ def run(args) -> int:
         warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
         env=env,
         available={impl.name: _available(impl, device) for impl in impls})
-    header = _header(env, sweep, device, l2_bytes, args)
+    header = _header(env, sweep, cases, device, l2_bytes, args)
     time_label = "median ms" if device.type == "cuda" else "CPU wall ms"
     total = len(cases) * len(impls)
     print(f"bench: sweep {sweep!r}, {len(cases)} shapes x {len(impls)} implementations, "
