@@ -137,6 +137,12 @@ def test_ctrl_c_keeps_finished_rows(tmp_path, monkeypatch, capsys):
     assert not (out / runs.LOCK).exists()  # released on the way out
     err = capsys.readouterr().err
     assert "interrupted: 1 finished rows kept" in err and "marked incomplete" in err
+    # report points at the interrupted run, and reports it (marked incomplete) when given it.
+    assert main(["report", str(out)]) == 2
+    assert "no complete run in" in capsys.readouterr().err
+    [folder] = (out / runs.RUNS).iterdir()
+    assert main(["report", str(folder)]) == 0
+    assert "incomplete run: 1 rows" in (folder / "report.html").read_text()
 
 
 def test_compare_fwd_bwd_traces_the_backward(tmp_path, monkeypatch):

@@ -82,6 +82,11 @@ def write_report(folder, output) -> Path:
     try:
         results = json.loads((folder / runs.RESULTS).read_text())
     except OSError as e:
+        unfinished = sorted((folder / runs.RUNS).glob(f"*/{runs.RESULTS}"))
+        if unfinished:  # an --out folder whose runs were all interrupted
+            raise ReportError(f"no complete run in {folder}: {len(unfinished)} interrupted "
+                              f"one(s) under {folder / runs.RUNS}; pass one of those folders to "
+                              f"report its finished rows") from None
         raise ReportError(f"no results.json in {folder} ({e.strerror or e}); run "
                           f"`python -m attnscope.profile compare --out {folder}` first") from None
     except json.JSONDecodeError as e:

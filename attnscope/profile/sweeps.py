@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from attnscope.profile.inputs import SHAPES
+
 
 @dataclass(frozen=True)
 class Case:
@@ -69,7 +71,7 @@ SWEEPS: dict[str, tuple[Case, ...]] = {
         case(4, 32, 4096, 128, kv_heads=8),
     ),
     # The blog's shape (04_*.py defaults).
-    "seed": (case(8, 16, 1024, 64),),
+    "seed": (case(*SHAPES["cuda"]),),
     # Seconds on a CPU, the fused op included (Triton interpreter); 96 is no power of two on
     # purpose, and one GQA shape keeps that path in the smoke run.
     "cpu": (
