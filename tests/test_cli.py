@@ -279,3 +279,20 @@ def test_ctrl_c_during_start_up_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert main(["compare"]) == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.cuda
+def test_plain_compare_judges_flex_by_its_compiled_code_and_analyze_agrees(tmp_path, capsys):
+    """On the GPU: FlexAttention's Triton kernel gets SASS/PTX evidence in a plain compare (no
+    ncu), and `analyze` on the trace compare wrote gives the same verdict and evidence."""
+    out = tmp_path / "out"
+    assert main(["compare", "--device", "cuda", "--impl", "flex", "naive", "--out", str(out)]) == 0
+    rows = {r["impl"]: r for r in _results(out)["rows"]}
+    assert rows["flex"]["status"] == "ok", rows["flex"]["reason"]
+    flex = next(k for k in rows["flex"]["kernels"] if "flex_attention" in k["name"])
+    assert flex["tensor_cores"]["evidence"] in ("sass", "ptx"), flex["tensor_cores"]
+    assert flex["tensor_cores"]["verdict"] == "yes"
+    for impl in ("flex", "naive"):
+        analysed = analyze_file(rows[impl]["trace"])["ranges"][impl]["kernels"]
+        assert [k["tensor_cores"] for k in analysed] == [
+            k["tensor_cores"] for k in rows[impl]["kernels"]], impl
