@@ -296,3 +296,15 @@ def test_plain_compare_judges_flex_by_its_compiled_code_and_analyze_agrees(tmp_p
         analysed = analyze_file(rows[impl]["trace"])["ranges"][impl]["kernels"]
         assert [k["tensor_cores"] for k in analysed] == [
             k["tensor_cores"] for k in rows[impl]["kernels"]], impl
+
+
+def test_an_implementations_own_os_error_is_its_row(tmp_path, monkeypatch):
+    # A missing file of the implementation's own (ENOENT) is not the out folder failing.
+    monkeypatch.setitem(IMPLEMENTATIONS, "lost", _fake("lost", _raise(
+        FileNotFoundError(errno.ENOENT, "No such file or directory", "/nowhere/kernel.so"))))
+    monkeypatch.setitem(IMPLEMENTATIONS, "quick", _fake("quick", lambda q, k, v: lambda: q * 2))
+    out = tmp_path / "out"
+    assert main([*TINY, "--impl", "lost", "quick", "--out", str(out)]) == 0
+    rows = {r["impl"]: r for r in _results(out)["rows"]}
+    assert rows["lost"]["status"] == "error" and "FileNotFoundError" in rows["lost"]["reason"]
+    assert rows["quick"]["status"] == "ok"

@@ -119,8 +119,10 @@ def profile_one(impl, q, k, v, reference, out: Path, device, dtype_name, env, mo
         return {**row, "status": "unavailable", "reason": reason}
     try:
         cap = capture(impl, q, k, v, out, mode)
-    except OSError:
-        raise  # the out folder, not the implementation: the run cannot go on
+    except OSError as exc:
+        if runs.cannot_write(exc, out):
+            raise  # the out folder, not the implementation: the run cannot go on
+        return {**row, "status": _classify(exc), "reason": _first_line(exc)}
     except Exception as exc:  # noqa: BLE001 - any failure becomes this row's status
         return {**row, "status": _classify(exc), "reason": _first_line(exc)}
     analysis = analyze_file(cap.trace, [impl.name])["ranges"][impl.name]

@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 RUNS = "runs"
@@ -60,6 +61,23 @@ def write_text(path, text: str) -> None:
 
 def write_json(path, data, indent: int = 1) -> None:
     write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+# An OSError with one of these means the disk or the folder refuses writes, not that a profiled
+# implementation failed (a missing kernel file, say, is the implementation's ENOENT).
+_UNWRITABLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def cannot_write(exc: OSError, folder) -> bool:
+    """Whether `exc` means `folder` can no longer be written: an errno of a full disk, a quota,
+    a read-only or forbidden place, or a folder where an empty file can no longer be made."""
+    if exc.errno in _UNWRITABLE:
+        return True
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return False
+    except OSError:
+        return True
 
 
 def resolve(folder) -> Path:
