@@ -507,6 +507,13 @@ def test_ncu_merge_by_launch_order(tmp_path):
             assert (v["evidence"], v["matched_by"]) == ("counters", "launch order"), k["name"]
             assert ncu._name_key(v["ncu_kernel"]) == ncu._name_key(k["name"])
     assert rows["sdpa_math"]["tensor_cores"] == {"verdict": "no", "evidence": "counters"}
+    # The traces beside it carry the merged verdicts: analyze says what the table says.
+    from attnscope.profile.trace import analyze_file
+    for impl in NCU_IMPLS:
+        trace = next((tmp_path / impl).glob("*.json.gz"))
+        analysed = analyze_file(trace)["ranges"][impl]["kernels"]
+        assert {k["name"]: k["tensor_cores"] for k in analysed} == {
+            k["name"]: k["tensor_cores"] for k in rows[impl]["kernels"]}, impl
 
 
 def test_ncu_run_cut_short_keeps_the_implementations_it_finished(tmp_path, monkeypatch):

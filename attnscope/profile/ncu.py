@@ -323,7 +323,27 @@ def merge_into_results(path: Path, verdicts: dict[str, dict[str, dict]],
                 evidence = {**counters[ncu_name], "ncu_kernel": ncu_name, "matched_by": how}
                 kernel["tensor_cores"] = tc.combine(evidence, kernel.get("tensor_cores"))
         row["tensor_cores"] = tc.forward_summary(row["kernels"])
+        _annotate_trace(path.parent, row)
     runs.write_json(path, data, indent=2)
+
+
+def _annotate_trace(folder: Path, row: dict) -> None:
+    """Write the merged verdicts into the row's trace too, so `analyze` on it says what the
+    table says (the trace is left alone when it is not found or not readable)."""
+    from attnscope.profile.table import evidence_text
+    from attnscope.profile.trace import (EVIDENCE_LINE_ARG, VERDICT_ARG, VERDICT_LINE_ARG,
+                                         TraceError, annotate_kernels, find_row_trace)
+
+    trace = find_row_trace(folder, row)
+    if trace is None:
+        return
+    fields = {k["name"]: {VERDICT_LINE_ARG: k["tensor_cores"]["verdict"],
+                          EVIDENCE_LINE_ARG: evidence_text(k["tensor_cores"]),
+                          VERDICT_ARG: k["tensor_cores"]} for k in row["kernels"]}
+    try:
+        annotate_kernels(trace, fields)
+    except TraceError:
+        pass
 
 
 def run_target(args: argparse.Namespace) -> int:
