@@ -41,6 +41,8 @@ from attnscope.profile.env import collect_env
 from attnscope.profile.flops import attention_flops
 from attnscope.profile.inputs import (DEFAULT_DTYPE, DTYPES, make_inputs, resolve_device,
                                       resolve_impls)
+from attnscope.profile.memory import (SCORE_BYTES, SCORE_MEMORY_FRACTION, free_memory,
+                                      score_memory_skip)
 from attnscope.profile.metrics import (REF_MEMORY_FRACTION, max_abs_error, pct_of_peak,
                                        reference_output, tflops)
 from attnscope.profile.sweeps import SWEEPS, Case, resolve_sweep
@@ -50,33 +52,7 @@ from attnscope.profile.timing import DEFAULT_L2_BYTES, input_sets, median_ms, sy
 HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
         "float64, first-call cost")
 
-# Entries that materialize the [B, H, S, S] scores (the registry's `materializes_scores`).
-# Budgeted at three live fp32 score tensors (scores, masked scores, probabilities; sdpa_math
-# upcasts bf16 to fp32, the eager ones hold fewer bytes, so it is an upper bound). Such an entry
-# is skipped when that exceeds half the free memory; the other half holds inputs, rotation sets,
-# the reference and allocator slack.
-SCORE_BYTES = 3 * 4
-SCORE_MEMORY_FRACTION = 0.5
-
 MODES = ("fwd", "bwd", "fwd_bwd")
-# A backward keeps the forward's saved scores/probabilities and builds their gradients next to
-# them: score materializers are budgeted at twice the forward's score memory in those modes.
-BACKWARD_SCORE_FACTOR = 2
-
-
-def score_memory_skip(impl, case: Case, free_bytes: int | None,
-                      mode: str = "fwd") -> str | None:
-    """Why `impl` is skipped at `case` (the memory estimate above), or None to run it."""
-    if not impl.materializes_scores or free_bytes is None:
-        return None
-    copies = 3 if mode == "fwd" else 3 * BACKWARD_SCORE_FACTOR
-    need = case.batch * case.heads * case.seq * case.seq * SCORE_BYTES // 3 * copies
-    if need <= SCORE_MEMORY_FRACTION * free_bytes:
-        return None
-    return (f"materializes [B,H,S,S] scores: estimated {need / 2**30:.1f} GiB ({copies} fp32 "
-            f"copies) > {SCORE_MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free")
-
-
 def _case_key(row: dict) -> tuple:
     return (tuple(row["shape"]), row["kv_heads"], row["dtype"], row["causal"], row["mode"])
 
@@ -114,15 +90,6 @@ def geomean_ratios(rows: list[dict]) -> dict[str, dict]:
                              math.exp(statistics.fmean(math.log(x) for x in ratios)),
                              "shapes": len(ratios)}
     return summary
-
-
-def _free_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not Linux: no estimate, nothing skipped
-        return None
 
 
 # --- one row ---------------------------------------------------------------------------------
@@ -351,7 +318,7 @@ MODE_TIMED = {
 
 
 def _reference_or_none(qkv, causal: bool, device: torch.device):
-    budget = REF_MEMORY_FRACTION * (_free_bytes(device) or 2**31)
+    budget = REF_MEMORY_FRACTION * (free_memory(device) or 2**31)
     try:
         with torch.no_grad():  # the backward modes run with grad enabled
             return reference_output(*qkv, causal=causal, budget_bytes=budget)
@@ -385,7 +352,7 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
     reference = _reference_or_none(inputs[0], ctx.causal, ctx.device)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # free memory must not count the reference's cached blocks
-    free = _free_bytes(ctx.device)
+    free = free_memory(ctx.device)
     for impl in impls:
         yield bench_one(ctx, case, impl, inputs, reference, free)
         if ctx.device.type == "cuda":
