@@ -12,7 +12,7 @@ import torch
 
 from attnscope.attention import registry
 from attnscope.attention.reference import attention_reference
-from attnscope.profile import bench
+from attnscope.profile import bench, metrics, sweeps, timing
 from attnscope.profile.flops import attention_flops
 
 
@@ -27,8 +27,10 @@ def _eager(q, k, v, causal=True):
     return lambda: attention_reference(q, k, v, causal=causal, dtype=q.dtype)
 
 
-def _impl(name, prepare, available=lambda device: (True, "runs")):
-    return registry.Implementation(name, f"fake {name}", "", available, prepare)
+def _impl(name, prepare, available=lambda device: (True, "runs"), gqa=True):
+    # "fused" stands for ours (the ratio's subject); every fake takes GQA inputs unless told not.
+    return registry.Implementation(name, f"fake {name}", "", available, prepare,
+                                   ours=name == "fused", gqa=gqa)
 
 
 def _no_gqa(q, k, v):
@@ -80,45 +82,46 @@ FAST = ("--device", "cpu", "--warmup-ms", "1", "--rep-ms", "5")
 # --- sweeps ---
 
 def test_default_sweep_is_the_issues():
-    shapes = [(c.batch, c.heads, c.seq, c.head_dim, c.kv_heads) for c in bench.SWEEPS["default"]]
+    shapes = [(c.batch, c.heads, c.seq, c.head_dim, c.kv_heads) for c in sweeps.SWEEPS["default"]]
     assert shapes[:6] == [(16, 16, 512, 64, 16), (8, 16, 1024, 64, 16), (4, 32, 4096, 64, 32),
                           (4, 32, 4096, 128, 32), (2, 16, 16384, 128, 16), (8, 16, 1024, 128, 16)]
-    gqa = [c for c in bench.SWEEPS["default"] if c.kv_heads != c.heads]
+    gqa = [c for c in sweeps.SWEEPS["default"] if c.kv_heads != c.heads]
     assert len(gqa) == 1 and gqa[0].heads % gqa[0].kv_heads == 0
-    assert [c.shape for c in bench.SWEEPS["seed"]] == [[8, 16, 1024, 64]]
+    assert [c.shape for c in sweeps.SWEEPS["seed"]] == [[8, 16, 1024, 64]]
 
 
 def test_cpu_sweep_is_small():
-    for c in bench.SWEEPS["cpu"]:
+    for c in sweeps.SWEEPS["cpu"]:
         assert c.batch * c.heads * c.seq * c.seq <= 2**18  # eager scores stay tiny on 2 cores
         assert c.heads % c.kv_heads == 0
 
 
 def test_kv_heads_override_replaces_every_shape_and_checks_divisibility():
-    cases = bench.resolve_sweep("default", 1)
+    cases = sweeps.resolve_sweep("default", 1)
     assert {c.kv_heads for c in cases} == {1}
     # the two (4,32,4096,128) shapes differ only in kv_heads, so the override merges them
-    assert len(cases) == len(bench.SWEEPS["default"]) - 1
+    assert len(cases) == len(sweeps.SWEEPS["default"]) - 1
     with pytest.raises(ValueError, match="must divide"):
-        bench.resolve_sweep("default", 3)
+        sweeps.resolve_sweep("default", 3)
 
 
 def test_input_sets_exceed_l2():
     l2 = 60 * 10**6
     for set_bytes in (10**6, 48 * 2**20, 200 * 2**20):
-        n = bench.input_sets(set_bytes, l2)
-        assert (n - 1) * set_bytes >= l2 or n == bench.MAX_INPUT_SETS
-    assert bench.input_sets(400 * 2**20, l2) == 2
-    assert bench.input_sets(1000, l2) == bench.MAX_INPUT_SETS
+        n = timing.input_sets(set_bytes, l2)
+        assert (n - 1) * set_bytes >= l2 or n == timing.MAX_INPUT_SETS
+    assert timing.input_sets(400 * 2**20, l2) == 2
+    assert timing.input_sets(1000, l2) == timing.MAX_INPUT_SETS
 
 
 def test_memory_skip_only_score_materializers_at_long_sequences():
     free = 140 * 2**30  # an H200
-    long, short = bench._case(2, 16, 16384, 128), bench._case(4, 32, 4096, 128)
-    assert "GiB" in bench.score_memory_skip("naive", long, free)
-    assert bench.score_memory_skip("sdpa_math", short, free) is None
-    assert bench.score_memory_skip("sdpa_cudnn", long, free) is None
-    assert bench.score_memory_skip("naive", long, None) is None
+    long, short = sweeps.case(2, 16, 16384, 128), sweeps.case(4, 32, 4096, 128)
+    naive, math_, cudnn = map(registry.get, ("naive", "sdpa_math", "sdpa_cudnn"))
+    assert "GiB" in bench.score_memory_skip(naive, long, free)
+    assert bench.score_memory_skip(math_, short, free) is None
+    assert bench.score_memory_skip(cudnn, long, free) is None
+    assert bench.score_memory_skip(naive, long, None) is None
 
 
 # --- ratio ---
@@ -152,15 +155,15 @@ def test_geomean_over_shapes():
 # --- reference ---
 
 @pytest.mark.parametrize("budget, rows, chunk", [
-    (3 * 40 * bench.REF_BYTES_PER_SCORE, 3, 1),  # one head is over budget: its last 3 rows
-    (3 * 40 * 40 * bench.REF_BYTES_PER_SCORE, 40, 3),  # 3 whole heads at a time, 8 = 3+3+2
+    (3 * 40 * metrics.REF_BYTES_PER_SCORE, 3, 1),  # one head is over budget: its last 3 rows
+    (3 * 40 * 40 * metrics.REF_BYTES_PER_SCORE, 40, 3),  # 3 whole heads at a time, 8 = 3+3+2
 ])
 def test_reference_slices_and_chunks_exactly(budget, rows, chunk):
     torch.manual_seed(0)
     # GQA (4 query heads on 2 K/V heads) so the K/V head of every flattened query head is checked
     q = torch.randn(2, 4, 40, 16)
     k, v = torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
-    ref, region = bench.reference_output(q, k, v, causal=True, budget_bytes=budget)
+    ref, region = metrics.reference_output(q, k, v, causal=True, budget_bytes=budget)
     assert region == {"batch_heads": 8, "query_rows": [40 - rows, 40], "chunk_batch_heads": chunk}
     full = attention_reference(q, k, v, causal=True)
     torch.testing.assert_close(ref, full[:, :, 40 - rows:], rtol=0, atol=1e-12)
@@ -176,7 +179,7 @@ def test_cpu_run_writes_rows_with_the_schema(fakes, tmp_path, capsys):
     assert doc["sweep"] == "cpu" and doc["complete"] is True
     assert "CPU wall time" in doc["timing"]["timer"]
     rows = doc["rows"]
-    assert len(rows) == len(bench.SWEEPS["cpu"]) * len(fakes)
+    assert len(rows) == len(sweeps.SWEEPS["cpu"]) * len(fakes)
     by = {(r["impl"], r["kv_heads"] != r["shape"][1]): r for r in rows}
     for gqa in (False, True):
         fused, slow = by["fused", gqa], by["peer_slow", gqa]
@@ -217,16 +220,18 @@ def test_no_causal_needs_a_causal_argument(fakes, tmp_path):
     assert fused["causal"] is False and 0 < fused["error"] < 0.05  # compared with full attention
 
 
-def test_gqa_failure_is_unsupported_for_peers_and_failed_for_ours(fakes, tmp_path):
+def test_gqa_is_unsupported_without_the_field_and_a_failure_where_claimed(fakes, tmp_path):
+    # The registry's gqa field decides, not the name: an entry that claims GQA and breaks on it
+    # failed; one that does not claim it is never called with GQA inputs.
     fakes["fused"] = _impl("fused", _broadcasting)
-    fakes["peer_broadcast"] = _impl("peer_broadcast", _broadcasting)
+    fakes["peer_broadcast"] = _impl("peer_broadcast", _broadcasting, gqa=False)
     out = tmp_path / "b.json"
     args = _parse("--sweep", "cpu", "--impl", "peer_broadcast", "fused", "--json", str(out), *FAST)
     assert bench.run(args) == 0
     gqa = [r for r in json.loads(out.read_text())["rows"] if r["kv_heads"] != r["shape"][1]]
     assert [(r["impl"], r["status"]) for r in gqa] == [("peer_broadcast", "unsupported"),
                                                        ("fused", "failed")]
-    assert all("RuntimeError" in r["reason"] for r in gqa)
+    assert "gqa field" in gqa[0]["reason"] and "RuntimeError" in gqa[1]["reason"]
 
 
 @pytest.mark.parametrize("argv, names", [
@@ -321,7 +326,7 @@ def test_backward_modes_time_the_pass_they_name(fakes, tmp_path, mode):
     assert doc["mode"] == mode and "autograd.grad" in doc["timed"]
     rows = {(r["impl"], tuple(r["shape"])): r for r in doc["rows"]}
     sleep_ms = SLEEP_S * 1e3
-    for case in bench.SWEEPS["cpu"]:
+    for case in sweeps.SWEEPS["cpu"]:
         shape = tuple(case.shape)
         slow_fwd, slow_bwd, fused = (rows[name, shape] for name in ("peer_slow_fwd",
                                                                      "peer_slow_bwd", "fused"))
@@ -339,12 +344,12 @@ def test_backward_modes_time_the_pass_they_name(fakes, tmp_path, mode):
         no_graph = rows["peer_no_graph", shape]
         assert no_graph["status"] == "unsupported" and "autograd graph" in no_graph["reason"]
     # every timed call ran a backward: first call, warm-up and >= MIN_CPU_REPEATS per shape
-    assert _SlowBackward.calls >= len(bench.SWEEPS["cpu"]) * (bench.MIN_CPU_REPEATS + 2)
+    assert _SlowBackward.calls >= len(sweeps.SWEEPS["cpu"]) * (timing.MIN_CPU_REPEATS + 2)
 
 
 def test_backward_gradients_are_the_references():
     # What "bwd" times returns the gradients of the prepared forward on its own inputs.
-    q, k, v = bench._with_grad(bench._make_inputs(bench._case(1, 2, 16, 16), torch.float32,
+    q, k, v = bench._with_grad(bench._make_inputs(sweeps.case(1, 2, 16, 16), torch.float32,
                                                   torch.device("cpu"), 0))
     forward = _eager(q, k, v)
     out = forward()
@@ -359,10 +364,11 @@ def test_backward_gradients_are_the_references():
 
 
 def test_backward_modes_budget_more_score_memory():
-    case, free = bench._case(4, 32, 4096, 128), 64 * 2**30
-    assert bench.score_memory_skip("naive", case, free, "fwd") is None
-    assert "6 fp32 copies" in bench.score_memory_skip("naive", case, free, "bwd")
-    assert bench.score_memory_skip("sdpa_flash", case, free, "bwd") is None
+    case, free = sweeps.case(4, 32, 4096, 128), 64 * 2**30
+    naive, flash = registry.get("naive"), registry.get("sdpa_flash")
+    assert bench.score_memory_skip(naive, case, free, "fwd") is None
+    assert "6 fp32 copies" in bench.score_memory_skip(naive, case, free, "bwd")
+    assert bench.score_memory_skip(flash, case, free, "bwd") is None
 
 
 def test_unknown_mode_is_refused():
@@ -381,3 +387,86 @@ def test_real_entries_on_cpu(tmp_path, causal):
     assert {r["dtype"] for r in rows} == {"fp32"}
     assert all(r["status"] == "ok" and r["causal"] is causal for r in rows)
     assert all(r["error"] < 1e-5 for r in rows)
+
+
+# --- refusals before any timing -----------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, says", [
+    (("--warmup-ms", "-5", "--rep-ms", "-1"), "--warmup-ms must be >= 0 and --rep-ms > 0"),
+    (("--rep-ms", "0"), "--rep-ms > 0"),
+])
+def test_negative_or_zero_timing_is_refused(fakes, capsys, argv, says):
+    assert bench.run(_parse("--device", "cpu", *argv)) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["directory", "under_a_file"])
+def test_unwritable_json_is_refused_before_timing(fakes, tmp_path, capsys, monkeypatch, where):
+    monkeypatch.setattr(bench, "_case_rows", lambda *a: pytest.fail("timed anyway"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")  # a path under a file cannot be created, even by root
+    path = tmp_path if where == "directory" else blocker / "bench.json"
+    assert bench.run(_parse("--sweep", "cpu", "--json", str(path), *FAST)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench: error: ") and len(err.splitlines()) == 1
+    assert ("is a directory" if where == "directory" else "cannot write --json") in err
+
+
+def test_json_unwritable_mid_run_is_one_line(fakes, tmp_path, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(bench.runs, "write_text", full)
+    out = tmp_path / "b.json"
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "peer_fast", "--json", str(out),
+                            *FAST)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"bench: error: cannot write --json {out}: No space left")
+
+
+def test_rows_record_the_versions(fakes, tmp_path):
+    out = tmp_path / "b.json"
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "peer_fast", "--json", str(out),
+                            *FAST)) == 0
+    doc = json.loads(out.read_text())
+    import triton
+    assert (doc["env"]["torch"], doc["env"]["triton"]) == (torch.__version__, triton.__version__)
+    assert all((r["torch"], r["triton"]) == (torch.__version__, triton.__version__)
+               for r in doc["rows"])
+
+
+# --- the wide sweep -----------------------------------------------------------------------------
+
+def test_wide_sweep_deals_every_axis_by_rule():
+    wide = sweeps.SWEEPS["wide"]
+    assert len(wide) == 60  # 6 head_dims x 10 lengths, each once
+    assert {(c.head_dim, c.seq) for c in wide} == {
+        (d, s) for d in sweeps.WIDE_HEAD_DIMS for s in sweeps.WIDE_LENGTHS}
+    assert any(s % 128 for s in sweeps.WIDE_LENGTHS) and max(sweeps.WIDE_LENGTHS) == 16384
+
+    def fill(c):  # "under": fewer query tiles of 128 than 132 SMs, where the length allows it
+        return "under" if c.batch * c.heads == 8 else "over"
+    axes = {"d": lambda c: c.head_dim, "seq": lambda c: c.seq,
+            "ratio": lambda c: c.heads // c.kv_heads, "fill": fill, "dtype": lambda c: c.dtype}
+    values = {name: {f(c) for c in wide} for name, f in axes.items()}
+    assert values["ratio"] == {1, 4, 8} and values["dtype"] == {"bf16", "fp16"}
+    # Every pair of axes that the rule promises meets in every combination.
+    for a, b in [("d", "ratio"), ("d", "fill"), ("d", "dtype"), ("seq", "fill"),
+                 ("seq", "dtype"), ("ratio", "fill"), ("ratio", "dtype"), ("fill", "dtype")]:
+        met = {(axes[a](c), axes[b](c)) for c in wide}
+        assert len(met) == len(values[a]) * len(values[b]), (a, b)
+    for c in wide:
+        assert c.heads % c.kv_heads == 0
+        if fill(c) == "under" and c.seq <= 2048:
+            assert c.batch * c.heads * -(-c.seq // 128) < 132  # fewer tiles than SMs
+        assert c.batch * c.heads * c.seq <= sweeps.WIDE_TOKENS  # q of 1 GiB at most (d 256)
+
+
+def test_a_case_dtype_wins_over_the_flag(fakes, tmp_path, monkeypatch):
+    monkeypatch.setitem(sweeps.SWEEPS, "typed", (sweeps.case(1, 2, 16, 16, dtype="fp16"),
+                                                 sweeps.case(1, 2, 16, 16)))
+    out = tmp_path / "b.json"
+    assert bench.run(_parse("--sweep", "typed", "--impl", "peer_fast", "--dtype", "fp32",
+                            "--json", str(out), *FAST)) == 0
+    doc = json.loads(out.read_text())
+    assert [r["dtype"] for r in doc["rows"]] == ["fp16", "fp32"]
+    assert [c["dtype"] for c in doc["cases"]] == ["fp16", None]

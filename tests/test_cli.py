@@ -1,21 +1,34 @@
 """The driver end to end on the CPU, at a tiny shape: list, compare, and its failure modes."""
 
+import errno
 import gzip
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from attnscope.attention import IMPLEMENTATIONS, Implementation
-from attnscope.profile import compare
+from attnscope.profile import cli, compare, runs
 from attnscope.profile.cli import main
+from attnscope.profile.table import CPU_NOTE
 from attnscope.profile.trace import analyze_file
 
 TINY = ["--device", "cpu", "--batch", "1", "--heads", "2", "--seq", "24", "--head-dim", "16"]
 
 
 def _results(out):
-    return json.loads((out / "results.json").read_text())
+    """The last complete run's results (what `report` and `ncu` read)."""
+    return json.loads((out / runs.LATEST / runs.RESULTS).read_text())
+
+
+def _runs(out):
+    """Every run folder's results, oldest first."""
+    return [json.loads((f / runs.RESULTS).read_text())
+            for f in sorted((out / runs.RUNS).iterdir())]
 
 
 def test_list(capsys):
@@ -44,11 +57,12 @@ def test_compare_on_cpu(tmp_path, capsys):
         assert 0 < row["max_abs_error"] < 1e-5
         assert row["cpu_time_avg_us"] > 0
         assert row["kernels_per_forward"] is None and row["tflops"] is None  # no GPU here
-    trace = out / "naive" / "1_2_24_16_naive.json.gz"
-    assert naive["trace"] == str(trace)
+    assert results["complete"] is True and len(_runs(out)) == 1
+    trace = out / runs.LATEST / "naive" / "1_2_24_16_naive.json.gz"
+    assert Path(naive["trace"]).resolve() == trace.resolve()
     assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     assert analyze_file(trace)["ranges"]["naive"]["forwards"] == 3
-    table = (out / "naive" / "1_2_24_16_naive.txt").read_text()
+    table = (out / runs.LATEST / "naive" / "1_2_24_16_naive.txt").read_text()
     assert "naive" in table and "Self CPU time total" in table
     printed = capsys.readouterr()
     assert "[1/3] naive ..." in printed.err
@@ -56,7 +70,7 @@ def test_compare_on_cpu(tmp_path, capsys):
     assert lines[0].split()[:3] == ["impl", "kernels/fwd", "GPU"]
     assert lines[2].startswith("naive") and " n/a " in lines[2] and lines[2].endswith("ok")
     assert lines[3].endswith("unavailable: cuDNN attention runs on CUDA only")
-    assert compare.CPU_NOTE in printed.out
+    assert CPU_NOTE in printed.out
 
 
 def _fake(name, prepare):
@@ -95,7 +109,7 @@ def test_unknown_implementation_lists_valid_names(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown implementation 'flash3'" in err
     assert "valid names: " + ", ".join(IMPLEMENTATIONS) in err
-    assert not (tmp_path / "results.json").exists()
+    assert not (tmp_path / runs.RUNS).exists()
 
 
 def test_unwritable_out_fails_before_profiling(tmp_path, monkeypatch, capsys):
@@ -116,9 +130,19 @@ def test_ctrl_c_keeps_finished_rows(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(compare, "capture", capture)
     out = tmp_path / "out"
     assert main([*TINY, "--impl", "naive", "sdpa_math", "sdpa_flash", "--out", str(out)]) == 130
-    rows = _results(out)["rows"]
-    assert [(r["impl"], r["status"]) for r in rows] == [("naive", "ok")]
-    assert "interrupted: 1 finished rows kept" in capsys.readouterr().err
+    [partial] = _runs(out)
+    assert [(r["impl"], r["status"]) for r in partial["rows"]] == [("naive", "ok")]
+    assert partial["complete"] is False
+    assert not (out / runs.LATEST).exists()  # no complete run yet: nothing to point at
+    assert not (out / runs.LOCK).exists()  # released on the way out
+    err = capsys.readouterr().err
+    assert "interrupted: 1 finished rows kept" in err and "marked incomplete" in err
+    # report points at the interrupted run, and reports it (marked incomplete) when given it.
+    assert main(["report", str(out)]) == 2
+    assert "no complete run in" in capsys.readouterr().err
+    [folder] = (out / runs.RUNS).iterdir()
+    assert main(["report", str(folder)]) == 0
+    assert "incomplete run: 1 rows" in (folder / "report.html").read_text()
 
 
 def test_compare_fwd_bwd_traces_the_backward(tmp_path, monkeypatch):
@@ -138,3 +162,149 @@ def test_compare_fwd_bwd_traces_the_backward(tmp_path, monkeypatch):
     with gzip.open(naive["trace"], "rt") as f:
         names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
     assert any("Backward" in n for n in names)
+
+
+# --- an earlier complete run is never lost ------------------------------------------------------
+
+@pytest.fixture
+def complete_run(tmp_path, monkeypatch):
+    """An --out folder holding one complete run of the cheap fake `quick` (and its report)."""
+    monkeypatch.setitem(IMPLEMENTATIONS, "quick", _fake("quick", lambda q, k, v: lambda: q * 2))
+    out = tmp_path / "out"
+    assert main([*TINY, "--impl", "quick", "--out", str(out), "--report"]) == 0
+    first = (out / runs.LATEST).resolve()
+    return out, first, (first / runs.RESULTS).read_text(), (first / "report.html").read_text()
+
+
+def _assert_untouched(out, first, results, page):
+    """`latest` still names the first run, whose results, report and trace are as written."""
+    assert (out / runs.LATEST).resolve() == first
+    assert (first / runs.RESULTS).read_text() == results
+    assert (first / "report.html").read_text() == page
+    [row] = json.loads(results)["rows"]
+    assert analyze_file(row["trace"])["ranges"]["quick"]["forwards"] == 3
+
+
+def test_interrupted_rerun_keeps_the_complete_run(complete_run, monkeypatch, capsys):
+    out, *before = complete_run
+    real_capture = compare.capture
+
+    def capture(impl, *args):
+        if impl.name == "naive":
+            raise KeyboardInterrupt  # Ctrl-C during the second implementation
+        return real_capture(impl, *args)
+    monkeypatch.setattr(compare, "capture", capture)
+    assert main([*TINY, "--impl", "quick", "naive", "--out", str(out), "--report"]) == 130
+    _assert_untouched(out, *before)
+    first, partial = _runs(out)
+    assert [r["impl"] for r in partial["rows"]] == ["quick"] and partial["complete"] is False
+    assert "still names the last complete run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, error", [
+    ("results", OSError(errno.ENOSPC, "No space left on device")),  # a full disk
+    ("trace", PermissionError(errno.EACCES, "Permission denied")),  # the folder turned read-only
+])
+def test_failed_write_mid_run_is_one_line_and_keeps_the_complete_run(
+        complete_run, monkeypatch, capsys, where, error):
+    out, *before = complete_run
+    if where == "results":
+        real_write, calls = runs.write_json, []
+
+        def write_json(path, data, indent=1):
+            calls.append(path)
+            if len(calls) == 2:  # the header went out; the first row's write fails
+                raise error
+            real_write(path, data, indent)
+        monkeypatch.setattr(runs, "write_json", write_json)
+    else:
+        def capture(*args):
+            raise error
+        monkeypatch.setattr(compare, "capture", capture)
+    capsys.readouterr()
+    assert main([*TINY, "--impl", "quick", "--out", str(out), "--report"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1 and err[-1].startswith("attnscope compare: error: cannot write")
+    assert error.strerror in err[-1] and "Traceback" not in "\n".join(err)
+    _assert_untouched(out, *before)
+    assert not (out / runs.LOCK).exists()
+
+
+def test_a_second_run_into_a_busy_folder_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = {"pid": os.getpid(), "host": os.uname().nodename, "started": "2026-12-01T14:00:00",
+              "command": "attnscope compare --out out"}
+    (out / runs.LOCK).write_text(json.dumps(holder))  # this very process: alive
+    assert main([*TINY, "--impl", "naive", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"pid {os.getpid()}" in err and "2026-12-01T14:00:00" in err
+    assert "attnscope compare --out out" in err
+    assert not (out / runs.RUNS).exists()
+
+
+def test_a_dead_holder_does_not_keep_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setitem(IMPLEMENTATIONS, "quick", _fake("quick", lambda q, k, v: lambda: q * 2))
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    (out / runs.LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename,
+                                             "started": "x", "command": "killed"}))
+    assert main([*TINY, "--impl", "quick", "--out", str(out)]) == 0
+    assert _results(out)["complete"] is True and not (out / runs.LOCK).exists()
+
+
+def test_runs_in_one_second_get_their_own_folders(tmp_path, monkeypatch):
+    monkeypatch.setitem(IMPLEMENTATIONS, "quick", _fake("quick", lambda q, k, v: lambda: q * 2))
+    out = tmp_path / "out"
+    folders = []
+    for _ in range(2):
+        with runs.Run(out, ["test"]) as run:
+            folders.append(run.folder)
+    assert len(set(folders)) == 2 and all(f.is_dir() for f in folders)
+
+
+def test_an_implementation_named_twice_runs_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(IMPLEMENTATIONS, "quick", _fake("quick", lambda q, k, v: lambda: q * 2))
+    out = tmp_path / "out"
+    assert main([*TINY, "--impl", "quick", "naive", "quick", "--out", str(out)]) == 0
+    assert [r["impl"] for r in _results(out)["rows"]] == ["quick", "naive"]
+    assert "--impl names quick 2 times; it runs once" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_start_up_is_one_line(monkeypatch, capsys):
+    def interrupted():
+        raise KeyboardInterrupt  # as if Ctrl-C landed while the subcommands import torch
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["compare"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.cuda
+def test_plain_compare_judges_flex_by_its_compiled_code_and_analyze_agrees(tmp_path, capsys):
+    """On the GPU: FlexAttention's Triton kernel gets SASS/PTX evidence in a plain compare (no
+    ncu), and `analyze` on the trace compare wrote gives the same verdict and evidence."""
+    out = tmp_path / "out"
+    assert main(["compare", "--device", "cuda", "--impl", "flex", "naive", "--out", str(out)]) == 0
+    rows = {r["impl"]: r for r in _results(out)["rows"]}
+    assert rows["flex"]["status"] == "ok", rows["flex"]["reason"]
+    flex = next(k for k in rows["flex"]["kernels"] if "flex_attention" in k["name"])
+    assert flex["tensor_cores"]["evidence"] in ("sass", "ptx"), flex["tensor_cores"]
+    assert flex["tensor_cores"]["verdict"] == "yes"
+    for impl in ("flex", "naive"):
+        analysed = analyze_file(rows[impl]["trace"])["ranges"][impl]["kernels"]
+        assert [k["tensor_cores"] for k in analysed] == [
+            k["tensor_cores"] for k in rows[impl]["kernels"]], impl
+
+
+def test_an_implementations_own_os_error_is_its_row(tmp_path, monkeypatch):
+    # A missing file of the implementation's own (ENOENT) is not the out folder failing.
+    monkeypatch.setitem(IMPLEMENTATIONS, "lost", _fake("lost", _raise(
+        FileNotFoundError(errno.ENOENT, "No such file or directory", "/nowhere/kernel.so"))))
+    monkeypatch.setitem(IMPLEMENTATIONS, "quick", _fake("quick", lambda q, k, v: lambda: q * 2))
+    out = tmp_path / "out"
+    assert main([*TINY, "--impl", "lost", "quick", "--out", str(out)]) == 0
+    rows = {r["impl"]: r for r in _results(out)["rows"]}
+    assert rows["lost"]["status"] == "error" and "FileNotFoundError" in rows["lost"]["reason"]
+    assert rows["quick"]["status"] == "ok"

@@ -479,3 +479,35 @@ def test_analyze_a_trace_attnscope_did_not_write(tmp_path, capsys):
                 "memset_per_forward", "launch_apis", "main_kernel"):
         assert r[key] == original[key], key
     assert r["cuda_time_avg_us"] == pytest.approx(3194.246 / 3, abs=NS)
+
+
+# One verdict per kernel: what compare wrote into a trace is what analyze says.
+# The args an H200 `compare` wrote on `_attn_fwd` before the whole verdict was kept as well
+# (results/h200/compare/fused, round of record): two strings only.
+LEGACY_ARGS = {"attnscope tensor cores": "yes",
+               "attnscope evidence": "sass: 16 HGMMA, 60 FFMA, 68 MUFU.EX2 in 1536 instructions "
+                                     "(weaker tiers: name: unknown)"}
+
+
+@pytest.mark.parametrize("fields", ["legacy", "whole"])
+def test_analyze_reads_the_verdict_compare_wrote(tmp_path, capsys, fields):
+    from attnscope.profile import tensor_cores as tc
+    from attnscope.profile.table import evidence_text
+    from attnscope.profile.trace import VERDICT_ARG, annotate_kernels
+
+    trace = tmp_path / _trace("fused").name
+    trace.write_bytes(_trace("fused").read_bytes())
+    assert _analysis("fused")["ranges"]["fused"]["kernels"][0]["tensor_cores"]["verdict"] == (
+        "unknown")  # the name alone cannot tell
+    sass = {"verdict": "yes", "evidence": "sass", "other": {"name": "unknown"},
+            "counts": {"HGMMA": 16, "FFMA": 60, "MUFU.EX2": 68, "instructions": 1536}}
+    args = LEGACY_ARGS if fields == "legacy" else {**LEGACY_ARGS, VERDICT_ARG: sass}
+    assert annotate_kernels(trace, {"_attn_fwd": args}) == 3  # three profiled forwards
+    [kernel] = analyze_file(trace)["ranges"]["fused"]["kernels"]
+    verdict = kernel["tensor_cores"]
+    assert (verdict["verdict"], verdict["evidence"]) == ("yes", "sass")
+    assert verdict["counts"] == sass["counts"] and verdict["other"] == {"name": "unknown"}
+    assert evidence_text(verdict) == LEGACY_ARGS["attnscope evidence"]  # compare's own line
+    assert tc.forward_summary([kernel]) == {"verdict": "yes", "evidence": "sass"}
+    assert main(["analyze", str(trace)]) == 0
+    assert "  yes (sass)" in capsys.readouterr().out

@@ -14,15 +14,39 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-import torch
 
-from attnscope.profile import artifacts, compare, report
+from attnscope.attention import IMPLEMENTATIONS, Implementation
+from attnscope.attention.registry import CompiledKernel
+from attnscope.profile import artifacts, compare, compiled, report, runs
 from attnscope.profile import tensor_cores as tc
 from attnscope.profile.cli import main
-from attnscope.profile.trace import analyze_file, annotate_kernels, load_events
+from attnscope.profile.table import COLUMNS, CPU_NOTE
+from attnscope.profile.trace import VERDICT_ARG, analyze_file, annotate_kernels, load_events
 
 TINY = ["--device", "cpu", "--batch", "1", "--heads", "2", "--seq", "24", "--head-dim", "16"]
 CPU_IMPLS = ["naive", "sdpa_math", "fused"]
+KERNEL = "_attn_fwd"
+SOURCE_PATH = "attnscope/kernels/attention_fwd.py"
+# What an H200 `compare` wrote for the Triton forward at the seed shape (bf16): the source it
+# compiled (an older version of the kernel, kept because its PTX's line info refers to it), the
+# PTX, and the meta with the compiler's figures.
+H200_KERNEL = Path(__file__).parent / "data" / "h200_seed" / "fused" / "kernel"
+
+
+def _h200_record(ptx=None) -> CompiledKernel:
+    """The CompiledKernel record the fused entry would hand over for that launch, built from the
+    committed artifacts; `ptx` replaces the real PTX (the synthetic one below has known lines)."""
+    meta = json.loads((H200_KERNEL / f"{KERNEL}.meta.json").read_text())
+    compiled = meta["compiled"]
+    return CompiledKernel(
+        name=KERNEL, source_path=SOURCE_PATH,
+        source=gzip.decompress((H200_KERNEL / f"{KERNEL}.0.py.gz").read_bytes()).decode(),
+        config=meta["config"],
+        asm={"ptx": ptx or gzip.decompress((H200_KERNEL / f"{KERNEL}.4.ptx.gz").read_bytes())
+             .decode()},
+        metadata={"n_regs": compiled["registers_per_thread"], "n_spills": compiled["spills"],
+                  "shared": compiled["shared_memory_bytes"], "num_warps": compiled["num_warps"],
+                  "num_stages": compiled["num_stages"], "target": compiled["target"]})
 
 
 class _Html(HTMLParser):
@@ -69,19 +93,19 @@ def cpu_run(tmp_path_factory):
     dump = out.parent / "dump"
     assert main(["compare", *TINY, "--impl", *CPU_IMPLS, "--out", str(out), "--report",
                  "--dump-kernel", str(dump)]) == 0
-    return out, dump
+    return out / runs.LATEST, dump
 
 
 def test_cpu_report(cpu_run):
     out, _ = cpu_run
     page = _Html((out / "report.html").read_text())
     # The table: header, one row per implementation, GPU columns n/a, the CPU note.
-    headers = [h for h, _, _ in compare.COLUMNS]
+    headers = [h for h, _, _ in COLUMNS]
     assert "Tensor Cores" in headers
     assert page.text["table"].count("n/a") >= len(CPU_IMPLS) * 5
     for name in CPU_IMPLS:
         assert name in page.text["table"]
-    assert compare.CPU_NOTE in page.text["table"]
+    assert CPU_NOTE in page.text["table"]
     assert "none (CPU run)" in page.text["table"]  # env block: no GPU
     # One chart (CPU time) and the n/a note for the GPU-only ones.
     assert len(_images(page, "charts")) == 1
@@ -91,13 +115,9 @@ def test_cpu_report(cpu_run):
     for name in CPU_IMPLS:
         assert page.find("timelines", "h3", id=f"timeline-{name}")
         assert page.find("timelines", "img", alt=f"timeline of {name}")
-    # The source is there; the compiled panel says it needs a GPU run.
-    source = artifacts.source_file().read_text()
-    line = artifacts.def_line(source)
-    assert page.find("fused", "tr", id=f"src-L{line}")
-    assert f"def {artifacts.KERNEL}(" in page.text["fused"]
-    assert "compiled artifacts need a GPU run" in page.text["fused"]
-    assert page.find("fused", "tr", **{"class": "line hot"}) == []  # no PTX, no marks
+    # The interpreter compiles nothing: the panel says the artifacts are missing, and why.
+    assert "compiled artifacts missing: this was a CPU run" in page.text["fused"]
+    assert page.find("fused", "tr") == []
     assert len(_check_links(page, out / "report.html")) == len(CPU_IMPLS)
     assert "Open trace file" in page.text["traces"]
 
@@ -105,7 +125,7 @@ def test_cpu_report(cpu_run):
 def test_cpu_dump_kernel_needs_gpu(cpu_run, capsys):
     _, dump = cpu_run
     assert not dump.exists()
-    assert main(["compare", *TINY, "--impl", "naive", "--out", str(dump.parent / "again"),
+    assert main(["compare", *TINY, "--impl", "fused", "--out", str(dump.parent / "again"),
                  "--dump-kernel", str(dump)]) == 0
     assert "--dump-kernel: needs a CUDA GPU" in capsys.readouterr().err
     assert not dump.exists()
@@ -203,14 +223,15 @@ SASS = """
 @pytest.fixture
 def gpu_folder(tmp_path):
     out = tmp_path / "gpu"
-    source = artifacts.source_file().read_text()
+    record = _h200_record()
+    source = record.source
     counters = tc.counter_verdict({tc.GMMA: 0, tc.HMMA: 4e6, tc.HFMA2_MMA: 4e6, tc.IMMA: 0,
                                    tc.DMMA: 0, tc.TENSOR_PIPE_PCT: 2.0})
     sass_yes = tc.sass_verdict(SASS)
     impls = {"naive": [(GEMM, tc.name_verdict(GEMM)), (SOFTMAX, tc.name_verdict(SOFTMAX)),
                        (GEMM, None)],
              "sdpa_math": [(SGEMM, tc.combine(counters, tc.name_verdict(SGEMM)))],
-             "fused": [(artifacts.KERNEL, tc.combine(sass_yes, tc.name_verdict("_attn_fwd")))]}
+             "fused": [(KERNEL, tc.combine(sass_yes, tc.name_verdict(KERNEL)))]}
     rows = []
     for impl, kernels in impls.items():
         trace = out / impl / f"8_16_1024_64_{impl}.json.gz"
@@ -232,24 +253,14 @@ def gpu_folder(tmp_path):
                  "status": "unavailable", "reason": "cuDNN too old"})
     env = {"torch": "2.11", "triton": "3.6", "gpu": {"name": "NVIDIA H200",
                                                        "measured_bf16_peak_tflops": PEAK}}
-    kernel_dir = out / compare.KERNEL_DIR
-    kernel_dir.mkdir(parents=True)
+    kernel_dir = out / artifacts.folder_for("fused")
     ptx, lines = _ptx(source)
-    (kernel_dir / f"{artifacts.KERNEL}.0.py").write_text(source)
-    (kernel_dir / f"{artifacts.KERNEL}.4.ptx").write_text(ptx)
-    (kernel_dir / f"{artifacts.KERNEL}.5.sass").write_text(SASS)
-    meta = {"kernel": artifacts.KERNEL, "source": artifacts.source_location(source),
-            "shape": [8, 16, 1024, 64], "dtype": "bfloat16",
-            "config": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3,
-                       "warp_specialize": False},
-            "compiled": {"num_warps": 8, "num_stages": 3, "shared_memory_bytes": 24576,
-                         "registers_per_thread": 168, "spills": 0, "target": "cuda:90"},
-            "sass": True, "tensor_cores": sass_yes}
-    (kernel_dir / f"{artifacts.KERNEL}.meta.json").write_text(json.dumps(meta))
+    [meta] = artifacts.write([_h200_record(ptx)], kernel_dir, [8, 16, 1024, 64], "bfloat16")
+    (kernel_dir / f"{KERNEL}.5.sass").write_text(SASS)  # what cuobjdump gives on the GPU
     results = {"command": "compare", "shape": {"batch": 8, "heads": 16, "seq": 1024,
                                                "head_dim": 64},
                "dtype": "bf16", "device": "cuda", "env": env, "rows": rows,
-               "kernel_artifacts": str(kernel_dir)}
+               "kernel_artifacts": str(kernel_dir.relative_to(out))}
     (out / "results.json").write_text(json.dumps(results))
     bench_rows = [{"shape": [8, 16, s, 64], "kv_heads": 16, "impl": impl, "status": "ok",
                    "tflops": t} for s, impl, t in [(512, "fused", 300.0), (1024, "fused", 400.0),
@@ -287,11 +298,11 @@ def test_gpu_report(gpu_folder):
         assert page.find("fused", "a", href=f"#ptx-L{lines[key]}")
     fused = page.text["fused"]
     assert "call site of inlined code: 2 matrix, 2 exp2" in fused
-    assert "registers / thread168" in fused.replace("\n", "")
-    assert "shared memory (bytes)24576" in fused.replace("\n", "")
-    assert "need a GPU run" not in fused
+    assert "registers / thread127" in fused.replace("\n", "")
+    assert "shared memory (bytes)57344" in fused.replace("\n", "")
+    assert "missing" not in fused
     artifact_links = [a["href"] for a in page.find("fused", "a") if "_attn_fwd." in a["href"]]
-    assert artifact_links == [f"fused/kernel/{artifacts.KERNEL}.{s}"
+    assert artifact_links == [f"fused/kernel/{KERNEL}.{s}"
                               for s in ("0.py", "4.ptx", "5.sass", "meta.json")]
     assert len(_check_links(page, out / "report.html")) == 3
 
@@ -313,21 +324,26 @@ def test_annotated_trace_still_loads(gpu_folder):
     fused = next(r for r in results["rows"] if r["impl"] == "fused")
     trace = Path(fused["trace"])
     before = analyze_file(trace)
-    assert annotate_kernels(trace, compare._kernel_fields(fused, meta)) == 2  # both forwards
+    assert annotate_kernels(trace, compare._kernel_fields(fused, [meta])) == 2  # both forwards
     assert gzip.decompress(trace.read_bytes())  # still gzipped
-    assert analyze_file(trace) == before
+    # What analysis reads back: the same figures, and the verdict compare wrote (SASS) where
+    # the name alone said unknown.
+    after = analyze_file(trace)
+    [kernel_row] = after["ranges"]["fused"]["kernels"]
+    assert kernel_row["tensor_cores"] == fused["kernels"][0]["tensor_cores"]
+    kernel_row["tensor_cores"] = before["ranges"]["fused"]["kernels"][0]["tensor_cores"]
+    assert after == before
     kernel = next(e for e in load_events(trace) if e.get("cat") == "kernel")
     args = kernel["args"]
     assert args["registers per thread"] == 96  # Kineto's own args kept
     assert args["attnscope tensor cores"] == "yes"
     assert args["attnscope evidence"].startswith("sass: 2 HGMMA")
-    assert args["attnscope source"] == artifacts.source_location()
-    assert args["attnscope source"].endswith(
-        f":{artifacts.def_line(artifacts.source_file().read_text())}")
-    assert args["attnscope config"] == ("BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3 "
-                                        "warp_specialize=False")
-    assert args["attnscope compiled"] == ("registers/thread 168, spills 0, shared memory "
-                                          "24576 B")
+    assert args[VERDICT_ARG]["verdict"] == "yes" and args[VERDICT_ARG]["evidence"] == "sass"
+    assert args["attnscope source"] == f"{SOURCE_PATH}:213"  # `def _attn_fwd(` in that source
+    assert args["attnscope config"] == ("BLOCK_M=64 BLOCK_N=64 num_warps=4 num_stages=3 "
+                                        "pipeline=False use_tma=False maxnreg=None")
+    assert args["attnscope compiled"] == ("registers/thread 127, spills 0, shared memory "
+                                          "57344 B")
 
 
 def test_compiled_evidence_wins_over_the_name(monkeypatch):
@@ -336,12 +352,11 @@ def test_compiled_evidence_wins_over_the_name(monkeypatch):
 
     def triton_verdicts(names):
         seen.extend(names)
-        return {artifacts.KERNEL: tc.sass_verdict(SASS)}
-    monkeypatch.setattr(tc, "triton_verdicts", triton_verdicts)
-    kernels = [{"name": n, "tensor_cores": tc.name_verdict(n)} for n in (artifacts.KERNEL,
-                                                                        SOFTMAX)]
+        return {KERNEL: tc.sass_verdict(SASS)}
+    monkeypatch.setattr(compiled, "triton_verdicts", triton_verdicts)
+    kernels = [{"name": n, "tensor_cores": tc.name_verdict(n)} for n in (KERNEL, SOFTMAX)]
     compare._add_compiled_evidence(kernels)
-    assert seen == [artifacts.KERNEL, SOFTMAX]
+    assert seen == [KERNEL, SOFTMAX]
     ours, softmax = (k["tensor_cores"] for k in kernels)
     assert (ours["verdict"], ours["evidence"], ours["other"]) == ("yes", "sass",
                                                                   {"name": "unknown"})
@@ -354,8 +369,7 @@ def test_instruction_mix_and_line_map():
     mix = artifacts.instruction_mix(SASS, "sass")
     assert (mix["matrix"], mix["exp2"], mix["other special functions"]) == (2, 1, 1)
     assert (mix["global loads"], mix["global stores"], mix["all instructions"]) == (1, 1, 8)
-    source = artifacts.source_file().read_text()
-    ptx, lines = _ptx(source)
+    ptx, lines = _ptx(_h200_record().source)
     ptx_mix = artifacts.instruction_mix(ptx, "ptx")
     assert (ptx_mix["matrix"], ptx_mix["exp2"], ptx_mix["global loads"]) == (2, 2, 1)
     assert ptx_mix["all instructions"] == 9  # ld.param, ld, 2 wgmma, 2 ex2, max, st, ret
@@ -382,40 +396,75 @@ def test_report_without_results(tmp_path, capsys):
     assert "no results.json in" in capsys.readouterr().err
 
 
-def test_compile_for_names_every_config_field(monkeypatch):
-    # The artifact meta must follow the kernel's config tuple as it grows (a 5-field unpack broke
-    # the H200 run when use_tma was added).
-    from attnscope.kernels import attention_fwd as kernels
-    from attnscope.profile import artifacts
+# --- our compiled kernels come from the registry entry, not from a kernel module ---------------
 
-    monkeypatch.setattr(kernels, "is_interpreted", lambda: False)
-    monkeypatch.setattr(kernels, "attention_fwd", lambda *a, **kw: "compiled")
-    q = torch.randn(1, 2, 8, 16)
-    kernel, config, origin = artifacts.compile_for(q, q, q)
-    assert kernel == "compiled"
-    assert list(config) == list(kernels.CONFIG_FIELDS)
-    assert tuple(config.values()) == kernels.SHORT_CONFIGS[64]  # the causal launch of 8 queries
-    assert origin == (artifacts.MODULE, artifacts.SOURCE_PATH, artifacts.KERNEL)
-    long = torch.randn(1, 2, kernels.SHORT_SEQ + 1, 16)
-    assert tuple(artifacts.compile_for(long, long, long)[1].values()) == kernels.CONFIGS[64]
+def test_compare_writes_the_records_an_entry_hands_over(tmp_path, monkeypatch):
+    """A stand-in for the fused entry: its compiled_kernels() returns the H200 record; compare
+    writes its artifacts from that record (source, PTX, meta) and the report shows them."""
+    record = _h200_record()
+    monkeypatch.setitem(IMPLEMENTATIONS, "ours", Implementation(
+        "ours", "stand-in for the fused entry", "", lambda device: (True, "test"),
+        lambda q, k, v: lambda: q * 2, ours=True, compiled_kernels=lambda: [record]))
+    out = tmp_path / "out"
+    assert main(["compare", *TINY, "--impl", "ours", "--out", str(out), "--report"]) == 0
+    run = out / runs.LATEST
+    folder = run / artifacts.folder_for("ours")
+    assert json.loads((run / runs.RESULTS).read_text())["kernel_artifacts"] == "ours/kernel"
+    assert gzip.decompress((H200_KERNEL / f"{KERNEL}.4.ptx.gz").read_bytes()).decode() == (
+        folder / f"{KERNEL}.4.ptx").read_text()
+    assert (folder / f"{KERNEL}.0.py").read_text() == record.source
+    meta = json.loads((folder / f"{KERNEL}.meta.json").read_text())
+    assert meta["source"] == f"{SOURCE_PATH}:213" and meta["config"] == record.config
+    assert meta["compiled"]["registers_per_thread"] == 127 and meta["compiled"]["spills"] == 0
+    # No cuobjdump here, so tier 2 reads the PTX: the real one holds wgmma instructions.
+    assert (meta["tensor_cores"]["verdict"], meta["tensor_cores"]["evidence"]) == ("yes", "ptx")
+    page = _Html((run / "report.html").read_text())
+    assert page.find("fused", "h3", id=f"kernel-{KERNEL}")
+    assert page.find("fused", "tr", **{"class": "line hot"})  # real line info: tl.dot lines
+    assert "missing" not in page.text["fused"]
 
 
-def test_compile_for_names_the_gluon_kernel_where_the_op_runs_it(monkeypatch):
-    # Where the op takes the Gluon kernel, the artifacts must carry its source, name and config,
-    # not the Triton kernel's.
-    from attnscope.kernels import attention_fwd as kernels
-    from attnscope.kernels import attention_fwd_hopper as hopper
-    from attnscope.profile import artifacts
+def test_compiled_evidence_of_our_entry_comes_from_its_records(monkeypatch):
+    monkeypatch.setattr(compiled, "triton_verdicts", lambda names: {})  # nothing found in Triton's
+    impl = Implementation("ours", "", "", lambda d: (True, ""), lambda q, k, v: None,
+                          ours=True, compiled_kernels=lambda: [_h200_record()])
+    kernels = [{"name": KERNEL, "tensor_cores": tc.name_verdict(KERNEL)}]
+    compare._add_compiled_evidence(kernels, impl)
+    assert (kernels[0]["tensor_cores"]["verdict"], kernels[0]["tensor_cores"]["evidence"]) == (
+        "yes", "ptx")
 
-    monkeypatch.setattr(kernels, "is_interpreted", lambda: False)
-    monkeypatch.setattr(kernels, "uses_hopper_kernel", lambda *a: True)
-    monkeypatch.setattr(kernels, "attention_fwd", lambda *a, **kw: "compiled")
-    q = torch.randn(1, 2, 8, 128)
-    kernel, config, origin = artifacts.compile_for(q, q, q)
-    assert origin == (artifacts.HOPPER_MODULE, artifacts.HOPPER_SOURCE_PATH,
-                      artifacts.HOPPER_KERNEL)
-    assert list(config) == list(hopper.CONFIG_FIELDS)
-    assert tuple(config.values()) == hopper.CONFIGS[128]
-    source = artifacts.source_file(origin[0]).read_text()
-    assert f"def {artifacts.HOPPER_KERNEL}(" in source
-    assert artifacts.source_location(source, *origin[1:]).startswith(artifacts.HOPPER_SOURCE_PATH)
+
+def test_report_says_where_artifacts_are_missing(gpu_folder):
+    out, _, _ = gpu_folder
+    shutil.rmtree(out / artifacts.folder_for("fused"))
+    assert main(["report", str(out)]) == 0
+    fused = _Html((out / "report.html").read_text()).text["fused"]
+    assert "compiled artifacts missing" in fused and "fused/kernel" in fused
+
+
+# --- report: refusals, one line each ---------------------------------------------------------
+
+def test_report_output_a_directory_or_unwritable_is_one_line(gpu_folder, tmp_path, capsys):
+    out, _, _ = gpu_folder
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    for target, says in ((tmp_path, "is a directory"),
+                         (blocker / "r.html", "cannot create the folder of")):
+        assert main(["report", str(out), "-o", str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("attnscope report: error: ") and says in err
+        assert len(err.splitlines()) == 1
+
+
+def test_report_of_results_without_rows_is_refused(tmp_path, capsys):
+    (tmp_path / runs.RESULTS).write_text(json.dumps({"command": "compare", "rows": []}))
+    assert main(["report", str(tmp_path)]) == 2
+    assert "holds no rows" in capsys.readouterr().err
+    assert not (tmp_path / report.DEFAULT_NAME).exists()
+
+
+def test_report_of_an_out_folder_reads_its_latest_run(cpu_run, capsys):
+    latest, _ = cpu_run
+    out = latest.parent
+    assert main(["report", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"report: {latest / report.DEFAULT_NAME}"

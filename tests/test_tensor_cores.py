@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from attnscope.profile import compiled
 from attnscope.profile import tensor_cores as tc
 
 DATA = Path(__file__).parent / "data"
@@ -199,7 +200,7 @@ def test_jit_cache_walk_reads_triton3_layout_and_skips_futures():
     class Autotuner:
         fn = Jit()
 
-    got = tc.triton_verdicts(["_attn_fwd", "other"], jit_functions=[Autotuner()])
+    got = compiled.triton_verdicts(["_attn_fwd", "other"], jit_functions=[Autotuner()])
     assert list(got) == ["_attn_fwd"]
     assert (got["_attn_fwd"]["verdict"], got["_attn_fwd"]["variants"]) == ("yes", 1)
 
@@ -415,14 +416,14 @@ def test_tier2_on_a_compiled_triton_dot():
     c = torch.full((64, 64), float("nan"), device="cuda")
     tiny_dot[(1,)](a, b, c, BLOCK=64)
     torch.testing.assert_close(c, a.float() @ b.float(), atol=1e-2, rtol=1e-2)
-    got = tc.triton_verdicts(["tiny_dot"], jit_functions=[tiny_dot])["tiny_dot"]
+    got = compiled.triton_verdicts(["tiny_dot"], jit_functions=[tiny_dot])["tiny_dot"]
     assert got["verdict"] == "yes"
     if got["evidence"] == "sass":
         assert got["counts"]["HGMMA"] + got["counts"]["HMMA"] > 0
     else:
         assert got["counts"]["wgmma.mma_async"] + got["counts"]["mma.sync"] > 0
     # the garbage-collector path finds the same kernel without being told where it lives
-    assert tc.triton_verdicts(["tiny_dot"])["tiny_dot"]["verdict"] == "yes"
+    assert compiled.triton_verdicts(["tiny_dot"])["tiny_dot"]["verdict"] == "yes"
 
 
 def _compare_output(tmp_path):
@@ -506,6 +507,13 @@ def test_ncu_merge_by_launch_order(tmp_path):
             assert (v["evidence"], v["matched_by"]) == ("counters", "launch order"), k["name"]
             assert ncu._name_key(v["ncu_kernel"]) == ncu._name_key(k["name"])
     assert rows["sdpa_math"]["tensor_cores"] == {"verdict": "no", "evidence": "counters"}
+    # The traces beside it carry the merged verdicts: analyze says what the table says.
+    from attnscope.profile.trace import analyze_file
+    for impl in NCU_IMPLS:
+        trace = next((tmp_path / impl).glob("*.json.gz"))
+        analysed = analyze_file(trace)["ranges"][impl]["kernels"]
+        assert {k["name"]: k["tensor_cores"] for k in analysed} == {
+            k["name"]: k["tensor_cores"] for k in rows[impl]["kernels"]}, impl
 
 
 def test_ncu_run_cut_short_keeps_the_implementations_it_finished(tmp_path, monkeypatch):
@@ -600,3 +608,30 @@ def test_match_kernels_never_lends_counters_to_another_kernel():
     assert ncu._order_pairs([gemm, where, fill], [gemm, fill.replace("native::", ""), where2]) == {}
     assert ncu._order_pairs(order_t, [gemm, where2, where2] * 2) == {gemm: gemm, where: where2}
     assert ncu._order_pairs(order_t, [gemm, where2]) == {}  # not whole forwards
+
+
+class StaticallyLaunchedCudaKernel:
+    """Inductor's statically launched kernel as this process holds it after loading: its name
+    and hash, the cubin dropped (torch._inductor.runtime.static_triton_launcher)."""
+
+    def __init__(self, name, kernel_hash):
+        self.name, self.hash, self.cubin_raw, self.cubin_path = name, kernel_hash, None, None
+
+
+def test_flex_kernels_are_judged_from_tritons_cache(tmp_path, monkeypatch):
+    """FlexAttention's kernel in a plain compare: no CompiledKernel here, but Triton's cache
+    holds the PTX its worker process compiled, under the kernel's hash."""
+    from torch._inductor.runtime import cache_dir_utils
+    from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
+
+    monkeypatch.setattr(cache_dir_utils, "triton_cache_dir", lambda device: str(tmp_path))
+    monkeypatch.setattr(tc, "cuobjdump_path", lambda: None)  # PTX, not SASS, on this machine
+    name, kernel_hash = "triton_tem_fused_flex_attention_0", "ab" * 32
+    folder = tmp_path / triton_hash_to_path_key(kernel_hash)
+    folder.mkdir()
+    (folder / f"{name}.ptx").write_text(PTX_HOPPER)
+    launcher = StaticallyLaunchedCudaKernel(name, kernel_hash)  # alive: gc finds it
+    got = compiled.triton_verdicts([name, "not_compiled_here"])
+    assert list(got) == [name]
+    assert (got[name]["verdict"], got[name]["evidence"]) == ("yes", "ptx")
+    del launcher

@@ -182,3 +182,17 @@ def test_analyze_command_text_and_errors(tmp_path, trace_file, capsys):
     bad.write_bytes(trace_file.read_bytes()[:40])
     assert main(["analyze", str(bad)]) == 2
     assert "truncated" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("dur", "x"), ("ts", None), ("dur", True)])
+def test_non_numeric_time_field_is_one_line(tmp_path, trace_file, capsys, field, value):
+    doc = json.loads(gzip.decompress(trace_file.read_bytes()))
+    kernel = next(e for e in doc["traceEvents"] if e.get("cat") == "kernel")
+    kernel[field] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=f"non-numeric '{field}'"):
+        analyze_file(bad)
+    assert main(["analyze", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnscope analyze: error: trace event") and len(err.splitlines()) == 1

@@ -47,4 +47,5 @@ register(Implementation(
     seed_script="",
     available=_available,
     prepare=_prepare,
+    gqa=True,  # enable_gqa
 ))

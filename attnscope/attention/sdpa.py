@@ -73,4 +73,5 @@ for _name, _backend, _available, _description in _ENTRIES:
         prepare=_preparer(_backend),
         # The math backend builds the scores (fp32 for 16-bit inputs).
         materializes_scores=_backend is SDPBackend.MATH,
+        gqa=True,  # enable_gqa (torch >= 2.5); a backend that refuses it says so when called
     ))

@@ -1,154 +1,128 @@
-"""The fused kernel's compiled artifacts for one shape: written on the GPU, read anywhere.
+"""Compiled kernels' artifacts: written from the registry's records on the GPU, read anywhere.
 
-`dump()` launches attnscope.kernels.attention_fwd.attention_fwd eagerly on the profiled inputs
-(the JIT cache hands back the very kernel the trace shows) and writes, named to sort together:
+An entry that is ours hands the driver, through `compiled_kernels()`, a CompiledKernel record
+(attnscope/attention/registry.py) for each kernel its profiled forwards launched: source, launch
+config, the compiler's stages and metadata. `write()` puts each record in a folder, named to sort
+together (the profiler never imports a kernel module nor launches a kernel itself):
 
-    _attn_fwd.0.py          the Triton source it was compiled from (PTX `.loc` lines refer to it)
-    _attn_fwd.1.ttir  .2.ttgir  .3.llir  .4.ptx   Triton's stages, as Triton kept them
-    _attn_fwd.5.sass        cuobjdump -sass of the cubin, when a cuobjdump is found
-    _attn_fwd.meta.json     launch config, registers, spills, shared memory, Tensor Core verdict
+    NAME.0.py          the source it was compiled from (PTX `.loc` lines refer to it)
+    NAME.1.ttir  .2.ttgir  .3.llir  .4.ptx   the compiler's stages, as Triton kept them
+    NAME.5.sass        cuobjdump -sass of the cubin, when a cuobjdump is found
+    NAME.meta.json     launch config, registers, spills, shared memory, Tensor Core verdict
 
-`load()` reads a folder back; `instruction_mix()` and `ptx_line_map()` turn SASS/PTX into what the
-report shows: instruction classes, and which source lines became which instructions.
+`load_all()` reads a folder back; `instruction_mix()` and `ptx_line_map()` turn SASS/PTX into
+what the report shows: instruction classes, and which source lines became which instructions.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
 import re
-import shutil
 from collections import Counter, defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
+from attnscope.profile import runs
 from attnscope.profile import tensor_cores as tc
 # One SASS grammar for the Tensor Core verdict and for the instruction mix.
 from attnscope.profile.tensor_cores import _SASS_LINE as SASS_LINE
 
-KERNEL = "_attn_fwd"  # the Triton kernel, and the file-name prefix of every artifact
-MODULE = "attnscope.kernels.attention_fwd"
-SOURCE_PATH = "attnscope/kernels/attention_fwd.py"  # as a reader finds it in the repository
-# Where the op runs the Gluon kernel instead (kernels.uses_hopper_kernel), its artifacts are
-# written under the same file names, with this source and kernel name in the meta.
-HOPPER_KERNEL = "_attn_fwd_hopper"
-HOPPER_MODULE = "attnscope.kernels.attention_fwd_hopper"
-HOPPER_SOURCE_PATH = "attnscope/kernels/attention_fwd_hopper.py"
 STAGES = (("ttir", "1.ttir"), ("ttgir", "2.ttgir"), ("llir", "3.llir"), ("ptx", "4.ptx"))
 SOURCE_SUFFIX, SASS_SUFFIX, META_SUFFIX = "0.py", "5.sass", "meta.json"
+# The Gluon kernel is warp-specialized: its figures need this sentence beside them.
+NOTES = {"_attn_fwd_hopper": (
+    "warp-specialized: num_warps is the default partition's (one consumer warpgroup); the launch "
+    "also runs the other consumer warpgroups and a loader warp padded to a warpgroup, and "
+    "registers_per_thread is the kernel-wide figure that setmaxnreg raises to consumer_regs in "
+    "the consumers")}
 
 
-class NeedsGPU(RuntimeError):
-    """There is no compiled kernel to dump: the Triton interpreter compiles nothing."""
+def folder_for(impl_name: str) -> Path:
+    """Where, under a run folder, an entry's compiled artifacts go."""
+    return Path(impl_name, "kernel")
 
 
-def source_file(module: str = MODULE) -> Path:
-    # find_spec, not import: importing the kernel module defines the kernels (and on a CPU
-    # machine, decides they are interpreted).
-    return Path(importlib.util.find_spec(module).origin)
-
-
-def def_line(source: str, name: str = KERNEL) -> int | None:
+def def_line(source: str, name: str) -> int | None:
     """1-based line of `def name(` in the source, where Perfetto readers should look."""
     match = re.search(rf"^def {re.escape(name)}\(", source, re.M)
     return source.count("\n", 0, match.start()) + 1 if match else None
 
 
-def source_location(source: str | None = None, path: str = SOURCE_PATH,
-                    name: str = KERNEL) -> str:
-    """`path:line` of `def name(` (the Triton kernel by default)."""
-    source = source_file().read_text() if source is None else source
-    return f"{path}:{def_line(source, name)}"
+def source_location(record) -> str:
+    """`path:line` of the record's `def NAME(` (the path alone when the source lacks it)."""
+    line = def_line(record.source, record.name)
+    return f"{record.source_path}:{line}" if line else record.source_path
 
 
-def compile_for(q, k, v):
-    """The CompiledKernel, its launch config and its origin (module, source path, kernel name)
-    that the fused op launches for these [batch, heads, seq, head_dim] inputs (causal, default
-    scale, top-left alignment, as the `fused` registry entry calls it): the Triton kernel, or
-    the Gluon one where kernels.uses_hopper_kernel says so. Eager runs that differentiate launch
-    the same forward (only traced ones, under torch.compile, take the wrapped Triton launch)."""
-    import torch
-
-    kernels = importlib.import_module(MODULE)
-    if kernels.is_interpreted():
-        raise NeedsGPU("the fused kernel runs in the Triton interpreter here, which compiles "
-                       "nothing; compiled artifacts need a CUDA GPU run")
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    hopper = kernels.uses_hopper_kernel(q, k, v, out, scale)
-    kernel = kernels.attention_fwd(q, k, v, out, lse, causal=True, scale=scale, causal_offset=0)
-    if hopper:
-        module = importlib.import_module(HOPPER_MODULE)
-        config = dict(zip(module.CONFIG_FIELDS, module.CONFIGS[q.shape[-1]]))
-        return kernel, config, (HOPPER_MODULE, HOPPER_SOURCE_PATH, HOPPER_KERNEL)
-    config = dict(zip(kernels.CONFIG_FIELDS, kernels.config_for(q.shape[-1], q.shape[2], True)))
-    return kernel, config, (MODULE, SOURCE_PATH, KERNEL)
+def verdict(record) -> dict:
+    """Tier 2 (SASS, else PTX) for a record, from its own compiled code."""
+    return tc.triton_kernel_verdict(SimpleNamespace(asm=record.asm))
 
 
-def _meta(kernel, config, q, sass_written: bool, origin=(MODULE, SOURCE_PATH, KERNEL)) -> dict:
-    metadata = kernel.metadata
-    module, path, name = origin
-    source = source_file(module).read_text()
+def meta(record, shape, dtype: str, sass_written: bool) -> dict:
+    data = record.metadata or {}
     return {
-        "kernel": getattr(metadata, "name", name),
-        "source": source_location(source, path, name),
-        "shape": list(q.shape), "dtype": str(q.dtype).removeprefix("torch."),
-        "config": config,  # as requested; use_tma also needs 16-byte aligned K/V
+        "kernel": record.name,
+        "source": source_location(record),
+        "shape": list(shape), "dtype": dtype,
+        "config": dict(record.config),  # as requested
         # What the compiler settled on; these can differ from the request (e.g. num_stages).
-        "compiled": {"num_warps": getattr(metadata, "num_warps", None),
-                     "num_stages": getattr(metadata, "num_stages", None),
-                     "shared_memory_bytes": getattr(metadata, "shared", None),
-                     "registers_per_thread": getattr(kernel, "n_regs", None),
-                     "spills": getattr(kernel, "n_spills", None),
-                     "target": str(getattr(metadata, "target", ""))},
+        "compiled": {"num_warps": data.get("num_warps"),
+                     "num_stages": data.get("num_stages"),
+                     "shared_memory_bytes": data.get("shared"),
+                     "registers_per_thread": data.get("n_regs"),
+                     "spills": data.get("n_spills"),
+                     "target": str(data.get("target", ""))},
         "sass": sass_written,
-        "tensor_cores": tc.triton_kernel_verdict(kernel),
-        **({"note": "warp-specialized: num_warps is the default partition's (one consumer "
-                    "warpgroup); the launch also runs the other consumer warpgroups and a loader "
-                    "warp padded to a warpgroup, and registers_per_thread is the kernel-wide "
-                    "figure that setmaxnreg raises to consumer_regs in the consumers"}
-           if name == HOPPER_KERNEL else {}),
+        "tensor_cores": verdict(record),
+        **({"note": NOTES[record.name]} if record.name in NOTES else {}),
     }
 
 
-def dump(q, k, v, folder) -> list[Path]:
-    """Write the fused kernel's artifacts for these inputs into `folder`; the written paths.
-    Raises NeedsGPU on the interpreter."""
-    kernel, config, origin = compile_for(q, k, v)
+def write(records, folder, shape, dtype: str) -> list[dict]:
+    """Write each CompiledKernel record's artifacts into `folder`; their metas, in order."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    written = [folder / f"{KERNEL}.{SOURCE_SUFFIX}"]
-    shutil.copyfile(source_file(origin[0]), written[0])
-    asm = kernel.asm
-    for key, suffix in STAGES:
-        if isinstance(asm.get(key), str):
-            written.append(folder / f"{KERNEL}.{suffix}")
-            written[-1].write_text(asm[key])
-    cubin, tool = asm.get("cubin"), tc.cuobjdump_path()
-    sass_written = isinstance(cubin, bytes) and tool is not None
-    if sass_written:
-        written.append(folder / f"{KERNEL}.{SASS_SUFFIX}")
-        written[-1].write_text(tc.disassemble(cubin, tool))
-    written.append(folder / f"{KERNEL}.{META_SUFFIX}")
-    meta = _meta(kernel, config, q, sass_written, origin)
-    written[-1].write_text(json.dumps(meta, indent=1) + "\n")
-    return written
+    metas = []
+    for record in records:
+        name = record.name
+        runs.write_text(folder / f"{name}.{SOURCE_SUFFIX}", record.source)
+        for key, suffix in STAGES:
+            if isinstance(record.asm.get(key), str):
+                runs.write_text(folder / f"{name}.{suffix}", record.asm[key])
+        cubin, tool = record.asm.get("cubin"), tc.cuobjdump_path()
+        sass_written = isinstance(cubin, bytes) and tool is not None
+        if sass_written:
+            runs.write_text(folder / f"{name}.{SASS_SUFFIX}", tc.disassemble(cubin, tool))
+        metas.append(meta(record, shape, dtype, sass_written))
+        runs.write_json(folder / f"{name}.{META_SUFFIX}", metas[-1])
+    return metas
 
 
-def load(folder) -> dict | None:
-    """What dump() wrote, by key: meta (dict), source, ptx, sass... (text); None when the
-    folder holds no meta file."""
+def load(folder, name: str) -> dict | None:
+    """What write() wrote for kernel `name`, by key: meta (dict), folder, source, ptx, sass...
+    (text); None when the folder holds no meta file for it."""
     folder = Path(folder)
-    meta = folder / f"{KERNEL}.{META_SUFFIX}"
-    if not meta.is_file():
+    meta_path = folder / f"{name}.{META_SUFFIX}"
+    try:
+        found = {"meta": json.loads(meta_path.read_text()), "folder": folder, "name": name}
+    except (OSError, ValueError):
         return None
-    found = {"meta": json.loads(meta.read_text()), "folder": folder}
     for key, suffix in (("source", SOURCE_SUFFIX), *STAGES, ("sass", SASS_SUFFIX)):
-        path = folder / f"{KERNEL}.{suffix}"
+        path = folder / f"{name}.{suffix}"
         if path.is_file():
             found[key] = path.read_text()
     return found
+
+
+def load_all(folder) -> list[dict]:
+    """Every kernel's artifacts in `folder` (see load), by kernel name; [] when there are none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    names = sorted(p.name.removesuffix(f".{META_SUFFIX}")
+                   for p in folder.glob(f"*.{META_SUFFIX}"))
+    return [found for found in map(lambda n: load(folder, n), names) if found]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,10 +13,8 @@ is `torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)` on that saved 
 dout is a fixed random normal tensor. An entry whose output carries no autograd graph is a row
 with status 'unsupported' in the backward modes.
 
-On CUDA the time is `triton.testing.do_bench(return_mode="median")` over a closure that cycles
-through several prepared input sets, so that every call reads q/k/v the L2 cache has not kept
-(do_bench also clears L2 between timed calls; the rotation keeps the figure honest either way).
-Without CUDA the time is CPU wall time (`time.perf_counter`, median of repeats), labelled so.
+The time of one call is timing.py's: do_bench's median over a rotation of prepared input sets
+on CUDA, CPU wall time (labelled so) elsewhere. The shapes are sweeps.py's.
 
 A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
 and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C keeps what finished.
@@ -25,143 +23,52 @@ and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C kee
 from __future__ import annotations
 
 import dataclasses
-import gc
 import inspect
-import itertools
 import json
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
 from attnscope.attention import registry
-from attnscope.attention.reference import attention_reference
-from attnscope.profile import compare
-from attnscope.profile.capture import DTYPES
+from attnscope.profile import runs
 from attnscope.profile.env import collect_env
 from attnscope.profile.flops import attention_flops
+from attnscope.profile.inputs import (DEFAULT_DTYPE, DTYPES, make_inputs, resolve_device,
+                                      resolve_impls)
+from attnscope.profile.memory import (SCORE_BYTES, SCORE_MEMORY_FRACTION, free_memory,
+                                      score_memory_skip)
+from attnscope.profile.metrics import (REF_MEMORY_FRACTION, max_abs_error, pct_of_peak,
+                                       reference_output, tflops)
+from attnscope.profile.sweeps import SWEEPS, Case, resolve_sweep
+from attnscope.profile.table import fmt
+from attnscope.profile.timing import DEFAULT_L2_BYTES, input_sets, median_ms, sync, timing_block
 
 HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
         "float64, first-call cost")
 
-PEAK_DTYPE = "bf16"  # env's measured peak is a bf16 matmul; other dtypes get no % of peak
-
-# Ours; every other registry entry is a peer for ratio_to_best_peer.
-OURS = frozenset({"fused"})
-
-# Entries that materialize the [B, H, S, S] scores. Budgeted at three live fp32 score tensors
-# (scores, masked scores, probabilities; sdpa_math upcasts bf16 to fp32, the eager ones hold
-# fewer bytes, so it is an upper bound). Such an entry is skipped when that exceeds half the free
-# memory; the other half holds inputs, rotation sets, the reference and allocator slack.
-MATERIALIZES_SCORES = frozenset({"naive", "naive_inplace", "naive_compiled", "sdpa_math"})
-SCORE_BYTES = 3 * 4
-SCORE_MEMORY_FRACTION = 0.5
-
-# L2 size when the device properties do not say (H200: 60 MB); rotation sets are capped because
-# small shapes would otherwise need hundreds of them.
-DEFAULT_L2_BYTES = 60 * 10**6
-MAX_INPUT_SETS = 16
-
-# attention_reference keeps about four float64 [rows, S] tensors per head at once (scores, masked
-# scores, probabilities, nan_to_num's copy); it gets this fraction of the free memory.
-REF_BYTES_PER_SCORE = 4 * 8
-REF_MEMORY_FRACTION = 0.25
-
-MIN_CPU_REPEATS = 3  # a median of fewer is one sample
-
 MODES = ("fwd", "bwd", "fwd_bwd")
-# A backward keeps the forward's saved scores/probabilities and builds their gradients next to
-# them: score materializers are budgeted at twice the forward's score memory in those modes.
-BACKWARD_SCORE_FACTOR = 2
-
-
-@dataclass(frozen=True)
-class Case:
-    batch: int
-    heads: int
-    seq: int
-    head_dim: int
-    kv_heads: int  # equal to heads unless GQA/MQA
-
-    @property
-    def shape(self) -> list[int]:
-        return [self.batch, self.heads, self.seq, self.head_dim]
-
-
-def _case(batch, heads, seq, head_dim, kv_heads=None) -> Case:
-    return Case(batch, heads, seq, head_dim, heads if kv_heads is None else kv_heads)
-
-
-SWEEPS: dict[str, tuple[Case, ...]] = {
-    # Issue 5's sweep: the peers' table in ../shared/data/h200_peers.md, head_dim 128 at the seed
-    # length, and GQA at 4 query heads per K/V head (Llama-style).
-    "default": (
-        _case(16, 16, 512, 64),
-        _case(8, 16, 1024, 64),
-        _case(4, 32, 4096, 64),
-        _case(4, 32, 4096, 128),
-        _case(2, 16, 16384, 128),
-        _case(8, 16, 1024, 128),
-        _case(4, 32, 4096, 128, kv_heads=8),
-    ),
-    # The blog's shape (04_*.py defaults).
-    "seed": (_case(8, 16, 1024, 64),),
-    # Seconds on a CPU, the fused op included (Triton interpreter); 96 is no power of two on
-    # purpose, and one GQA shape keeps that path in the smoke run.
-    "cpu": (
-        _case(1, 2, 128, 64),
-        _case(1, 4, 96, 32, kv_heads=2),
-    ),
-}
-
-
-def resolve_sweep(name: str, kv_heads: int | None) -> tuple[Case, ...]:
-    """The named sweep, with every shape's K/V heads replaced when `kv_heads` is given."""
-    if name not in SWEEPS:
-        raise ValueError(f"unknown sweep {name!r}; valid names: {', '.join(SWEEPS)}")
-    cases = SWEEPS[name]
-    if kv_heads is None:
-        return cases
-    bad = [c.heads for c in cases if kv_heads < 1 or c.heads % kv_heads]
-    if bad:
-        raise ValueError(f"--kv-heads {kv_heads} must divide the query heads of every shape in "
-                         f"sweep {name!r}; got query heads {sorted(set(bad))}")
-    return tuple(dict.fromkeys(dataclasses.replace(c, kv_heads=kv_heads) for c in cases))
-
-
-def input_sets(set_bytes: int, l2_bytes: int) -> int:
-    """How many q/k/v/out sets to cycle through so that, between two uses of one set, the others
-    move at least an L2's worth of data and the set is evicted."""
-    return min(MAX_INPUT_SETS, 1 + math.ceil(l2_bytes / set_bytes))
-
-
-def score_memory_skip(name: str, case: Case, free_bytes: int | None,
-                      mode: str = "fwd") -> str | None:
-    """Why `name` is skipped at `case` (the memory estimate above), or None to run it."""
-    if name not in MATERIALIZES_SCORES or free_bytes is None:
-        return None
-    copies = 3 if mode == "fwd" else 3 * BACKWARD_SCORE_FACTOR
-    need = case.batch * case.heads * case.seq * case.seq * SCORE_BYTES // 3 * copies
-    if need <= SCORE_MEMORY_FRACTION * free_bytes:
-        return None
-    return (f"materializes [B,H,S,S] scores: estimated {need / 2**30:.1f} GiB ({copies} fp32 "
-            f"copies) > {SCORE_MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free")
-
-
 def _case_key(row: dict) -> tuple:
     return (tuple(row["shape"]), row["kv_heads"], row["dtype"], row["causal"], row["mode"])
+
+
+def _ours() -> set[str]:
+    # Every registry entry that is not ours is a peer for ratio_to_best_peer.
+    return {name for name, impl in registry.IMPLEMENTATIONS.items() if impl.ours}
 
 
 def with_peer_ratios(rows: list[dict]) -> list[dict]:
     """Copies of `rows` with ratio_to_best_peer = fastest ok peer's median / this row's median,
     per shape/dtype/causal/mode; > 1 means faster than every peer. None without a timed peer."""
     best: dict[tuple, float] = {}
+    ours = _ours()
     for row in rows:
-        if row["status"] == "ok" and row["impl"] not in OURS:
+        if row["status"] == "ok" and row["impl"] not in ours:
             key = _case_key(row)
             best[key] = min(best.get(key, math.inf), row["median_ms"])
     out = []
@@ -175,7 +82,7 @@ def with_peer_ratios(rows: list[dict]) -> list[dict]:
 def geomean_ratios(rows: list[dict]) -> dict[str, dict]:
     """For each of ours: geometric mean of ratio_to_best_peer over the shapes where it has one."""
     summary = {}
-    for name in sorted(OURS):
+    for name in sorted(_ours()):
         ratios = [r["ratio_to_best_peer"] for r in rows
                   if r["impl"] == name and r["ratio_to_best_peer"] is not None]
         if ratios:
@@ -183,92 +90,6 @@ def geomean_ratios(rows: list[dict]) -> dict[str, dict]:
                              math.exp(statistics.fmean(math.log(x) for x in ratios)),
                              "shapes": len(ratios)}
     return summary
-
-
-# --- reference -------------------------------------------------------------------------------
-
-def reference_output(q, k, v, *, causal: bool, budget_bytes: float):
-    """Float64 attention for as much of the output as `budget_bytes` allows at a time.
-
-    Computed in chunks of (batch, head) pairs. When one head alone is over budget, only its last
-    query rows are compared: they see every key, so the longest reductions are the ones checked;
-    "bottom_right" alignment keeps each sliced row's true causal window (lengths are equal).
-    Returns (reference [B, H, rows, D] float64, region) where region records what was compared.
-    """
-    batch, heads, seq, head_dim = q.shape
-    kv_heads = k.shape[1]
-    per_row = seq * REF_BYTES_PER_SCORE
-    rows = int(min(seq, max(1, budget_bytes // per_row)))
-    start = seq - rows
-    chunk = int(min(batch * heads, max(1, budget_bytes // (rows * per_row))))
-    # flat query head i = b * heads + h reads K/V head b * kv_heads + h // group
-    flat = torch.arange(batch * heads, device=q.device)
-    kv_index = (flat // heads) * kv_heads + (flat % heads) // (heads // kv_heads)
-    q_flat, k_flat, v_flat = (t.flatten(0, 1) for t in (q, k, v))
-    ref = torch.empty(batch * heads, rows, head_dim, dtype=torch.float64, device=q.device)
-    for i in range(0, batch * heads, chunk):
-        idx = kv_index[i:i + chunk]
-        ref[i:i + chunk] = attention_reference(
-            q_flat[i:i + chunk, start:][None], k_flat[idx][None], v_flat[idx][None],
-            causal=causal, causal_alignment="bottom_right")[0]
-    region = {"batch_heads": batch * heads, "query_rows": [start, seq],
-              "chunk_batch_heads": chunk}
-    return ref.unflatten(0, (batch, heads)), region
-
-
-def _free_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not Linux: no estimate, nothing skipped
-        return None
-
-
-# --- timing ----------------------------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(forwards, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
-    """Median time of one call, each call taking the next prepared forward in turn. Python's
-    cyclic garbage collector is off while timing, as in `timeit`. Two H200 runs read host-bound
-    small-shape rows 1.3-2.4x slow right after a compiling first call (flex); collector passes
-    over what a compile leaves behind, landing inside the timed loop, are the suspected cause."""
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _median_ms_no_gc(forwards, device, warmup_ms, rep_ms)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _median_ms_no_gc(forwards, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
-    cycle = itertools.cycle(forwards)
-
-    def call():
-        return next(cycle)()
-
-    if device.type == "cuda":
-        import triton.testing  # only here: CPU runs never need Triton's driver
-
-        return float(triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms,
-                                             return_mode="median"))
-    deadline = time.perf_counter() + warmup_ms / 1e3
-    call()
-    while time.perf_counter() < deadline:
-        call()
-    times = []
-    deadline = time.perf_counter() + rep_ms / 1e3
-    while len(times) < MIN_CPU_REPEATS or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 # --- one row ---------------------------------------------------------------------------------
@@ -281,7 +102,7 @@ class _Context:
     mode: str
     warmup_ms: float
     rep_ms: float
-    peak_tflops: float | None
+    env: dict
     available: dict[str, tuple[bool, str]]
 
 
@@ -319,7 +140,9 @@ def _row(ctx: _Context, case: Case, name: str) -> dict:
     return {"shape": case.shape, "kv_heads": case.kv_heads, "dtype": ctx.dtype,
             "causal": ctx.causal, "mode": ctx.mode, "impl": name, "status": "ok", "reason": "",
             "median_ms": None, "tflops": None, "pct_of_peak": None, "ratio_to_best_peer": None,
-            "error": None, "error_compared": None, "first_call_ms": None, "input_sets": None}
+            "error": None, "error_compared": None, "first_call_ms": None, "input_sets": None,
+            # Versions on every row, so rows copied out of their file still say what ran them.
+            "torch": ctx.env.get("torch"), "triton": ctx.env.get("triton")}
 
 
 def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -> dict:
@@ -331,10 +154,12 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
     if not ctx.causal and not _takes_causal(impl):
         return {**row, "status": "unsupported",
                 "reason": "prepare() takes no causal argument (causal only)"}
-    skip = score_memory_skip(impl.name, case, free_bytes, ctx.mode)
+    if case.kv_heads != case.heads and not impl.gqa:
+        return {**row, "status": "unsupported",
+                "reason": "takes no K/V with fewer heads than q (the registry's gqa field)"}
+    skip = score_memory_skip(impl, case, free_bytes, ctx.mode)
     if skip:
         return {**row, "status": "skipped", "reason": skip}
-    started = False  # whether a first output came back: failures before it may be refusals
     try:
         forward = _prepare(impl, *inputs[0], ctx.causal)
         # First call on this shape in this process: what a user waits for (JIT, autotune, plans);
@@ -347,7 +172,7 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
         first = _timed_call(forward, inputs[0], out, ctx.mode)
         if ctx.mode != "fwd":
             first()
-        _sync(ctx.device)
+        sync(ctx.device)
         row["first_call_ms"] = (time.perf_counter() - t0) * 1e3
         q = inputs[0][0]
         if tuple(out.shape) != tuple(q.shape):
@@ -357,18 +182,17 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
             ref, region = reference
             start, stop = region["query_rows"]
             with torch.no_grad():
-                row["error"] = (out[:, :, start:stop].double() - ref).abs().max().item()
+                row["error"] = max_abs_error(out[:, :, start:stop], ref)
             row["error_compared"] = region
         if ctx.mode != "bwd":
             del out  # "bwd" keeps it: the first timed call differentiates its graph
-        started = True
         calls = [first]
         for qkv in inputs[1:]:
             other = _prepare(impl, *qkv, ctx.causal)
             calls.append(_timed_call(other, qkv, other() if ctx.mode == "bwd" else None,
                                      ctx.mode))
         row["input_sets"] = len(calls)
-        ms = _median_ms(calls, ctx.device, ctx.warmup_ms, ctx.rep_ms)
+        ms = median_ms(calls, ctx.device, ctx.warmup_ms, ctx.rep_ms)
     except torch.OutOfMemoryError as exc:
         return {**row, "status": "oom", "reason": str(exc).splitlines()[0]}
     except (NotImplementedError, ValueError, TypeError) as exc:
@@ -376,17 +200,11 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
         return {**row, "status": "unsupported", "reason": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # noqa: BLE001 -- one entry's failure must not end the sweep
         first = str(exc).splitlines()[0] if str(exc) else ""
-        reason = f"{type(exc).__name__}: {first}"
-        if not started and case.kv_heads != case.heads and impl.name not in OURS:
-            # A peer without GQA breaks on the first K/V head broadcast; GQA is our contract,
-            # so the same failure of ours stays 'failed'.
-            return {**row, "status": "unsupported", "reason": f"GQA input failed: {reason}"}
-        return {**row, "status": "failed", "reason": reason}
+        return {**row, "status": "failed", "reason": f"{type(exc).__name__}: {first}"}
     flops = attention_flops(case.batch, case.heads, case.seq, case.seq, case.head_dim,
                             causal=ctx.causal, mode=ctx.mode)
-    row.update(median_ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-    if ctx.peak_tflops:
-        row["pct_of_peak"] = 100.0 * row["tflops"] / ctx.peak_tflops
+    row.update(median_ms=ms, tflops=tflops(flops, ms * 1e-3))
+    row["pct_of_peak"] = pct_of_peak(row["tflops"], ctx.dtype, ctx.env)
     if row["error"] is not None and not math.isfinite(row["error"]):
         row.update(status="failed", reason="output is not finite", error=None)
     return row
@@ -399,17 +217,14 @@ def _write_json(path: str, header: dict, rows: list[dict], complete: bool) -> No
     head = json.dumps({**header, "complete": complete, "summary": geomean_ratios(rows)}, indent=1)
     # One row per line: a results file under git diffs row by row.
     body = ",\n".join("  " + json.dumps(row) for row in rows)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f'{head[:-2]},\n "rows": [\n{body}\n ]\n}}\n')
-    os.replace(tmp, path)  # atomic: an interrupt mid-write leaves the previous complete file
+    runs.write_text(path, f'{head[:-2]},\n "rows": [\n{body}\n ]\n}}\n')
 
 
 def _progress(i: int, total: int, row: dict) -> str:
     shape = "x".join(map(str, row["shape"]))
     if row["status"] == "ok":
         what = (f"{row['median_ms']:.4f} ms  {row['tflops']:.1f} TFLOP/s  "
-                f"err {compare.fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
+                f"err {fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
     else:
         what = f"{row['status']}: {row['reason']}"
     return f"[{i}/{total}] {shape} kv{row['kv_heads']} {row['impl']}: {what}"
@@ -419,7 +234,7 @@ def format_table(rows: list[dict], time_label: str) -> str:
     head = ["shape B,H,S,D", "kv", "impl", "status", time_label, "TFLOP/s", "% peak",
             "x best peer", "max err", "1st call ms"]
     body = [[",".join(map(str, r["shape"])), str(r["kv_heads"]), r["impl"], r["status"],
-             *(compare.fmt(r[key], spec) for key, spec in (
+             *(fmt(r[key], spec) for key, spec in (
                  ("median_ms", ".4f"), ("tflops", ".1f"), ("pct_of_peak", ".1f"),
                  ("ratio_to_best_peer", ".3f"), ("error", ".2e"), ("first_call_ms", ".1f")))]
             for r in rows]
@@ -439,7 +254,8 @@ def add_arguments(parser) -> None:
                         help="implementations to time, in this order (default: every registered "
                         "one; `attnscope list` names them)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
-                        help="input dtype (default: bf16 on CUDA, as in the peers' measurements; "
+                        help="input dtype of the shapes that name none (the wide sweep's name "
+                        "theirs) (default: bf16 on CUDA, as in the peers' measurements; "
                         "fp32 on the CPU, where the Triton interpreter gets bf16 wrong)")
     parser.add_argument("--no-causal", dest="causal", action="store_false",
                         help="full attention instead of causal; entries whose prepare() takes no "
@@ -466,29 +282,31 @@ def add_arguments(parser) -> None:
 
 
 def _resolve(args):
-    device = torch.device(compare.resolve_device(args.device))
-    args.dtype = args.dtype or compare.DEFAULT_DTYPE[device.type]
+    if args.warmup_ms < 0 or args.rep_ms <= 0:
+        raise ValueError(f"--warmup-ms must be >= 0 and --rep-ms > 0, got {args.warmup_ms:g} "
+                         f"and {args.rep_ms:g}")
+    device = torch.device(resolve_device(args.device))
+    args.dtype = args.dtype or DEFAULT_DTYPE[device.type]
     sweep = args.sweep or ("default" if device.type == "cuda" else "cpu")
     cases = resolve_sweep(sweep, args.kv_heads)
-    impls = [registry.get(n) for n in args.impl] if args.impl else list(
-        registry.IMPLEMENTATIONS.values())
+    impls, notes = resolve_impls(args.impl)
     if not impls:
         raise ValueError("no implementations are registered")
-    return device, sweep, cases, impls
+    return device, sweep, cases, impls, notes
 
 
-def _timing_block(device: torch.device, l2_bytes: int | None, args) -> dict:
-    if device.type == "cuda":
-        return {"timer": "triton.testing.do_bench, return_mode='median', CUDA events",
-                "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
-                "rotation": f"each timed call takes the next of `input_sets` prepared forwards, "
-                f"each on its own q/k/v; sets = 1 + ceil(L2 / bytes of q+k+v+out), at most "
-                f"{MAX_INPUT_SETS}, so a set is evicted before its next use; do_bench also "
-                f"clears L2 before each timed call",
-                "l2_bytes": l2_bytes}
-    return {"timer": "CPU wall time: time.perf_counter median over repeats (not GPU time)",
-            "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
-            "min_repeats": MIN_CPU_REPEATS, "rotation": "none: one input set"}
+def _check_json_path(path: str) -> None:
+    """ValueError, saying why, when --json could not be written."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise ValueError(f"--json {path} is a directory; give a file name such as "
+                         f"{os.path.join(path, 'bench.json')}")
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with tempfile.TemporaryFile(dir=os.path.dirname(target)):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write --json {path}: {exc.strerror or exc}") from None
 
 
 MODE_TIMED = {
@@ -500,7 +318,7 @@ MODE_TIMED = {
 
 
 def _reference_or_none(qkv, causal: bool, device: torch.device):
-    budget = REF_MEMORY_FRACTION * (_free_bytes(device) or 2**31)
+    budget = REF_MEMORY_FRACTION * (free_memory(device) or 2**31)
     try:
         with torch.no_grad():  # the backward modes run with grad enabled
             return reference_output(*qkv, causal=causal, budget_bytes=budget)
@@ -511,12 +329,9 @@ def _reference_or_none(qkv, causal: bool, device: torch.device):
 
 
 def _make_inputs(case: Case, dtype: torch.dtype, device: torch.device, index: int):
-    # Seeded per shape and set, so every implementation sees the same data; normal, not zeros.
-    gen = torch.Generator(device=device).manual_seed(1000 * index + case.seq + case.head_dim)
-    q_shape = (case.batch, case.heads, case.seq, case.head_dim)
-    kv_shape = (case.batch, case.kv_heads, case.seq, case.head_dim)
-    return tuple(torch.randn(s, generator=gen, device=device, dtype=dtype)
-                 for s in (q_shape, kv_shape, kv_shape))
+    # Seeded per shape and set, so every implementation sees the same data.
+    return make_inputs(*case.shape, dtype, device, seed=1000 * index + case.seq + case.head_dim,
+                       kv_heads=case.kv_heads, draw_on=device)
 
 
 def _with_grad(qkv):
@@ -525,6 +340,8 @@ def _with_grad(qkv):
 
 def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
     """Rows of one shape, one per implementation, all on the same inputs and reference."""
+    if case.dtype:  # the wide sweep's cases carry their own dtype
+        ctx = dataclasses.replace(ctx, dtype=case.dtype)
     dtype = DTYPES[ctx.dtype]
     q_bytes = case.batch * case.heads * case.seq * case.head_dim * dtype.itemsize
     set_bytes = 2 * q_bytes + 2 * q_bytes * case.kv_heads // case.heads  # q, out, k, v
@@ -535,18 +352,22 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
     reference = _reference_or_none(inputs[0], ctx.causal, ctx.device)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # free memory must not count the reference's cached blocks
-    free = _free_bytes(ctx.device)
+    free = free_memory(ctx.device)
     for impl in impls:
         yield bench_one(ctx, case, impl, inputs, reference, free)
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()  # the next entry starts from the same free memory
 
 
-def _header(env: dict, sweep: str, device: torch.device, l2_bytes: int | None, args) -> dict:
+def _header(env: dict, sweep: str, cases, device: torch.device, l2_bytes: int | None,
+            args) -> dict:
     return {
         "env": env, "command": list(sys.argv), "sweep": sweep, "device": device.type,
+        # The torch/Triton pair every row ran on (each row repeats it), and the swept shapes.
+        "torch": env.get("torch"), "triton": env.get("triton"),
+        "cases": [dataclasses.asdict(c) for c in cases],
         "mode": args.mode, "timed": MODE_TIMED[args.mode],
-        "timing": _timing_block(device, l2_bytes, args),
+        "timing": timing_block(device, l2_bytes, args),
         "first_call": "first_call_ms: wall time of the first forward() on that shape in this "
         "process (with its first backward in the bwd and fwd_bwd modes; prepare() excluded), "
         "synchronized; includes Triton JIT compilation and "
@@ -555,8 +376,8 @@ def _header(env: dict, sweep: str, device: torch.device, l2_bytes: int | None, a
         "error": "max abs difference of the forward output against attention_reference in "
         "float64 on the same inputs (input set 0), in every mode; error_compared says which "
         "batch*heads and query rows",
-        "skip_rule": f"{sorted(MATERIALIZES_SCORES)} skipped when B*H*S*S*{SCORE_BYTES} bytes "
-        f"> {SCORE_MEMORY_FRACTION:.0%} of free memory",
+        "skip_rule": f"entries that materialize the scores skipped when B*H*S*S*{SCORE_BYTES} "
+        f"bytes > {SCORE_MEMORY_FRACTION:.0%} of free memory",
     }
 
 
@@ -569,12 +390,14 @@ def _available(impl, device: torch.device) -> tuple[bool, str]:
 
 def run(args) -> int:
     try:
-        device, sweep, cases, impls = _resolve(args)
+        device, sweep, cases, impls, notes = _resolve(args)
+        if args.json:
+            _check_json_path(args.json)  # now, not after the first row's minutes of timing
     except ValueError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    for note in notes:
+        print(note, file=sys.stderr)
     env = collect_env()
     gpu = env.get("gpu") or {}
     l2_bytes = None
@@ -584,9 +407,9 @@ def run(args) -> int:
     ctx = _Context(
         device=device, dtype=args.dtype, causal=args.causal, mode=args.mode,
         warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-        peak_tflops=gpu.get("measured_bf16_peak_tflops") if args.dtype == PEAK_DTYPE else None,
+        env=env,
         available={impl.name: _available(impl, device) for impl in impls})
-    header = _header(env, sweep, device, l2_bytes, args)
+    header = _header(env, sweep, cases, device, l2_bytes, args)
     time_label = "median ms" if device.type == "cuda" else "CPU wall ms"
     total = len(cases) * len(impls)
     print(f"bench: sweep {sweep!r}, {len(cases)} shapes x {len(impls)} implementations, "
@@ -601,11 +424,15 @@ def run(args) -> int:
                     print(_progress(len(rows), total, row), file=sys.stderr)
                     if args.json:
                         _write_json(args.json, header, rows, complete=False)
+        if args.json:
+            _write_json(args.json, header, rows, complete=True)
     except KeyboardInterrupt:
         print(format_table(with_peer_ratios(rows), time_label))
         raise
-    if args.json:
-        _write_json(args.json, header, rows, complete=True)
+    except OSError as exc:  # a full disk, or a folder that turned unwritable mid-run
+        print(f"bench: error: cannot write --json {args.json}: {exc.strerror or exc}; "
+              f"{len(rows)} rows measured, the file keeps what was last written", file=sys.stderr)
+        return 1
     final = with_peer_ratios(rows)
     print(format_table(final, time_label))
     for name, s in geomean_ratios(final).items():

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-WARMUP_CALLS = 3
+from attnscope.profile.inputs import WARMUP_CALLS
+
 WAIT, WARMUP, ACTIVE = 1, 1, 3
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -28,14 +28,6 @@ class Capture:
     trace: Path
     table: Path
     peak_memory_mb: float | None  # None on CPU
-
-
-def make_inputs(batch, heads, seq, head_dim, dtype, device, seed=0):
-    """q, k, v as [batch, heads, seq, head_dim], standard normal: never zeros or constants."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    return tuple(torch.randn(batch, heads, seq, head_dim, generator=gen).to(device=device,
-                                                                             dtype=dtype)
-                 for _ in range(3))
 
 
 MODES = ("fwd", "fwd_bwd")

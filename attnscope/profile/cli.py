@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv = [DEFAULT, *argv]
-    args = build_parser().parse_args(argv)
+    # Ctrl-C at any moment, start-up (importing the subcommands pulls in torch) included: one
+    # line and the shell's exit status for SIGINT, no traceback.
     try:
+        args = build_parser().parse_args(argv)
         return args._run(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

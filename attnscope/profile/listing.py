@@ -7,7 +7,7 @@ import sys
 import torch
 
 from attnscope.attention import IMPLEMENTATIONS
-from attnscope.profile.compare import resolve_device
+from attnscope.profile.inputs import resolve_device
 
 HELP = "list the implementations and whether each is available on this machine, with the reason"
 

@@ -11,35 +11,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from attnscope.profile import runs
 from attnscope.profile import tensor_cores as tc
-from attnscope.profile.capture import DTYPES, make_inputs
+from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, SHAPES, WARMUP_CALLS, make_inputs
 
 HELP = "re-run implementations under Nsight Compute; Tensor Core verdicts from hardware counters"
 RANGE = "attnscope_fwd"  # the NVTX push/pop range around each profiled forward
-WARMUP_CALLS = 3  # as in the seed scripts: enough for compilation and autotuning to settle
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", nargs="+", metavar="NAME", default=None,
                         help="implementations to profile (default: every one available here)")
-    parser.add_argument("--batch", type=int, default=8, help="batch size (default: 8)")
-    parser.add_argument("--heads", type=int, default=16, help="attention heads (default: 16)")
-    parser.add_argument("--seq", type=int, default=1024, help="sequence length (default: 1024)")
-    parser.add_argument("--head-dim", type=int, default=64, help="head dimension (default: 64)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="input dtype "
-                        "(default: bf16)")
+    batch, heads, seq, head_dim = SHAPES["cuda"]  # compare's, so the counters match its traces
+    parser.add_argument("--batch", type=int, default=batch, help=f"batch size (default: {batch})")
+    parser.add_argument("--heads", type=int, default=heads,
+                        help=f"attention heads (default: {heads})")
+    parser.add_argument("--seq", type=int, default=seq, help=f"sequence length (default: {seq})")
+    parser.add_argument("--head-dim", type=int, default=head_dim,
+                        help=f"head dimension (default: {head_dim})")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=DEFAULT_DTYPE["cuda"],
+                        help=f"input dtype (default: {DEFAULT_DTYPE['cuda']})")
     parser.add_argument("--forwards", type=int, default=1, help="profiled forwards per "
                         "implementation; ncu replays every kernel once per metric pass, so one "
                         "is usually enough (default: 1)")
-    parser.add_argument("--out", default="attnscope-out", help="results folder: CSVs go to "
-                        "OUT/ncu/, verdicts merge into OUT/results.json if present "
+    parser.add_argument("--out", default="attnscope-out", help="a compare results folder: its "
+                        "last complete run (OUT/latest, else OUT itself) gets the CSVs under "
+                        "ncu/ and the verdicts merged into its results.json if present "
                         "(default: attnscope-out)")
     parser.add_argument("--ncu", default=None, metavar="PATH", help="the ncu executable "
                         "(default: `ncu` on PATH, else /usr/local/cuda/bin/ncu)")
@@ -88,11 +91,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    (out / "ncu").mkdir(parents=True, exist_ok=True)
+    out = runs.resolve(args.out)  # the same run `report` reads
+    try:
+        (out / "ncu").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"error: cannot write to --out {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
 
     verdicts: dict[str, dict[str, dict]] = {}
-    results = out / "results.json"
+    results = out / runs.RESULTS
     for i, impl in enumerate(impls, 1):
         ok, reason = impl.available(torch.device("cuda"))
         if not ok:
@@ -316,9 +323,27 @@ def merge_into_results(path: Path, verdicts: dict[str, dict[str, dict]],
                 evidence = {**counters[ncu_name], "ncu_kernel": ncu_name, "matched_by": how}
                 kernel["tensor_cores"] = tc.combine(evidence, kernel.get("tensor_cores"))
         row["tensor_cores"] = tc.forward_summary(row["kernels"])
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+        _annotate_trace(path.parent, row)
+    runs.write_json(path, data, indent=2)
+
+
+def _annotate_trace(folder: Path, row: dict) -> None:
+    """Write the merged verdicts into the row's trace too, so `analyze` on it says what the
+    table says (the trace is left alone when it is not found or not readable)."""
+    from attnscope.profile.table import evidence_text
+    from attnscope.profile.trace import (EVIDENCE_LINE_ARG, VERDICT_ARG, VERDICT_LINE_ARG,
+                                         TraceError, annotate_kernels, find_row_trace)
+
+    trace = find_row_trace(folder, row)
+    if trace is None:
+        return
+    fields = {k["name"]: {VERDICT_LINE_ARG: k["tensor_cores"]["verdict"],
+                          EVIDENCE_LINE_ARG: evidence_text(k["tensor_cores"]),
+                          VERDICT_ARG: k["tensor_cores"]} for k in row["kernels"]}
+    try:
+        annotate_kernels(trace, fields)
+    except TraceError:
+        pass
 
 
 def run_target(args: argparse.Namespace) -> int:

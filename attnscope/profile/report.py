@@ -16,12 +16,13 @@ import html
 import importlib.util
 import json
 import os
-import re
 import statistics
 import sys
 from pathlib import Path
 
-from attnscope.profile import artifacts, compare
+from attnscope.profile import artifacts, runs, source_view
+from attnscope.profile.metrics import PEAK_DTYPES
+from attnscope.profile.table import COLUMNS, CPU_NOTE, evidence_text, table_cells
 from attnscope.profile.tensor_cores import name_verdict, short_name
 from attnscope.profile.trace import TraceError, find_row_trace, forward_events, load_events
 
@@ -30,7 +31,6 @@ HELP = ("HTML report from a compare folder: table, charts, per-forward timelines
 DEFAULT_NAME = "report.html"
 BENCH_FILE = "bench.json"
 NEEDS = ("matplotlib", "pygments")
-MAX_PTX_SHOWN = 40  # instructions listed per source line; the .4.ptx file has them all
 
 
 class ReportError(RuntimeError):
@@ -52,7 +52,8 @@ def require_dependencies():
 
 
 def run(args) -> int:
-    folder = Path(args.results_dir)
+    # A compare --out folder reads its last complete run (OUT/latest); a run folder reads itself.
+    folder = runs.resolve(args.results_dir)
     try:
         path = write_report(folder, Path(args.output) if args.output else folder / DEFAULT_NAME)
     except ReportError as e:
@@ -62,23 +63,47 @@ def run(args) -> int:
     return 0
 
 
+def _check_output(output: Path):
+    """Fail before rendering when the page could not be written there."""
+    if output.is_dir():
+        raise ReportError(f"-o {output} is a directory; give a file name such as "
+                          f"{output / DEFAULT_NAME}")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"cannot create the folder of {output}: {e.strerror or e}") from None
+    if not os.access(output.parent, os.W_OK | os.X_OK):
+        raise ReportError(f"cannot write {output}: its folder is not writable")
+
+
 def write_report(folder, output) -> Path:
     require_dependencies()
     folder, output = Path(folder), Path(output)
     try:
-        results = json.loads((folder / "results.json").read_text())
+        results = json.loads((folder / runs.RESULTS).read_text())
     except OSError as e:
+        unfinished = sorted((folder / runs.RUNS).glob(f"*/{runs.RESULTS}"))
+        if unfinished:  # an --out folder whose runs were all interrupted
+            raise ReportError(f"no complete run in {folder}: {len(unfinished)} interrupted "
+                              f"one(s) under {folder / runs.RUNS}; pass one of those folders to "
+                              f"report its finished rows") from None
         raise ReportError(f"no results.json in {folder} ({e.strerror or e}); run "
                           f"`python -m attnscope.profile compare --out {folder}` first") from None
     except json.JSONDecodeError as e:
-        raise ReportError(f"{folder / 'results.json'} is not valid JSON: {e}") from None
+        raise ReportError(f"{folder / runs.RESULTS} is not valid JSON: {e}") from None
+    if not isinstance(results, dict) or not results.get("rows"):
+        raise ReportError(f"{folder / runs.RESULTS} holds no rows: the run that wrote it "
+                          f"finished no implementation; nothing to report")
+    _check_output(output)
     page = _Page(results, folder, output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(page.render())
+    try:
+        runs.write_text(output, page.render())
+    except OSError as e:
+        raise ReportError(f"cannot write {output}: {e.strerror or e}") from None
     return output
 
 
-# Free-text columns of compare.COLUMNS, left-aligned; the others hold numbers.
+# Free-text columns of COLUMNS, left-aligned; the others hold numbers.
 TEXT_COLUMNS = ("impl", "Tensor Cores", "launch API", "status")
 
 
@@ -117,7 +142,10 @@ class _Page:
 
         shape = self.results.get("shape", {})
         title = (f"attnscope: {', '.join(f'{k} {v}' for k, v in shape.items())}, "
-                 f"{self.results.get('dtype')}, {self.device}")
+                 f"{self.results.get('dtype')}, {self.device}"
+                 # Files from before run folders carry no flag: they were complete.
+                 + ("" if self.results.get("complete", True) else
+                    f" (incomplete run: {len(self.rows)} rows)"))
         sections = [self.table(), self.charts(), self.sweep(), self.timelines(),
                     self.fused_kernel(), self.traces()]
         nav = "".join(f'<a href="#{a}">{t}</a>' for a, t in (
@@ -132,14 +160,14 @@ class _Page:
     # --- table and env ------------------------------------------------------------------------
 
     def table(self) -> str:
-        headers = [h for h, _, _ in compare.COLUMNS]
+        headers = [h for h, _, _ in COLUMNS]
         align = ['' if h in TEXT_COLUMNS else ' class="num"' for h in headers]
         head = "".join(f"<th>{_e(h)}</th>" for h in headers)
         body = "".join("<tr>" + "".join(f"<td{a}>{_e(c)}</td>" for a, c in zip(align, cells))
-                       + "</tr>" for cells in compare.table_cells(self.rows, self.device))
+                       + "</tr>" for cells in table_cells(self.rows, self.device))
         notes = [UNITS]
         if self.device == "cpu":
-            notes.append(compare.CPU_NOTE)
+            notes.append(CPU_NOTE)
         env = dict(self.results.get("env") or {})
         gpu = env.pop("gpu", None) or {}
         pairs = list(env.items()) + [(f"gpu.{k}", v) for k, v in gpu.items()]
@@ -172,7 +200,7 @@ class _Page:
             "kernels per forward"))
         peak = ((self.results.get("env") or {}).get("gpu") or {}).get("measured_bf16_peak_tflops")
         reference = None
-        if peak and self.results.get("dtype") in ("bf16", "fp16"):
+        if peak and self.results.get("dtype") in PEAK_DTYPES:
             reference = (peak, f"measured bf16 matmul peak {peak:g} TFLOP/s")
         else:
             parts.append(_note("no measured peak for this GPU and dtype: TFLOP/s without a "
@@ -260,36 +288,60 @@ class _Page:
                 f'<td class="num">{op["ts"] - t0:.1f}</td>'
                 f'<td class="num">{op.get("dur", 0):.1f}</td>'
                 f'<td class="{cls}">{_e(verdict["verdict"]) if verdict else "-"}</td>'
-                f'<td>{_e(compare.evidence_text(verdict)) if verdict else "copy/set"}</td></tr>')
+                f'<td>{_e(evidence_text(verdict)) if verdict else "copy/set"}</td></tr>')
         return f'<table class="ops">{head}{"".join(body)}</table>'
 
     # --- fused kernel ---------------------------------------------------------------------------
 
     def fused_kernel(self) -> str:
-        folder = self.results.get("kernel_artifacts")
-        candidates = [Path(folder)] if folder else []
-        candidates.append(self.folder / compare.KERNEL_DIR)
-        found = next((a for a in map(artifacts.load, candidates) if a), None)
-        source = (found or {}).get("source") or artifacts.source_file().read_text()
-        meta = (found or {}).get("meta", {})
-        name = meta.get("kernel") or artifacts.KERNEL  # the Gluon kernel's where the op ran it
-        where = meta.get("source") or artifacts.source_location(source)
+        candidates = self._artifact_folders()
+        found = next((a for a in map(artifacts.load_all, candidates) if a), [])
+        if not found:
+            looked = ", ".join(self._href(c) for c in candidates) or "-"
+            if self.device == "cpu":
+                why = ("this was a CPU run, where our kernels run in the Triton interpreter, "
+                       "which compiles nothing")
+            else:
+                why = f"this folder has none (looked in: {looked})"
+            return _section("fused", "Our compiled kernels", _note(
+                f"compiled artifacts missing: {why}. `compare` on CUDA writes our kernels' "
+                "source, TTIR, TTGIR, LLIR, PTX and SASS to the run folder's <impl>/kernel/, and "
+                "this panel then shows each kernel's launch config, registers, spills, shared "
+                "memory, instruction mix and which source lines became matrix instructions."))
+        panels = "".join(self._kernel_panel(f) for f in found)
+        title = "Our compiled kernels: " + ", ".join(f["name"] for f in found)
+        return _section("fused", title, panels)
+
+    def _artifact_folders(self) -> list[Path]:
+        """Where this run's compiled artifacts may be: the folder compare recorded (relative to
+        the run folder, or absolute from older runs), then <impl>/kernel/ of each row."""
+        folders = []
+        recorded = self.results.get("kernel_artifacts")
+        if recorded:
+            folders.append(self.folder / recorded if not Path(recorded).is_absolute()
+                           else Path(recorded))
+        folders += [self.folder / artifacts.folder_for(r["impl"]) for r in self.ok]
+        return list(dict.fromkeys(folders))
+
+    def _kernel_panel(self, found) -> str:
+        meta, name = found["meta"], found["name"]
+        where = meta.get("source") or "?"
         lines = {}
-        if found and found.get("ptx"):
+        if found.get("ptx"):
             lines = artifacts.ptx_line_map(found["ptx"], where.rsplit(":", 1)[0])
-        compiled = self._compiled(found, lines) if found else _note(
-            "compiled artifacts need a GPU run: `compare` on CUDA writes the fused kernel's "
-            f"TTIR, TTGIR, LLIR, PTX and SASS to OUT/{compare.KERNEL_DIR.as_posix()}/, and this "
-            "panel then shows its launch config, registers, spills, shared memory, instruction "
-            "mix and which source lines became matrix instructions. This folder has none.")
-        body = (f'<p>Source: <code>{_e(where)}</code> (<code>def {_e(name)}'
+        if found.get("source"):
+            source = source_view.source_html(found["source"], lines)
+        else:
+            source = _note(f"source missing: no {name}.{artifacts.SOURCE_SUFFIX} in "
+                           f"{found['folder']}")
+        return (f'<h3 id="kernel-{_e(name)}">{_e(name)}</h3>'
+                f'<p>Source: <code>{_e(where)}</code> (<code>def {_e(name)}'
                 f"</code>), from its first jit function on. Lines marked "
                 f"in green became matrix (Tensor Core) instructions; "
                 f"the badges count the PTX instructions the compiler's line info ties to each "
                 f"line and link to them.</p>"
-                f'<div class="pair"><div class="srcpane">{_source_html(source, lines)}</div>'
-                f'<div class="compiled">{compiled}</div></div>')
-        return _section("fused", f"Fused kernel: {_e(name)}", body)
+                f'<div class="pair"><div class="srcpane">{source}</div>'
+                f'<div class="compiled">{self._compiled(found, lines)}</div></div>')
 
     def _compiled(self, found, lines) -> str:
         meta = found["meta"]
@@ -304,7 +356,7 @@ class _Page:
                ("spills", compiled.get("spills")),
                ("shared memory (bytes)", compiled.get("shared_memory_bytes")),
                ("target", compiled.get("target")),
-               ("Tensor Cores", compare.evidence_text(meta["tensor_cores"])
+               ("Tensor Cores", evidence_text(meta["tensor_cores"])
                 if meta.get("tensor_cores") else None)])]
         mixes = {kind: artifacts.instruction_mix(found[kind], kind)
                  for kind in ("sass", "ptx") if found.get(kind)}
@@ -317,10 +369,10 @@ class _Page:
                       f'<table class="kv"><tr><th>class</th>{head}</tr>{body}</table>']
             if "sass" not in mixes:
                 parts.append(_note("no SASS: no cuobjdump was found on the GPU machine"))
-        parts += ["<h3>Source lines and what they became</h3>", _line_list(lines)]
+        parts += ["<h3>Source lines and what they became</h3>", source_view.line_list(lines)]
         links = [f'<a href="{_e(self._href(found["folder"] / name))}">{_e(name)}</a>'
                  for name in sorted(os.listdir(found["folder"]))
-                 if name.startswith(artifacts.KERNEL + ".")]
+                 if name.startswith(found["name"] + ".")]
         parts.append("<p>Artifacts: " + ", ".join(links) + "</p>")
         return "".join(parts)
 
@@ -350,67 +402,6 @@ class _Page:
 def _display_name(kernel_name: str) -> str:
     # short_name stops at the first '(', which an anonymous namespace puts mid-name.
     return short_name(kernel_name.replace("(anonymous namespace)::", ""))
-
-
-def _badges(entry) -> str:
-    if not entry:
-        return ""
-    classes, inlined = entry["classes"], entry["inlined"]
-    shown = [(classes.get("matrix"), "mma", "b-mma"), (classes.get("exp2"), "ex2", "b-exp"),
-             (classes.get("global loads"), "ld", "b-mem"),
-             (classes.get("global stores"), "st", "b-mem"),
-             (inlined.get("matrix"), "mma inlined", "b-call")]
-    return "".join(f'<span class="badge {css}">{n} {label}</span>' for n, label, css in shown if n)
-
-
-def _source_html(source: str, lines: dict) -> str:
-    """The source, highlighted line by line, with an anchor per line and the PTX badges.
-    HtmlFormatter closes its spans at each line end, so its output splits into lines."""
-    from pygments import highlight
-    from pygments.formatters import HtmlFormatter
-    from pygments.lexers import PythonLexer
-
-    code = highlight(source, PythonLexer(), HtmlFormatter(nowrap=True)).split("\n")
-    # From the first jit function on (@triton.jit, or @gluon.jit in the Hopper kernel): the
-    # module docstring and imports compile to nothing.
-    first = next((i for i, line in enumerate(source.splitlines())
-                  if re.match(r"@(triton|gluon)\.jit", line)), 0)
-    rows = []
-    for number, text in enumerate(code[first:source.count("\n") + 1], first + 1):
-        entry = lines.get(number)
-        hot = " hot" if entry and entry["classes"].get("matrix") else ""
-        badges = _badges(entry)
-        if badges:
-            badges = f'<a href="#ptx-L{number}">{badges}</a>'
-        rows.append(f'<tr id="src-L{number}" class="line{hot}"><td class="ln">{number}</td>'
-                    f'<td class="bd">{badges}</td><td class="code">{text}</td></tr>')
-    return f'<table class="src">{"".join(rows)}</table>'
-
-
-def _line_list(lines: dict) -> str:
-    """Source lines that became matrix or exp2 instructions, or call inlined code that did,
-    each with the PTX attributed to it."""
-    picked = [(n, e) for n, e in sorted(lines.items())
-              if e["classes"].get("matrix") or e["classes"].get("exp2")
-              or e["inlined"].get("matrix")]
-    if not picked:
-        return _note("the PTX carries no line info for this source file (TRITON_DISABLE_LINE_INFO "
-                     "set?), or none of its lines became matrix or exp2 instructions")
-    items = []
-    for number, entry in picked:
-        what = "; ".join(filter(None, (
-            ", ".join(f"{n} {cls}" for cls, n in entry["classes"].most_common()),
-            "call site of inlined code: " + ", ".join(
-                f"{n} {cls}" for cls, n in entry["inlined"].most_common())
-            if entry["inlined"] else "")))
-        shown = entry["instructions"][:MAX_PTX_SHOWN]
-        more = len(entry["instructions"]) - len(shown)
-        listing = _e("\n".join(shown) + (f"\n... {more} more" if more > 0 else ""))
-        items.append(f'<li id="ptx-L{number}"><a href="#src-L{number}">line {number}</a>: '
-                     f"{_e(what)}"
-                     + (f"<details><summary>PTX</summary><pre>{listing}</pre></details>"
-                        if shown else "") + "</li>")
-    return f'<ul class="lines">{"".join(items)}</ul>'
 
 
 UNITS = ("Units: times in microseconds per forward (CUDA us/fwd: busy GPU time, the sum of the "

@@ -15,7 +15,6 @@ keeps the strongest tier and forward_summary() turns a forward's kernels into on
 from __future__ import annotations
 
 import csv
-import gc
 import re
 import shutil
 import subprocess
@@ -248,74 +247,6 @@ def triton_kernel_verdict(kernel) -> dict:
         return ptx_verdict(ptx)
     return {"verdict": UNKNOWN, "evidence": "sass", "counts": {},
             "reason": "compiled kernel holds neither a cubin nor PTX"}
-
-
-def _kernels_in_jit_caches(fn) -> list:
-    """Compiled kernels a JITFunction holds. Autotuner/Heuristics wrap it in `.fn`; triton 3.x
-    keeps `device_caches[device] = (kernel_cache, key_cache, target, backend, binder)`, older
-    versions `cache[device] = kernel_cache`. Async compiles leave futures there: skipped."""
-    while not hasattr(fn, "device_caches") and not hasattr(fn, "cache") and hasattr(fn, "fn"):
-        fn = fn.fn
-    per_device = getattr(fn, "device_caches", None) or getattr(fn, "cache", None) or {}
-    found = []
-    for entry in list(per_device.values()):
-        kernel_cache = entry[0] if isinstance(entry, tuple) else entry
-        if isinstance(kernel_cache, dict):
-            found += [k for k in list(kernel_cache.values()) if hasattr(k, "asm")]
-    return found
-
-
-def compiled_triton_kernels(jit_functions=None) -> dict[str, list]:
-    """Compiled Triton kernels of this process by kernel name (the name a trace shows, e.g.
-    `_attn_fwd`, `triton_tem_fused_0`). From the given JIT functions' caches, or, without them,
-    every CompiledKernel still alive (ours, FlexAttention's and inductor's kernels are compiled
-    through different paths, so asking the garbage collector is the one way to see them all).
-    Inductor's static CUDA launcher drops its CompiledKernel after loading: such kernels are
-    not found here and keep their name verdict (set TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 to
-    keep them, or use tier 1)."""
-    if jit_functions is not None:
-        kernels = [k for fn in jit_functions for k in _kernels_in_jit_caches(fn)]
-    else:
-        try:
-            from triton.compiler import CompiledKernel
-        except ImportError:
-            return {}
-        kernels = [o for o in gc.get_objects() if _is_instance(o, CompiledKernel)]
-    by_name: dict[str, list] = {}
-    for kernel in kernels:
-        name = getattr(kernel, "name", None) or getattr(getattr(kernel, "metadata", None),
-                                                        "name", None)
-        if name:
-            by_name.setdefault(name, []).append(kernel)
-    return by_name
-
-
-def _is_instance(obj, cls):
-    # gc's objects include weakref proxies; isinstance on a dead one raises ReferenceError
-    # (seen on the H200 with torch 2.11).
-    try:
-        return isinstance(obj, cls)
-    except ReferenceError:
-        return False
-
-
-def triton_verdicts(names, jit_functions=None) -> dict[str, dict]:
-    """Tier 2 for each trace kernel name that a Triton kernel compiled here carries. Autotuning
-    compiles one variant per config under one name; all must agree, else "unknown"."""
-    compiled = compiled_triton_kernels(jit_functions)
-    out = {}
-    for name in set(names) & set(compiled):
-        variants = [triton_kernel_verdict(k) for k in compiled[name]]
-        verdicts = {v["verdict"] for v in variants}
-        verdict = verdicts.pop() if len(verdicts) == 1 else UNKNOWN
-        evidence = "sass" if all(v["evidence"] == "sass" for v in variants) else "ptx"
-        counts: dict[str, int] = {}
-        for v in variants:
-            for key, n in v["counts"].items():
-                counts[key] = counts.get(key, 0) + n
-        out[name] = {"verdict": verdict, "evidence": evidence, "counts": counts,
-                     "variants": len(variants)}
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,12 +21,13 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import re
 import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from attnscope.profile import occupancy
-from attnscope.profile.tensor_cores import name_verdict
+from attnscope.profile import occupancy, runs
+from attnscope.profile.tensor_cores import TIER_STRENGTH, name_verdict
 
 # Category names in current Kineto, and the older capitalised ones (PyTorch <= 1.9 traces).
 _CATEGORY_ALIASES = {"kernel": "kernel", "gpu_memcpy": "gpu_memcpy", "memcpy": "gpu_memcpy",
@@ -38,6 +39,15 @@ _CATEGORY_ALIASES = {"kernel": "kernel", "gpu_memcpy": "gpu_memcpy", "memcpy": "
 GPU_OP_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 PROFILER_STEP_PREFIX = "ProfilerStep"
+# The kernel-event args `compare` writes (annotate_kernels): the verdict as a whole, which
+# analysis reads back so that `analyze` on compare's trace says what compare's table says, and
+# the two lines a Perfetto reader sees (traces written before the whole verdict was kept carry
+# only these; _recorded_verdict reads them too).
+VERDICT_ARG = "attnscope verdict"
+VERDICT_LINE_ARG, EVIDENCE_LINE_ARG = "attnscope tensor cores", "attnscope evidence"
+_COUNT = re.compile(r"(\d+) ([A-Z][\w.]*)")
+_INSTRUCTIONS = re.compile(r" in (\d+) instructions")
+_WEAKER = re.compile(r"\(weaker tiers: (.*)\)\s*$")
 
 
 def find_row_trace(folder, row) -> Path | None:
@@ -92,12 +102,22 @@ def _load_document(path):
     return data
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _complete_events(events):
-    """Duration ('X') events with their category normalised; others (metadata, flows) dropped."""
+    """Duration ('X') events with their category normalised; others (metadata, flows) dropped.
+    An event whose time fields are not numbers makes the trace unreadable (TraceError)."""
     out = defaultdict(list)
     for e in events:
         cat = _CATEGORY_ALIASES.get(str(e.get("cat", "")).lower())
         if e.get("ph") == "X" and cat and "ts" in e:
+            for field in ("ts", "dur"):
+                if field in e and not _is_number(e[field]):
+                    raise TraceError(f"trace event {e.get('name', '?')!r} ({cat}) has a "
+                                     f"non-numeric {field!r}: {e[field]!r}; expected microseconds "
+                                     f"as a number")
             out[cat].append(e)
     return out
 
@@ -135,8 +155,33 @@ def _kernel_summary(name, ops, launches_of, forwards, devices=None):
         "grid": args.get("grid"),
         "block": args.get("block"),
         **occ,
-        "tensor_cores": name_verdict(name),
+        "tensor_cores": _recorded_verdict(args) or name_verdict(name),
     }
+
+
+def _recorded_verdict(args) -> dict | None:
+    """The Tensor Core verdict `compare` wrote into a kernel event's args, or None."""
+    whole = args.get(VERDICT_ARG)
+    if isinstance(whole, dict) and whole.get("evidence") in TIER_STRENGTH:
+        return whole
+    verdict, text = args.get(VERDICT_LINE_ARG), args.get(EVIDENCE_LINE_ARG)
+    if not isinstance(verdict, str) or not isinstance(text, str):
+        return None
+    tier = text.split(":", 1)[0]
+    if tier not in TIER_STRENGTH:
+        return None
+    recorded = {"verdict": verdict, "evidence": tier, "reason": f"recorded by compare: {text}"}
+    weaker = _WEAKER.search(text)
+    main = text[:weaker.start()] if weaker else text
+    if tier in ("sass", "ptx"):
+        counts = {opcode: int(n) for n, opcode in _COUNT.findall(main.split(":", 1)[1])}
+        instructions = _INSTRUCTIONS.search(main)
+        recorded["counts"] = {**counts, "instructions": int(instructions.group(1))
+                              if instructions else 0}
+    if weaker:
+        pairs = (p.split(": ", 1) for p in weaker.group(1).split(", "))
+        recorded["other"] = {t: v for t, v in (p for p in pairs if len(p) == 2)}
+    return recorded
 
 
 def _occupancy(args, props):
@@ -303,9 +348,7 @@ def annotate_kernels(path, fields_by_name: dict[str, dict]) -> int:
             e["args"] = {**(e.get("args") or {}), **fields_by_name[e["name"]]}
             annotated += 1
     raw = json.dumps(data).encode()
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(gzip.compress(raw) if gzipped else raw)
-    tmp.replace(path)  # one step: an interrupted rewrite leaves the original trace
+    runs.write_bytes(path, gzip.compress(raw) if gzipped else raw)  # original kept on failure
     return annotated
 
 

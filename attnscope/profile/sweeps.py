@@ -1,0 +1,96 @@
+"""The shapes `bench` sweeps: named sweeps of cases (batch, heads, seq, head_dim, K/V heads, and
+for the wide sweep a dtype of their own)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from attnscope.profile.inputs import SHAPES
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    kv_heads: int  # equal to heads unless GQA/MQA
+    dtype: str | None = None  # "bf16"/"fp16"/"fp32"; None: bench's --dtype
+
+    @property
+    def shape(self) -> list[int]:
+        return [self.batch, self.heads, self.seq, self.head_dim]
+
+
+def case(batch, heads, seq, head_dim, kv_heads=None, dtype=None) -> Case:
+    return Case(batch, heads, seq, head_dim, heads if kv_heads is None else kv_heads, dtype)
+
+
+# The wide sweep (issue 19): every head_dim x every length once, 60 cases, with the other axes
+# (GQA ratio, dtype, SM fill) dealt out by rule rather than crossed, which would be 1,440 cases
+# and hours of GPU time with every peer. For head_dim number d and length number n (i = 10d + n):
+#   GQA ratio  WIDE_GQA[i % 3]
+#   fill       under when n + d is even: batch*heads 8, so up to 2k keys fewer query tiles of
+#              128 than the H200's 132 SMs (longer lengths fill the GPU even then); else over:
+#              batch*heads*seq = WIDE_TOKENS, many waves
+#   dtype      WIDE_DTYPES[(n // 2 + d) % 2]
+# so that every head_dim meets every GQA ratio, both fills and both dtypes, every length both
+# fills and both dtypes, and every ratio both fills and both dtypes (tests/test_bench.py checks).
+# Query heads are 8 (under) or 16 (over): multiples of every GQA ratio.
+WIDE_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+# 500, 2000, 3000 and 6000 are not multiples of 128: their last tiles are masked.
+WIDE_LENGTHS = (128, 256, 500, 1024, 2000, 3000, 4096, 6000, 8192, 16384)
+WIDE_GQA = (1, 4, 8)
+WIDE_DTYPES = ("bf16", "fp16")
+WIDE_TOKENS = 2**21  # batch*heads*seq of an "over" case: (8, 16, 16384) at the longest length
+
+
+def wide_sweep() -> tuple[Case, ...]:
+    cases = []
+    for d, head_dim in enumerate(WIDE_HEAD_DIMS):
+        for n, seq in enumerate(WIDE_LENGTHS):
+            ratio = WIDE_GQA[(len(WIDE_LENGTHS) * d + n) % 3]
+            heads = 8 if (n + d) % 2 == 0 else 16
+            batch = 1 if heads == 8 else max(1, WIDE_TOKENS // (heads * seq))
+            cases.append(case(batch, heads, seq, head_dim, heads // ratio,
+                              WIDE_DTYPES[(n // 2 + d) % 2]))
+    return tuple(cases)
+
+
+SWEEPS: dict[str, tuple[Case, ...]] = {
+    # Issue 5's sweep: the peers' table in ../shared/data/h200_peers.md, head_dim 128 at the seed
+    # length, and GQA at 4 query heads per K/V head (Llama-style).
+    "default": (
+        case(16, 16, 512, 64),
+        case(8, 16, 1024, 64),
+        case(4, 32, 4096, 64),
+        case(4, 32, 4096, 128),
+        case(2, 16, 16384, 128),
+        case(8, 16, 1024, 128),
+        case(4, 32, 4096, 128, kv_heads=8),
+    ),
+    # The blog's shape (04_*.py defaults).
+    "seed": (case(*SHAPES["cuda"]),),
+    # Seconds on a CPU, the fused op included (Triton interpreter); 96 is no power of two on
+    # purpose, and one GQA shape keeps that path in the smoke run.
+    "cpu": (
+        case(1, 2, 128, 64),
+        case(1, 4, 96, 32, kv_heads=2),
+    ),
+    "wide": wide_sweep(),
+}
+
+
+def resolve_sweep(name: str, kv_heads: int | None) -> tuple[Case, ...]:
+    """The named sweep, with every shape's K/V heads replaced when `kv_heads` is given."""
+    if name not in SWEEPS:
+        raise ValueError(f"unknown sweep {name!r}; valid names: {', '.join(SWEEPS)}")
+    cases = SWEEPS[name]
+    if kv_heads is None:
+        return cases
+    bad = [c.heads for c in cases if kv_heads < 1 or c.heads % kv_heads]
+    if bad:
+        raise ValueError(f"--kv-heads {kv_heads} must divide the query heads of every shape in "
+                         f"sweep {name!r}; got query heads {sorted(set(bad))}")
+    return tuple(dict.fromkeys(dataclasses.replace(c, kv_heads=kv_heads) for c in cases))
