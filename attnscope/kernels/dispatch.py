@@ -8,7 +8,7 @@ caller; everything else calls the op.
 """
 
 import functools
-import inspect
+import importlib.util
 import os
 
 import triton
@@ -22,7 +22,9 @@ __all__ = ["attention_fwd", "attention_bwd", "uses_hopper_kernel", "launched_for
            "forget_launches", "interpreter_ready", "is_interpreted"]
 
 GLUON_TRITON = "3.6."  # the Triton release the Gluon kernel was written and tested for
-FORWARD_KERNELS = ("_attn_fwd", "_attn_fwd_hopper")
+# The forward kernels launched_forward_kernels lists, and the modules that define them.
+KERNEL_MODULES = {"_attn_fwd": "attnscope.kernels.attention_fwd",
+                  "_attn_fwd_hopper": "attnscope.kernels.attention_fwd_hopper"}
 
 
 @functools.cache
@@ -82,7 +84,7 @@ def launched_forward_kernels():
     and are not listed."""
     records = []
     for name, compiled, config in launched():
-        if name not in FORWARD_KERNELS:
+        if name not in KERNEL_MODULES:
             continue
         path = _source_file(name)
         records.append(dict(name=name, source_path=_repository_path(path),
@@ -91,11 +93,9 @@ def launched_forward_kernels():
 
 
 def _source_file(name):
-    # The file that defines the kernel: the module object's, not Triton's (the jit function's
-    # code object names it).
-    if name == "_attn_fwd_hopper":
-        return inspect.getsourcefile(_hopper())
-    return inspect.getsourcefile(triton_fwd)
+    # The file that defines the kernel, found without importing it (the Gluon module is not
+    # imported on a Triton it was not written for).
+    return importlib.util.find_spec(KERNEL_MODULES[name]).origin
 
 
 def _repository_path(path):
