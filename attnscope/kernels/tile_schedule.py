@@ -11,8 +11,10 @@ import heapq
 import torch
 
 # A tile's fixed cost in the schedule's model, in K/V blocks: its Q load, first softmax and
-# epilogue, which nothing overlaps within the tile. 1 measured best of 0-3 at the causal bf16
-# head_dim-128 shapes (notes/forward.md, "Tile schedule").
+# epilogue, which nothing overlaps within the tile. Measured from 0 to 4: 1 is the fastest at
+# (4,32,4096,128) (0.9934 ms against 0.9984-1.0214), 1.2-1.7 % behind 0, 2, 3 and 4 at
+# (8,16,1024,128), no value ahead at both by more than the rounds' spread (notes/forward.md,
+# "Tile schedule").
 TILE_OVERHEAD = 1
 # Above this many tiles the schedule is round-robin: list scheduling in Python takes 3.5 ms at
 # 1024 tiles, 21 ms at 4096 and ~50 ms at 32768 on a shape's first call (the CPU machine).
@@ -32,7 +34,8 @@ def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_
     costs its K/V blocks plus TILE_OVERHEAD blocks (`tile_costs`). Launches of more than
     SCHEDULE_MAX_TILES tiles hand the tiles out round-robin instead, each round in the opposite
     direction (by the same cost model that leaves the busiest program 17 % above the mean at
-    (8,16,1024,128)).
+    (8,16,1024,128); list scheduling measured 0.0949 against 0.1006 ms there and 1.0099 against
+    1.0783 ms at (4,32,4096,128)).
 
     Made once per launch shape and kept for the life of the process (never evicted: a captured
     CUDA graph, or a kernel still running on another stream, holds its address). The first
