@@ -16,13 +16,17 @@ from fused_checks import CPU, check, make_qkv, nan_outputs  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
-def direct_launcher_fits(monkeypatch):
-    """The stand-in kernels below launch as on a Triton whose launcher the direct call fits,
-    in a process that has kept no launch (and keeps none of theirs afterwards)."""
-    monkeypatch.setattr(launch, "direct_launch_ok", lambda: True)
+def fresh_launches():
+    """Each test starts in a process that has kept no launch, and leaves none of its own."""
     launch.forget_launches()
     yield
     launch.forget_launches()
+
+
+@pytest.fixture
+def direct_launcher_fits(monkeypatch):
+    """Stand-in kernels launch as on a Triton whose launcher the direct call fits."""
+    monkeypatch.setattr(launch, "direct_launch_ok", lambda: True)
 
 
 def _jit_launch(kernel, bound=None):
@@ -56,7 +60,7 @@ class _RecordingKernel:
         return Compiled()
 
 
-def test_fast_launch_dispatches_once_per_key():
+def test_fast_launch_dispatches_once_per_key(direct_launcher_fits):
     kernel = _RecordingKernel()
     launch = _jit_launch(kernel)
     kwargs = dict(BLOCK=64, FLAG=True, num_warps=4)
@@ -69,7 +73,7 @@ def test_fast_launch_dispatches_once_per_key():
     assert kernel.direct_calls == [((7, 1, 1), ("y", 3, 64, True))]
 
 
-def test_fast_launch_keeps_the_arguments_after_per_call():
+def test_fast_launch_keeps_the_arguments_after_per_call(direct_launcher_fits):
     # Arguments from `per_call` on are fixed by the key: a repeat passes the first ones and the
     # launch appends those of the first call (what attention_fwd's lookup relies on).
     kernel = _RecordingKernel()
@@ -91,7 +95,7 @@ class _NoLaunchKernel(_RecordingKernel):
         return lambda *args, **kwargs: self.jit_calls.append(grid)
 
 
-def test_fast_launch_does_not_keep_a_launch_that_did_not_happen():
+def test_fast_launch_does_not_keep_a_launch_that_did_not_happen(direct_launcher_fits):
     kernel = _NoLaunchKernel()
     launch = _jit_launch(kernel)
     for _ in range(2):
@@ -251,7 +255,7 @@ def test_the_installed_triton_gets_the_direct_launcher_only_where_it_fits():
         assert not fits  # 3.9's launcher takes its arguments as one tuple
 
 
-def test_forget_launches_drops_every_kept_launch_and_record():
+def test_forget_launches_drops_every_kept_launch_and_record(direct_launcher_fits):
     kernel = _RecordingKernel()
     first, second = _jit_launch(kernel), _jit_launch(kernel, {})
     first(("a",), (7,), ("x", 3), dict(BLOCK=64, FLAG=True))
@@ -261,7 +265,7 @@ def test_forget_launches_drops_every_kept_launch_and_record():
     assert first.bound == {} and second.bound == {} and launch.launched() == []
 
 
-def test_launched_lists_the_most_recently_used_kernel_first():
+def test_launched_lists_the_most_recently_used_kernel_first(direct_launcher_fits):
     a, b = _RecordingKernel(), _RecordingKernel()
     fast_a, fast_b = _jit_launch(a), _jit_launch(b)
     fast_a.name, fast_b.name = "a", "b"
