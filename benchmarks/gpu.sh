@@ -11,12 +11,16 @@
 #            versions into gpu.txt
 #   test     the GPU tests (pytest -m cuda) under -n 8 twice: in file order, then in the order
 #            TEST_ORDER names (reverse or shuffle, seeded by TEST_ORDER_SEED; default reverse)
-#   bench    `attnscope bench --sweep default` forward, backward, and forward+backward into
-#            bench_fwd.json, bench_bwd.json, bench_fwd_bwd.json
+#   bench    `attnscope bench --sweep default` forward, backward, and forward+backward
+#            (BENCH_MODES) into bench_MODE.json; with BEFORE_TREE (a folder holding an earlier
+#            tree of the project, e.g. `git archive REV | tar -x -C build/before`), each mode
+#            first runs there too, into bench_before_MODE.json, and the fused rows' time ratios
+#            (after / before) are printed
 #   compare  `attnscope compare` at the seed shape, with its report, into compare/
 #   ncu      `attnscope ncu` (hardware counters) into compare/
-# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_IMPLS (forward peers), BENCH_BWD_IMPLS
-# (those with a backward); STEP_TIMEOUT (seconds per command, default 280).
+# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_MODES, BENCH_IMPLS (forward peers),
+# BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE; STEP_TIMEOUT (seconds per command,
+# default 280).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -42,13 +46,33 @@ step_test() {
   return $rc
 }
 
+bench_ratios() {  # BEFORE.json AFTER.json: the fused rows' median time, after / before
+  python - "$1" "$2" <<'PY'
+import json, sys
+before, after = ({(tuple(r["shape"]), r["kv_heads"]): r for r in json.load(open(p))["rows"]
+                  if r["impl"] == "fused" and r["status"] == "ok"} for p in sys.argv[1:])
+for key in sorted(set(before) & set(after)):
+    b, a = before[key]["median_ms"], after[key]["median_ms"]
+    print(f"fused {key[0]} kv_heads {key[1]}: before {b:.4f} ms, after {a:.4f} ms, ratio {a / b:.3f}")
+PY
+}
+
 step_bench() {
-  local rc=0 mode impls
-  for mode in fwd bwd fwd_bwd; do
+  local rc=0 mode impls out
+  out=$(cd "$OUT" && pwd)  # absolute: the before-run works in another folder
+  for mode in ${BENCH_MODES:-fwd bwd fwd_bwd}; do
     impls=$BENCH_IMPLS; [ "$mode" = fwd ] || impls=$BENCH_BWD_IMPLS
-    # shellcheck disable=SC2086  # the implementation names are separate arguments
+    if [ -n "${BEFORE_TREE:-}" ]; then  # python -m imports the current folder's attnscope
+      # shellcheck disable=SC2086  # the implementation names are separate arguments
+      (cd "$BEFORE_TREE" && timeout "$STEP_TIMEOUT" python -m attnscope.profile bench \
+        --sweep default --mode "$mode" --impl $impls --json "$out/bench_before_$mode.json") || rc=$?
+    fi
+    # shellcheck disable=SC2086
     timeout "$STEP_TIMEOUT" python -m attnscope.profile bench --sweep default --mode "$mode" \
-      --impl $impls --json "$OUT/bench_$mode.json" || rc=$?
+      --impl $impls --json "$out/bench_$mode.json" || rc=$?
+    if [ -n "${BEFORE_TREE:-}" ]; then
+      bench_ratios "$out/bench_before_$mode.json" "$out/bench_$mode.json" || rc=$?
+    fi
   done
   return $rc
 }
@@ -66,23 +90,25 @@ highlights() {
   case $1 in
     setup) cat "$OUT/gpu.txt" 2>/dev/null ;;
     test) grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/test.log" ;;
-    bench) grep -E "^\s*(fused|sdpa_cudnn) |geometric" "$OUT/bench.log" ;;
+    bench) grep -E "^\s*(fused|sdpa_cudnn) |geometric|ratio" "$OUT/bench.log" ;;
     *) tail -3 "$OUT/$1.log" ;;
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,23p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 for step in "$@"; do
   if ! declare -F "step_$step" > /dev/null; then
     echo "gpu.sh: unknown step '$step' (setup, test, bench, compare, ncu)" >&2
     exit 2
   fi
 done
+status=0
 for step in "$@"; do
   start=$SECONDS
   echo "== $step" | tee "$OUT/$step.log"
   "step_$step" 2>&1 | tee -a "$OUT/$step.log"
   rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || status=1
   SUMMARY+=("$step: rc $rc, $((SECONDS - start)) s, log $OUT/$step.log")
 done
 echo "== summary"
@@ -90,3 +116,4 @@ for i in "${!SUMMARY[@]}"; do
   echo "${SUMMARY[$i]}"
   highlights "${@:$((i + 1)):1}" | cut -c1-140 | head -20 | sed 's/^/  /'
 done
+exit $status
