@@ -23,7 +23,7 @@ import torch
 
 import attnscope
 from attnscope.attention import fused
-from attnscope.kernels import attention_fwd as fwd
+from attnscope.kernels import dispatch
 
 
 def sync():
@@ -62,10 +62,10 @@ def profile(fn, n=2000, top=25):
 
 
 def stub_launches():
-    """Replace the kernel launches the op makes with no-ops (the op looks them up by module)."""
-    from attnscope.kernels import attention_bwd as bwd
-    fwd.attention_fwd = lambda *args, **kwargs: None
-    bwd.attention_bwd = lambda *args, **kwargs: None
+    """Replace the kernel launches the op makes with no-ops (the op looks them up in the
+    dispatch module)."""
+    dispatch.attention_fwd = lambda *args, **kwargs: None
+    dispatch.attention_bwd = lambda *args, **kwargs: None
 
 
 def rows(d, stubbed):
@@ -75,9 +75,9 @@ def rows(d, stubbed):
     out = torch.empty_like(q)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=device)
     kernel = (None if stubbed else
-              "Gluon" if fwd.uses_hopper_kernel(q, k, v, out, d ** -0.5) else "Triton")
-    launch = lambda: fwd.attention_fwd(q, k, v, out, lse, causal=True, scale=d ** -0.5,  # noqa
-                                       causal_offset=0)
+              "Gluon" if dispatch.uses_hopper_kernel(q, k, v, out, d ** -0.5) else "Triton")
+    launch = lambda: dispatch.attention_fwd(q, k, v, out, lse, causal=True,  # noqa: E731
+                                            scale=d ** -0.5, causal_offset=0)
     public = lambda: attnscope.fused_attention(q, k, v)  # noqa: E731
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     out_g = attnscope.fused_attention(qg, kg, vg)
@@ -90,14 +90,14 @@ def rows(d, stubbed):
         ("public op fused_attention", public),
         ("_forward (no validation)", lambda: fused._forward(q, k, v, True, d ** -0.5, False,
                                                             "bhsd")),
-        (f"kernels.attention_fwd ({kernel} launch)", launch),
+        (f"dispatch.attention_fwd ({kernel} launch)", launch),
         ("_validate", lambda: fused._validate(q, k, v, True, None, "bhsd", "top_left")),
         ("two torch.empty", lambda: (torch.empty_like(q), torch.empty(b, h, s, device=device))),
         ("sdpa cudnn (for scale)", lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True)),
     ]
     if stubbed:  # no launch to time, and CPU SDPA says nothing about the GPU path's host cost
-        timed = [row for row in timed if not row[0].startswith(("kernels.", "sdpa"))]
+        timed = [row for row in timed if not row[0].startswith(("dispatch.", "sdpa"))]
     return kernel, public, timed
 
 

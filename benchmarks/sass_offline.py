@@ -2,13 +2,13 @@
 
 Triton compiles for a named target without a driver, and its wheel ships ptxas and cuobjdump, so
 registers, spills, shared memory, the instruction mix and ptxas's performance remarks of any
-config can be checked before spending device time (notes/kernel.md, "Offline compilation"). Use
+config can be checked before spending device time (notes/forward.md, "Offline compilation"). Use
 the Triton version the GPU machine has (3.6.0 on the H200), e.g. in a side venv; the code
 generated differs by version.
 
     python benchmarks/sass_offline.py --head-dim 128 --config 128,64,8,3 [--pipeline] [--tma]
         [--maxnreg N] [--sass out.sass]
-    python benchmarks/sass_offline.py --gluon --head-dim 128 [--config 128,2,1,240,1,2]
+    python benchmarks/sass_offline.py --gluon --head-dim 128 [--config 128,2,240]
 
 --gluon compiles the Hopper kernel (attention_fwd_hopper.py) instead; its --config is that
 module's CONFIG_FIELDS (default: its table's entry for --head-dim).
@@ -89,9 +89,9 @@ def compile_gluon(head_dim, config, dtype="bf16"):
             return torch.device("cpu")
 
     driver.set_active(Offline())
-    from attnscope.kernels import attention_fwd, attention_fwd_hopper as module
+    from attnscope.kernels import attention_fwd_hopper as module, common
     h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
-    module.device_properties = attention_fwd.device_properties = lambda device: h200
+    module.device_properties = common.device_properties = lambda device: h200
     kernel = module._attn_fwd_hopper
     module._launch = lambda key, grid, args, kwargs, **_: kernel.warmup(*args, grid=grid, **kwargs)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
@@ -131,27 +131,18 @@ def main():
     p.add_argument("--config", default=None,
                    help="BLOCK_M,BLOCK_N,num_warps,num_stages (default 128,64,8,3, the "
                         "long-sequence entry; causal head_dim-64 calls of <= 2048 queries run "
-                        "64,64,4,3); with --gluon "
-                        "BLOCK_N,STAGES,PINGPONG,REGS,PERSISTENT,CONSUMER_WARPGROUPS")
+                        "64,64,4,3); with --gluon BLOCK_N,STAGES,REGS")
     p.add_argument("--gluon", action="store_true", help="the Gluon Hopper kernel instead")
-    p.add_argument("--register-store", action="store_true",
-                   help="with --gluon: store O from registers (the lab switch _TMA_STORE off; "
-                        "ignored without --gluon)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
     args = p.parse_args()
-    if args.register_store:
-        from attnscope.kernels import attention_fwd_hopper
-        attention_fwd_hopper._TMA_STORE = False
     if args.gluon:
-        config = args.config and tuple(bool(int(x)) if i in (2, 4) else int(x)
-                                       for i, x in enumerate(args.config.split(",")))
-        if config and len(config) != 6:
-            p.error("--gluon --config takes BLOCK_N,STAGES,PINGPONG,REGS,PERSISTENT,"
-                    "CONSUMER_WARPGROUPS")
+        config = args.config and tuple(int(x) for x in args.config.split(","))
+        if config and len(config) != 3:
+            p.error("--gluon --config takes BLOCK_N,STAGES,REGS")
         compiled = compile_gluon(args.head_dim, config, args.dtype)
     else:
         config = tuple(int(x) for x in (args.config or "128,64,8,3").split(","))

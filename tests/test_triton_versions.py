@@ -20,8 +20,7 @@ import pytest
 import torch
 import triton
 
-from attnscope.kernels import attention_fwd as kernels
-from attnscope.kernels import gluon_compat
+from attnscope.kernels import dispatch, gluon_compat, launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -100,7 +99,7 @@ def test_direct_launch_passes_what_tritons_runner_passes(monkeypatch):
     # on the device.
     from triton.backends.nvidia.driver import CudaLauncher
     from triton.runtime import driver
-    assert kernels.launcher_layout() in ("flat", "packed"), (
+    assert launch.direct_layout() in ("flat", "packed"), (
         f"Triton {triton.__version__}'s CudaLauncher.__call__ takes an argument list _Bound does "
         "not know: every eager launch takes Triton's slower runner")
     run = object.__new__(CudaLauncher)  # no GPU: set what __init__ would from the metadata
@@ -123,11 +122,11 @@ def test_direct_launch_passes_what_tritons_runner_passes(monkeypatch):
         grid, args, suffix = (6, 2, 1), (object(), 5), (64, True)  # object(): a tensor
         run(*grid, stream, compiled.function, compiled.packed_metadata, None, None, None,
             *args, *suffix)
-        bound = kernels._Bound(compiled, grid, suffix)
+        bound = launch._Bound(compiled, grid, suffix)
         assert bound.direct
         bound(args)
     finally:
-        triton.set_allocator(kernels._NULL_ALLOCATOR)
+        triton.set_allocator(launch._NULL_ALLOCATOR)
     expected, direct = run.launch.calls
     assert direct[:4] == (6, 2, 1, stream) and len(direct) == len(expected)
     for got, want in zip(direct, expected):
@@ -154,12 +153,12 @@ def test_a_triton_without_the_gluon_api_falls_back_with_one_warning(monkeypatch)
     # once, naming what is missing, instead of failing at the kernel's first compile.
     import warnings
     monkeypatch.setattr(gluon_compat, "missing", lambda: ["tma.async_load"])
-    kernels._hopper.cache_clear()
+    dispatch._hopper.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match=r"lacks tma\.async_load.*falls back"):
-            assert kernels._hopper() is None
+            assert dispatch._hopper() is None
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert kernels._hopper() is None  # decided once per process: no second warning
+            assert dispatch._hopper() is None  # decided once per process: no second warning
     finally:
-        kernels._hopper.cache_clear()
+        dispatch._hopper.cache_clear()

@@ -1,7 +1,8 @@
 """attnscope's fused attention: the public op, its validation, and its registry entry.
 
-The kernel is in attnscope/kernels/attention_fwd.py; this module checks inputs, names the
-layouts, and registers the launch as a PyTorch custom op so torch.compile traces it whole.
+The kernels are in attnscope/kernels/ (dispatch.py picks one per call); this module checks
+inputs, names the layouts, registers the launches as PyTorch custom ops so torch.compile traces
+them whole, and hands the registry the compiled kernels the op launched.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from einops import rearrange
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
-from attnscope.attention.registry import Implementation, register
+from attnscope.attention.registry import CompiledKernel, Implementation, register
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = {"bhsd": "[batch, heads, seq, head_dim]", "bshd": "[batch, seq, heads, head_dim]"}
@@ -32,7 +33,7 @@ def _kernels():
     # a process that never calls the op never needs it.
     global _kernel_module
     if _kernel_module is None:
-        _kernel_module = importlib.import_module("attnscope.kernels.attention_fwd")
+        _kernel_module = importlib.import_module("attnscope.kernels.dispatch")
     return _kernel_module
 
 
@@ -203,7 +204,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     """What torch.compile, dispatch modes and torch.func see (`_traced`). Eager calls skip it:
     inference calls _forward directly and training goes through _EagerAttention, because the
     dispatcher round trip of a Python custom op costs more host time than the seed-shape kernel
-    itself (notes/kernel.md v4, notes/backward.md v9)."""
+    itself (notes/forward.md and notes/backward.md, "Host cost")."""
     return _forward(q, k, v, causal, scale, bottom_right, layout, wrap=_launch_wrap(q))
 
 
@@ -212,13 +213,9 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 # Gradients flow to q, k, v through `out`; the LSE output is marked non-differentiable (it is
 # saved for the backward, not a quantity the formula below differentiates).
 
-def _bwd_kernels():
-    return importlib.import_module("attnscope.kernels.attention_bwd")
-
-
 def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout):
     # The backward op's body, also run directly by _EagerAttention.
-    kernels = _bwd_kernels()
+    kernels = _kernels()
     # Gradients are allocated contiguous in the caller's layout, like the forward's output.
     dq = _empty(q.shape, q.dtype, q.device)
     dk = _empty(k.shape, k.dtype, k.device)
@@ -265,7 +262,7 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """Autograd for calls that are run, not traced: the custom ops' forward and backward bodies
     without the dispatcher round trips of two Python custom ops, which cost more host time than
-    the kernels at short shapes (notes/backward.md, v9). Traced calls (`_traced`) keep the custom
+    the kernels at short shapes (notes/backward.md, "Host cost"). Traced calls (`_traced`) keep the custom
     ops, and so does a backward that builds a graph (create_graph=True): the backward op has no
     derivative, so a second backward through it raises instead of dropping terms."""
 
@@ -344,6 +341,27 @@ def _prepare(q, k, v, causal=True):
     return lambda: fused_attention(q, k, v, causal=causal)
 
 
+def _compiled_kernels():
+    """The forward kernels the op launched eagerly in this process, most recently used first,
+    as the registry's CompiledKernel records ([] in the interpreter: it compiles nothing)."""
+    if _kernel_module is None:  # the op never ran: nothing launched
+        return []
+    return [compiled_kernel_record(**r) for r in _kernel_module.launched_forward_kernels()]
+
+
+def compiled_kernel_record(name, source_path, source, config, compiled):
+    """A CompiledKernel from Triton's compiled kernel object: its compiler stages (`.asm`), and
+    its metadata with the registers and spills Triton read from the loaded cubin."""
+    asm = {stage: text for stage, text in getattr(compiled, "asm", {}).items()
+           if stage in ("ttir", "ttgir", "llir", "ptx", "cubin")}
+    metadata = getattr(compiled, "metadata", None)
+    metadata = dict(metadata._asdict()) if hasattr(metadata, "_asdict") else dict(metadata or {})
+    for field in ("n_regs", "n_spills"):
+        metadata[field] = getattr(compiled, field, None)
+    return CompiledKernel(name=name, source_path=source_path, source=source, config=config,
+                          asm=asm, metadata=metadata)
+
+
 register(Implementation(
     name="fused",
     description="attnscope's fused kernel, one launch: Triton (online softmax, causal split); "
@@ -353,4 +371,5 @@ register(Implementation(
     prepare=_prepare,
     ours=True,
     gqa=True,
+    compiled_kernels=_compiled_kernels,
 ))

@@ -24,7 +24,7 @@ Splitting dQ from dK/dV recomputes P twice (5 matmuls per tile pair instead of 4
 program owns what it writes; the single-kernel alternative adds dQ with fp32 atomics, which is
 non-deterministic and needs a zeroed fp32 buffer plus a cast.
 
-Conventions shared with attention_fwd.py (same names, same masks):
+Conventions shared with attention_fwd.py (same names, same masks, common.py's helpers):
 - Query i sees key j when j <= i + CAUSAL_OFFSET (0: top-left as SDPA; S - L: bottom-right).
 - The causal loops split as in the forward: blocks every row/key of the tile fully sees run
   without mask arithmetic, the diagonal band and the ragged ends of Q and K run masked.
@@ -38,16 +38,12 @@ Limits: head_dim <= 256; the gradient of the LSE output is not computed (the op 
 non-differentiable); no double backward. Same devices as the forward.
 """
 
-import contextlib
-
 import triton
 import triton.language as tl
 
-from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _key_ranges, _load,
-                                              _query_block, head_group, is_interpreted,
-                                              tile_constants)
-
-LOG2E_C = tl.constexpr(LOG2E)  # jit functions read module globals only as constexprs
+from attnscope.kernels.common import (LOG2E, LOG2E_C, _key_ranges, _load, _query_block, _sees,
+                                      aligned, head_group, is_interpreted, tile_constants)
+from attnscope.kernels.launch import FastLaunch
 
 
 @triton.jit
@@ -114,7 +110,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
             delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
             visible = m_ok[None, :]
             if CAUSAL:
-                visible = visible & (offs_n[:, None] <= offs_m[None, :] + CAUSAL_OFFSET)
+                visible = visible & _sees(offs_m[None, :], offs_n[:, None], CAUSAL_OFFSET)
             qkT = tl.where(visible, qkT * qk_scale, float("-inf"))
             pT = tl.math.exp2(qkT - lse[None, :])
         else:
@@ -241,7 +237,7 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #
         if MASKED:
             visible = n_ok[None, :]
             if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+                visible = visible & _sees(offs_m[:, None], offs_n[None, :], CAUSAL_OFFSET)
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             p = tl.math.exp2(qk - lse[:, None])
         else:
@@ -313,6 +309,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta,  #
 # resident rows or more warps to keep them in registers. A first guess from the tutorial's
 # values, not yet swept on the H200 (notes/backward.md); a fixed table for the forward's reason:
 # no autotuner cost per call.
+CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
 CONFIGS = {
     64: (32, 128, 128, 32, 4, 3),
     128: (32, 128, 128, 32, 8, 2),
@@ -321,39 +318,29 @@ CONFIGS = {
 # The interpreter runs one config; BLOCK_M != BLOCK_N both ways so that CPU tests cross a diagonal
 # band spanning several query blocks (dK/dV) and several key blocks (dQ).
 INTERPRETER_CONFIG = (16, 32, 32, 16, 4, 1)
-_pinned = None
-
-
-@contextlib.contextmanager
-def pinned_config(block_m1, block_n1, block_m2, block_n2, num_warps=4, num_stages=2):
-    """Launch every backward with this config instead of the table's (tests, the lab)."""
-    global _pinned
-    previous, _pinned = _pinned, (block_m1, block_n1, block_m2, block_n2, num_warps, num_stages)
-    try:
-        yield
-    finally:
-        _pinned = previous
 
 
 def config_for(head_dim):
-    """The (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) a launch will use."""
-    if _pinned is not None:
-        return _pinned
+    """The config, a tuple named by CONFIG_FIELDS, a launch with this head_dim uses."""
     if is_interpreted():
         return INTERPRETER_CONFIG
     return CONFIGS[64 if head_dim <= 64 else 128 if head_dim <= 128 else 256]
 
 
 def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, causal_offset,
-                  wrap=None):
+                  wrap=None, config=None):
     """Launch the backward. q, out, do, dq: [batch, heads, q_len, head_dim] views with any
     strides; k, v, dk, dv: [batch, kv_heads, kv_len, head_dim]; lse (the forward's, natural log)
     and delta (scratch, written here): contiguous fp32 [batch, heads, q_len]. Writes dq, dk, dv.
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launches;
-    without it the launches skip Triton's dispatch on repeats (FastLaunch)."""
+    without it the launches skip Triton's dispatch on repeats (FastLaunch). `config`: a tuple
+    named by CONFIG_FIELDS instead of the table's (tests, labs)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    config = config_for(head_dim)
+    if config is None:
+        config = config_for(head_dim)
+    elif len(config) != len(CONFIG_FIELDS):
+        raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     block_m1, block_n1, block_m2, block_n2, num_warps, num_stages = config
     block_d, precision = tile_constants(head_dim, q.dtype)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, INPUT_PRECISION=precision,
@@ -384,7 +371,7 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         return result
     # one key for the three launches: shapes, strides, alignment and the config fix them all
     key = (q.device, tuple(t.dtype for t in tensors), q.shape, k.shape, strides,
-           _aligned(*tensors), causal, causal_offset, config)
+           aligned(*tensors), causal, causal_offset, config)
     for launch, grid, args, kwargs in launches:
         result = launch(key, grid, args, kwargs)
     return result

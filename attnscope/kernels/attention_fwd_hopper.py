@@ -9,8 +9,9 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - Persistent: one program per SM walks 128-row query tiles of (batch, head) pairs, in groups
   of heads whose K/V fit in L2 together and longest (last under a causal mask) first within a
   group. Which program runs which tiles is a table made on the host once per launch shape
-  (tile_schedule: list scheduling, so the programs' work evens out). Three warp partitions: a
-  1-warp loader and two 4-warp consumer warpgroups, each owning 64 query rows of the tile.
+  (tile_schedule.py: list scheduling, so the programs' work evens out). Three warp partitions: a
+  1-warp loader and two 4-warp consumer warpgroups (NUM_WG), each owning 64 query rows of
+  the tile.
   The loader brings in the next tile's Q as soon as the consumers' last Q K^T of the current
   one is done, so a tile's start-up and epilogue overlap its neighbours' work.
 - The loader makes the copy engine's descriptors on the device (no host-side descriptor per
@@ -26,7 +27,7 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   group 0) or j (warpgroup 1), through two mbarriers, so one warpgroup's softmax tends to run
   while the other's matrix multiplies do.
 
-What it needs (attention_fwd routes everything else to the Triton kernel): an sm_90 GPU,
+What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU,
 Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, heads, seq,
 head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), a key length
 that is a multiple of BLOCK_N, a positive scale, and a launch that is not being traced (under
@@ -34,27 +35,23 @@ torch.compile the Triton kernel runs). Query tiles that run past a head's end re
 head's rows or the copy engine's zeros; those rows are never stored. Output blocks go to memory
 through shared memory and the copy engine (TMA store), except blocks that run past a head's end
 and any block of an `out` that is not contiguous and 16-byte aligned (register stores).
-The kernel also takes three consumer warpgroups (192-row tiles; the lab's NUM_WG), measured
-slower so far.
 """
 
 import functools
-import heapq
-
-import torch
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from attnscope.kernels.attention_fwd import (LOG2E, FastLaunch, _aligned, _eager,
-                                             _grouped_tile, device_properties,
-                                             ensure_scratch_allocator, head_group)
+from attnscope.kernels.common import LOG2E, _grouped_tile, aligned, device_properties, head_group
 from attnscope.kernels.gluon_compat import tma_load, tma_store
+from attnscope.kernels.launch import FORWARD_LAUNCHES, FastLaunch, ensure_scratch_allocator
+from attnscope.kernels.tile_schedule import tile_schedule
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
+NUM_WG = gl.constexpr(2)  # consumer warpgroups: 128-row tiles
 
 
 @gluon.jit
@@ -74,7 +71,7 @@ def _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constex
 
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, NUM_WG: gl.constexpr):
+            STAGES: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, sched, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET) = args
     # The copy engine's descriptors, made here on the device: each of q, k, v seen as one
@@ -152,9 +149,8 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr):
+def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile.
     (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
      Out, Lse, stride_oz, stride_oh, stride_om, sched, n_hz, num_m, head_group, H, N_CTX_Q,
@@ -195,12 +191,11 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
         mbarrier.wait(q_ready.index(WG), ti & 1)
         if n_blocks > 0:
             mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-            if PINGPONG:  # turn k waits for phase k of this warpgroup's turn barrier
-                mbarrier.wait(turn.index(WG), it & 1)
+            # turn k waits for phase k of this warpgroup's turn barrier
+            mbarrier.wait(turn.index(WG), it & 1)
             s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
             s = warpgroup_mma_wait(0, deps=[s_tok])
             mbarrier.arrive(k_empty.index(it % STAGES))
             p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, N_CTX_K,
@@ -213,13 +208,11 @@ def _consumer(args, WG: gl.constexpr, NUM_WG: gl.constexpr, HEAD_DIM: gl.constex
             prev = (g - 1) % STAGES
             mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
             mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), g & 1)
+            mbarrier.wait(turn.index(WG), g & 1)
             s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
             # S_j is done; P_{j-1} V_{j-1} may still run while this block's softmax does
             s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
             mbarrier.arrive(k_empty.index(slot))
@@ -270,8 +263,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
                      SCHED_STRIDE,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, NUM_WG: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                     CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, TMA_STORE: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order.
@@ -317,35 +309,22 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
              CAUSAL_OFFSET)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
-    if NUM_WG == 2:
-        gl.warp_specialize([
-            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         TMA_STORE)),
-            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         TMA_STORE)),
-            (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
-        ], [4, 1], [CONSUMER_REGS, 24])
-    else:
-        gl.static_assert(NUM_WG == 3, "two or three consumer warpgroups")
-        gl.warp_specialize([
-            (_consumer, (shared, 0, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         TMA_STORE)),
-            (_consumer, (shared, 1, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         TMA_STORE)),
-            (_consumer, (shared, 2, NUM_WG, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG,
-                         TMA_STORE)),
-            (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, NUM_WG)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    gl.warp_specialize([
+        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE)),
+        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE)),
+        (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
-# (BLOCK_N, STAGES, pingpong, consumer registers, persistent, consumer warpgroups) per
-# head_dim, measured on the H200 with benchmarks/hopper_lab.py (notes/kernel.md, v8). head_dim
-# 64 stays on the Triton kernel: this one measured slower up to 2048 queries (0.0745 against
-# 0.0604 ms at the seed shape, notes/lab/v10_gluon_configs_round26.txt and v11) and within 1 %
-# of it at 4096 (notes, v13).
-CONFIG_FIELDS = ("BLOCK_N", "STAGES", "pingpong", "consumer_regs", "persistent",
-                 "consumer_warpgroups")
-CONFIGS = {128: (128, 2, True, 240, True, 2)}
+# (BLOCK_N, STAGES, consumer registers) per head_dim, measured on the H200 with
+# benchmarks/labs/hopper_lab.py (notes/forward.md, "The Gluon kernel"). head_dim 64 stays on the
+# Triton kernel: this one measured slower up to 2048 queries (0.0745 against 0.0604 ms at
+# (8,16,1024,64)) and within 1 % of it at (4,32,4096,64) (0.6816 against 0.6878 ms, inside the
+# rounds' spread). The schedule's other choices are constants of the kernel: persistent (one
+# program per SM), NUM_WG = 2 consumer warpgroups, and their ping-pong (without it 0.6913
+# against 0.6842 ms at (4,32,4096,64); three warpgroups measured slower).
+CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs")
+CONFIGS = {128: (128, 2, 240)}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
@@ -368,134 +347,50 @@ def supports(q, k, v, out):
 
 def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, config=None,
                          key=None):
-    """Launch the Hopper forward; arguments as attention_fwd.attention_fwd's, plus `config`
-    to override CONFIGS (the lab) and `key`, attention_fwd's launch key for this call."""
+    """Launch the Hopper forward on inputs `supports` accepts; arguments as
+    attention_fwd.attention_fwd_triton's: `config` a tuple named by CONFIG_FIELDS instead of
+    the table's (the lab), `key` the dispatch's launch key for this call (built here when
+    None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    block_n, stages, pingpong, regs, persistent, num_wg = config or CONFIGS[head_dim]
+    if config is None:
+        config = CONFIGS[head_dim]
+    elif len(config) != len(CONFIG_FIELDS):
+        raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
+    block_n, stages, regs = config
     dtype = str(q.dtype)
-    tile_rows = num_wg * ROWS.value
+    tile_rows = NUM_WG.value * ROWS.value
     num_m = -(-q_len // tile_rows)
     tiles = batch * heads * num_m
-    # persistent: one program per SM; otherwise one per tile (the tile loop then runs once)
-    sms = device_properties(q.device).multi_processor_count
-    grid = (min(tiles, sms) if persistent else tiles,)
+    grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
     group = head_group(q, k)
     sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
-                          kv_len, causal, causal_offset, _BALANCED)
+                          kv_len, causal, causal_offset)
     args = (q, k, v, out, lse, sched, out.stride(0), out.stride(1), out.stride(2),
             batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
             group, sched.shape[1])
+    # Output blocks by TMA store where out is one contiguous [rows, head_dim] matrix: 0.1004
+    # against 0.1088 ms with register stores at (8,16,1024,128) (notes/forward.md, "TMA store").
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  PINGPONG=pingpong, NUM_WG=num_wg, CONSUMER_REGS=regs,
+                  CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, head_dim, dtype),
                   KV_LAYOUT=_smem_layout(block_n, head_dim, dtype),
-                  TMA_STORE=_TMA_STORE and out.is_contiguous() and out.data_ptr() % 16 == 0,
+                  TMA_STORE=out.is_contiguous() and out.data_ptr() % 16 == 0,
                   num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are contiguous and 16-byte aligned (supports): shapes say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(),
-               _aligned(out, lse), kwargs["TMA_STORE"], _BALANCED, sched.shape, causal,
-               causal_offset, scale, grid, (block_n, stages, pingpong, regs, persistent, num_wg))
-    return _launch(key, grid, args, kwargs, per_call=5)
+               aligned(out, lse), kwargs["TMA_STORE"], sched.shape, causal, causal_offset,
+               scale, grid, config)
+    return _launch(key, grid, args, kwargs, per_call=5,
+                   config=dict(zip(CONFIG_FIELDS, config)))
 
 
-def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
-                  causal, causal_offset, balanced=True):
-    """Which tiles each persistent program runs: an int32 tensor on `device`, one row per
-    program holding its tile count, then its tile numbers (in _tile's order) in the order it
-    runs them.
-
-    balanced: list scheduling with a cost model, as a dynamic scheduler would hand tiles out.
-    Tiles go in _tile's order (which keeps the heads that share L2 together in time), each to
-    the program whose assigned work ends first; a tile costs its K/V blocks plus TILE_OVERHEAD
-    blocks for its Q load and epilogue (`tile_costs`). Launches of more than SCHEDULE_MAX_TILES tiles, and
-    balanced=False, hand the tiles out round-robin instead, each round in the opposite
-    direction (the order before v12, which by the same cost model leaves the busiest program
-    17 % above the mean at (8,16,1024,128)).
-
-    Made once per launch shape and kept for the life of the process (never evicted: a captured
-    CUDA graph, or a kernel still running on another stream, holds its address). The first
-    call of a shape may not happen during CUDA-graph capture: warm up outside it, as for any
-    first call."""
-    tiles = n_hz * num_m
-    balanced = balanced and tiles <= SCHEDULE_MAX_TILES
-    if tiles <= n_programs:  # at most a tile a program: program p runs tile p, whatever the costs
-        key = (device, tiles, n_programs)
-    else:
-        key = (device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
-               causal_offset, balanced, TILE_OVERHEAD)
-    table = _schedules.get(key)
-    if table is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "attnscope's Gluon attention kernel meets this launch shape for the first time "
-                "during CUDA-graph capture; its tile schedule is copied to the GPU on first use. "
-                "Call the op once with these shapes before capturing (a warm-up run).")
-        rows = (_list_schedule(n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
-                               causal, causal_offset) if balanced
-                else _round_robin(tiles, n_programs))
-        width = 1 + max(len(run) for run in rows)
-        host = torch.tensor([[len(run)] + run + [0] * (width - 1 - len(run)) for run in rows],
-                            dtype=torch.int32)
-        # a blocking copy, once per shape: the table is complete on the GPU before any
-        # stream's kernel can read it
-        table = _schedules[key] = host.to(device)
-    return table
-
-
-def tile_costs(n_hz, num_m, head_group, tile_rows, block_n, kv_len, causal, causal_offset):
-    """The schedule's cost model: each tile's K/V blocks plus TILE_OVERHEAD, in _tile's order."""
-    t = torch.arange(n_hz * num_m)
-    group_tiles = head_group * num_m
-    heads = (n_hz - t // group_tiles * head_group).clamp(max=head_group)
-    first_row = (num_m - 1 - t % group_tiles // heads) * tile_rows  # _grouped_tile's m
-    hi = (first_row + tile_rows + causal_offset).clamp(0, kv_len) if causal else kv_len
-    return ((torch.as_tensor(hi) + block_n - 1) // block_n + TILE_OVERHEAD).expand(len(t)).tolist()
-
-
-def _list_schedule(n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
-                   causal_offset):
-    cost = tile_costs(n_hz, num_m, head_group, tile_rows, block_n, kv_len, causal, causal_offset)
-    ends = [(0, p) for p in range(n_programs)]  # (when its work ends, program), a heap
-    runs = [[] for _ in range(n_programs)]
-    for tile, c in enumerate(cost):
-        end, p = ends[0]
-        runs[p].append(tile)
-        heapq.heapreplace(ends, (end + c, p))
-    return runs
-
-
-def _round_robin(tiles, n_programs):
-    rounds = -(-tiles // n_programs)
-    r = torch.arange(rounds)[None, :]
-    p = torch.arange(n_programs)[:, None]
-    order = r * n_programs + torch.where(r % 2 == 0, p, n_programs - 1 - p)
-    return [[t for t in row if t < tiles] for row in order.tolist()]
-
-
-_schedules = {}  # tile_schedule's tables by launch shape
-# Lab switch (`order_lab.py --switch attnscope.kernels.attention_fwd_hopper._BALANCED`): False
-# hands tiles out round-robin (v8-v11) instead of by list scheduling (v12).
-_BALANCED = True
-# A tile's fixed cost in the schedule's model, in K/V blocks: its Q load, first softmax and
-# epilogue, which nothing overlaps within the tile (v12: 1; benchmarks/schedule_lab.py measures
-# others).
-TILE_OVERHEAD = 1
-# Above this many tiles the schedule is round-robin: list scheduling in Python takes 3.5 ms at
-# 1024 tiles, 21 ms at 4096 and ~50 ms at 32768 on a shape's first call (the CPU machine).
-SCHEDULE_MAX_TILES = 32768
-
-
-# Host cost matters at small shapes (notes v8-v9): what does not change between calls is
-# computed once (here, in device_properties, tile_schedule and FastLaunch).
+# Host cost matters at small shapes (notes/forward.md, "Host cost"): what does not change
+# between calls is computed once (here, in device_properties, tile_schedule and FastLaunch).
 @functools.cache
 def _smem_layout(rows, head_dim, dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
-_launch = FastLaunch(_attn_fwd_hopper, _eager)  # shared with attention_fwd's launches
-# Lab switch (`order_lab.py --switch attnscope.kernels.attention_fwd_hopper._TMA_STORE`): True
-# (v10) stores each 64-row output block through shared memory with the copy engine; False stores
-# every block from registers, as before v10. The GPU tests run both.
-_TMA_STORE = True
+_launch = FastLaunch(_attn_fwd_hopper, FORWARD_LAUNCHES)  # shared with the Triton forward's

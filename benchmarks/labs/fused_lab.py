@@ -1,15 +1,17 @@
-"""Kernel lab: time the fused forward under pinned configs next to cuDNN and flash, on one GPU.
+"""Lab of the Triton forward (attnscope/kernels/attention_fwd.py): its launch timed under the
+configs given on the command line, next to its table's config, the public op, and (--peers)
+cuDNN and flash, on one GPU.
 
-For kernel work (issue 5 notes), not the benchmark of record (that is `attnscope bench`).
+For kernel work (notes/forward.md), not the benchmark of record (that is `attnscope bench`).
 Prints one line per (shape, variant) and writes JSON lines to --out. Also counts the matrix
 instructions in the SASS of each compiled config (cuobjdump), so a slow config that fell off
 wgmma shows as such.
 
-    python benchmarks/fused_lab.py --shapes 8,16,1024,64 2,16,16384,128 --out lab.jsonl
+    python benchmarks/labs/fused_lab.py --shapes 8,16,1024,64 2,16,16384,128 \
+        --configs 128,64,8,3 64,64,4,3,1,0 --out lab.jsonl
 """
 
 import argparse
-import contextlib
 import itertools
 import json
 import re
@@ -29,23 +31,13 @@ from attnscope.kernels import attention_fwd as fwd
 from attnscope.profile.flops import attention_flops
 
 
-# Configs the lab tries per head-dim class:
-# (BLOCK_M, BLOCK_N, num_warps, num_stages[, pipeline[, use_tma[, maxnreg (0: none)]]]).
-EXPLORE = {
-    64: [(128, 64, 8, 3), (128, 64, 8, 3, 1, 1), (128, 64, 8, 3, 1, 1, 128), (64, 64, 4, 2, 1, 1),
-         (64, 64, 4, 3, 1, 1)],
-    128: [(128, 64, 8, 3), (128, 64, 8, 3, 1, 1), (128, 64, 8, 2, 1, 1), (64, 64, 4, 2, 1, 1),
-          (64, 64, 4, 3, 1, 1)],
-    256: [(64, 32, 4, 2, 0, 1), (64, 32, 4, 2, 1, 1), (64, 32, 4, 3, 1, 1)],
-}
-
-
-def pin_of(config):
-    """A zero-argument factory of the context that pins `config` (None: the table's own)."""
-    if not config:
-        return contextlib.nullcontext
-    flags = [bool(x) for x in config[4:6]] + [config[6] or None for _ in config[6:7]]
-    return lambda: fwd.pinned_config(*config[:4], *flags)
+def parse_config(text):
+    """BM,BN,warps,stages[,pipeline[,tma]] -> a config tuple named by fwd.CONFIG_FIELDS."""
+    values = [int(x) for x in text.split(",")]
+    if not 4 <= len(values) <= 6:
+        raise ValueError(f"a config is BM,BN,warps,stages[,pipeline[,tma]], got {text!r}")
+    values += [0] * (6 - len(values))
+    return (*values[:4], bool(values[4]), bool(values[5]))
 
 
 def sass_counts(compiled):
@@ -83,11 +75,10 @@ def timed(fn_per_set, sets, warmup, rep):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"], help="B,H,S,D (bf16, causal)")
-    p.add_argument("--configs", nargs="*", default=None,
-                   help="BM,BN,warps,stages[,pipeline[,tma[,maxnreg]]] to pin (pipeline=1: "
-                   "software-pipelined loop, tma=1: K/V through tensor descriptors, maxnreg: "
-                   "register cap, 0 for none); default: "
-                   "the exploration list EXPLORE for the head dim's class")
+    p.add_argument("--configs", nargs="*", default=[],
+                   help="BM,BN,warps,stages[,pipeline[,tma]] configs to time next to the table's "
+                   "(pipeline=1: software-pipelined loop, tma=1: K/V through tensor "
+                   "descriptors); default: the table's alone")
     p.add_argument("--peers", action="store_true", help="also time SDPA cuDNN and flash")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
@@ -104,24 +95,19 @@ def main():
         q, k, v = sets[0]
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                                is_causal=True)
-        block_d = max(16, triton.next_power_of_2(d))
-        cls = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
-        configs = ([tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs
-                   else EXPLORE[cls])
-        variants = [(f"fused{c}", c) for c in configs] + [("fused-table", None)]
+        configs = [parse_config(c) for c in args.configs]
+        variants = [(f"triton{c}", c) for c in configs] + [("triton-table", None)]
         timers, rows = {}, {}
-        pins = {}
         for name, config in variants:
-            def run(q, k, v):
+            def run(q, k, v, config=config):
                 o = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-                compiled = fwd.attention_fwd(q, k, v, o, lse, causal=True, scale=d ** -0.5,
-                                             causal_offset=0)
+                compiled = fwd.attention_fwd_triton(q, k, v, o, lse, causal=True,
+                                                    scale=d ** -0.5, causal_offset=0,
+                                                    config=config)
                 return o, compiled
-            pins[name] = pin_of(config)
             try:
-                with pins[name]():
-                    o, compiled = run(q, k, v)
+                o, compiled = run(q, k, v)
                 torch.cuda.synchronize()
             except Exception as e:  # one bad config must not end the sweep
                 print(f"{shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -132,8 +118,9 @@ def main():
                           "spills": getattr(compiled, "n_spills", None),
                           "smem": getattr(getattr(compiled, "metadata", None), "shared", None),
                           "sass": sass_counts(compiled)}
-        # The public op (validation + custom-op dispatch + launch): its time minus fused-table's
-        # is what the Python around the kernel costs when the GPU waits for it.
+        # The public op (validation, dispatch, launch; the Gluon kernel where it takes the call):
+        # at the Triton kernel's shapes its time minus triton-table's is what the Python around
+        # the kernel costs when the GPU waits for it.
         timers["fused_attention (public op)"] = lambda q, k, v: attnscope.fused_attention(q, k, v)
         rows["fused_attention (public op)"] = {"shape": shape, "impl": "fused_attention"}
         if args.peers:
@@ -145,16 +132,12 @@ def main():
                 timers[backend.name] = peer
                 rows[backend.name] = {"shape": shape, "impl": backend.name}
         # Rounds over all candidates, so that drift of the machine between candidates (clocks,
-        # temperature; up to 8 % between runs of one config, notes/kernel.md) hits all alike.
-        # The pinned config is entered around the timing, not inside each timed call: at
-        # host-bound shapes a per-call context manager showed up in the time (0.0818 against
-        # 0.0656 ms for one config at the seed shape on one machine).
+        # temperature; up to 8 % between runs of one config) hits all alike.
         times = {name: [] for name in timers}
         for _ in range(args.repeat):
             for name, fn in list(timers.items()):
                 try:
-                    with pins.get(name, contextlib.nullcontext)():
-                        times[name].append(timed(fn, sets, args.warmup, args.rep))
+                    times[name].append(timed(fn, sets, args.warmup, args.rep))
                 except Exception as e:  # one bad candidate must not end the sweep
                     print(f"{shape} {name}: FAILED while timed: {type(e).__name__}: "
                           f"{str(e)[:200]}", flush=True)

@@ -4,10 +4,12 @@ Two parts, each optional:
   --check: the kernel against the float64 reference on odd shapes (causal and not, both causal
            alignments, GQA, fp16/bf16, output poisoned with NaN first); prints max errors.
   --time:  median times (triton.testing.do_bench, L2 flushed) of the Gluon kernel under each
-           --configs entry, the Triton kernel (fused op's table config) and cuDNN, in --repeat
-           interleaved rounds; JSON lines to --out.
+           --configs entry (its CONFIG_FIELDS: BLOCK_N,STAGES,consumer registers) and its
+           table's, the Triton kernel (its table's config) and cuDNN, in --repeat interleaved
+           rounds; JSON lines to --out.
 
-    python benchmarks/hopper_lab.py --check --time --shapes 8,16,1024,64 --out lab.jsonl
+    python benchmarks/labs/hopper_lab.py --check --time --shapes 8,16,1024,128 \
+        --configs 128,2,240 128,3,232 --out lab.jsonl
 """
 
 import argparse
@@ -88,12 +90,9 @@ def time_shapes(shapes, configs, repeat, out_path):
         cands = {f"gluon{c}": (lambda c=c: hop.attention_fwd_hopper(
             q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c))
             for c in configs if c is not None or d in hop.CONFIGS}
-        triton_config = fwd.config_for(d, s, True)  # the table's (nothing is pinned here)
-
-        def triton_kernel():  # pinned: an unpinned call would take the Gluon kernel
-            with fwd.pinned_config(*triton_config):
-                return fwd.attention_fwd(q, k, v, out, lse, causal=True, scale=d ** -0.5,
-                                         causal_offset=0)
+        def triton_kernel():  # its launch, directly: the op would take the Gluon kernel
+            return fwd.attention_fwd_triton(q, k, v, out, lse, causal=True, scale=d ** -0.5,
+                                            causal_offset=0)
         cands["triton"] = triton_kernel
         kr, vr = (k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1))
 
@@ -130,14 +129,14 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"],
                    help="B,H,S,D[,KV_HEADS] causal bf16 shapes to time")
     p.add_argument("--configs", nargs="*", default=[],
-                   help="Gluon configs BLOCK_N,STAGES,PINGPONG(0/1),REGS,PERSISTENT(0/1),"
-                        "CONSUMER_WARPGROUPS"
-                        " (default: the table's)")
+                   help="Gluon configs BLOCK_N,STAGES,REGS to run next to the table's")
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--out", help="append JSON lines here")
     a = p.parse_args(argv)
-    configs = [None] + [tuple(bool(int(x)) if i in (2, 4) else int(x) for i, x in
-                              enumerate(c.split(","))) for c in a.configs]
+    configs = [None] + [tuple(int(x) for x in c.split(",")) for c in a.configs]
+    for c in configs[1:]:
+        if len(c) != len(hop.CONFIG_FIELDS):
+            p.error(f"a Gluon config is {','.join(hop.CONFIG_FIELDS)}, got {c}")
     if a.check:
         for c in configs:
             print(f"== check config {c or 'table'}", flush=True)

@@ -1,0 +1,135 @@
+"""What the attention kernels share: @triton.jit helpers and host helpers.
+
+The jit helpers (masked loads, the launch's tile order, a query block's key ranges, causal
+visibility) are inlined into each kernel that calls them, so the forward, the backward and the
+Gluon kernel apply one rule each instead of three copies of it. The host helpers compute the
+launch constants every kernel's launch needs (tile width and dot precision, heads per L2 group,
+the device's properties, pointer alignment).
+"""
+
+import functools
+
+import torch
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.44269504  # 1/ln(2): exp(x) == exp2(x * LOG2E)
+LOG2E_C = tl.constexpr(LOG2E)  # jit functions read module globals only as constexprs
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts the log2-domain LSE back to natural log
+
+
+@triton.jit
+def _load(ptrs, rows_ok, cols_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    # Masks cost instructions in the hot loop, so only the checks a tile needs are emitted.
+    if CHECK_ROWS and CHECK_COLS:
+        return tl.load(ptrs, mask=rows_ok & cols_ok, other=0.0)
+    elif CHECK_ROWS:
+        return tl.load(ptrs, mask=rows_ok, other=0.0)
+    elif CHECK_COLS:
+        return tl.load(ptrs, mask=cols_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _sees(rows, cols, CAUSAL_OFFSET):
+    # Causal visibility, the one rule every kernel applies: query row i sees key j when
+    # j <= i + CAUSAL_OFFSET (0: SDPA's top-left alignment; kv_len - q_len: bottom-right).
+    # rows and cols come broadcastable ([M, 1] and [1, N], or transposed).
+    return cols <= rows + CAUSAL_OFFSET
+
+
+@triton.jit
+def _grouped_tile(t, n_hz, num_m, head_group):
+    # Tile t of a launch's tile order: (batch * head, query block). Heads go in groups of
+    # head_group whose K/V fit in L2 together (`head_group`), so the programs running at once
+    # read the same K/V from L2 instead of each streaming its own head's from DRAM; within a
+    # group, last query block first: under a causal mask those have the most keys, and the
+    # hardware starts programs in order, so the longest start first instead of being the tail.
+    # (The Gluon kernel's persistent loop walks the same order.)
+    group_tiles = head_group * num_m
+    first_hz = t // group_tiles * head_group
+    heads = tl.minimum(head_group, n_hz - first_hz)  # the last group may be smaller
+    r = t % group_tiles
+    return first_hz + r % heads, num_m - 1 - r // heads
+
+
+@triton.jit
+def _query_block(H, GROUP, NUM_M, HEAD_GROUP):
+    # Which (batch, query head, query block) this program computes, and its K/V head: program
+    # t of a 1-D grid of batch * H * NUM_M takes tile t of _grouped_tile's order. (The forward
+    # and the backward's dQ kernel use the same grid.)
+    n_hz = tl.num_programs(0) // NUM_M
+    off_hz, start_m = _grouped_tile(tl.program_id(0), n_hz, NUM_M, HEAD_GROUP)
+    off_z = (off_hz // H).to(tl.int64)
+    off_h = (off_hz % H).to(tl.int64)
+    return off_hz, start_m, off_z, off_h, off_h // GROUP
+
+
+@triton.jit
+def _key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    # Key ranges of query block start_m (the forward's and the dQ kernel's). Every row of the
+    # tile sees keys j <= first_row + CAUSAL_OFFSET; those whole blocks, [0, full_hi), need no
+    # mask. The rest, up to what the last row sees, [full_hi, masked_hi), is the masked diagonal
+    # band (it also holds the ragged end of K when N_CTX_K is not a multiple of BLOCK_N).
+    first_row = start_m * BLOCK_M
+    if CAUSAL:
+        full_hi = tl.maximum(tl.minimum(first_row + CAUSAL_OFFSET + 1, N_CTX_K), 0)
+        masked_hi = tl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K)
+    else:
+        full_hi = N_CTX_K
+        masked_hi = N_CTX_K
+    return full_hi // BLOCK_N * BLOCK_N, masked_hi
+
+
+def is_interpreted():
+    """True when the kernels were defined under TRITON_INTERPRET=1 and so run on CPU tensors."""
+    return not isinstance(_load, triton.runtime.JITFunction)
+
+
+def interpreter_ready():
+    """True when CPU tensors can run: our kernels and Triton's own library functions (tl.max,
+    tl.sum, ... are jit functions too) were all defined under the interpreter. Setting
+    TRITON_INTERPRET after triton was imported interprets ours but not Triton's."""
+    return is_interpreted() and not isinstance(tl.standard.max, triton.runtime.JITFunction)
+
+
+def tile_constants(head_dim, dtype):
+    """The BLOCK_D and INPUT_PRECISION constexprs of a launch (forward and backward): tiles
+    are the next power of two >= 16 wide over head_dim (extra columns load as zeros), and fp32
+    inputs use IEEE fp32 dots (tf32 is unused for 16-bit inputs)."""
+    return max(16, 1 << (head_dim - 1).bit_length()), "ieee" if dtype.itemsize == 4 else "tf32"
+
+
+@functools.cache
+def device_properties(device):
+    """torch.cuda.get_device_properties, read once per device (the launch is on the host's
+    critical path at small shapes)."""
+    return torch.cuda.get_device_properties(device)
+
+
+def head_group(q, k, l2_share=0.5):
+    """How many (batch, head) pairs a launch runs together (`_grouped_tile`): about as many as
+    keep their K and V within `l2_share` of L2 (the rest for Q, the output and other streams),
+    with the heads split into groups of equal size. A group of query heads shares one K/V head
+    under GQA. Measured (notes/forward.md, "Tile order"): all heads in one group at
+    (4,32,4096,128) made each running program stream its own head's K/V from DRAM (10 % L2
+    hits); and a small last group puts its longest tiles at the very end of the launch, where
+    nothing overlaps them. In the interpreter, groups of two, so that CPU tests cross group
+    edges (and a smaller last group)."""
+    n_hz = q.shape[0] * q.shape[1]
+    if not q.is_cuda:
+        return min(n_hz, 2)
+    kv_bytes = 2 * k.shape[2] * k.shape[3] * k.element_size()  # per K/V head
+    budget = int(device_properties(q.device).L2_cache_size * l2_share)
+    cap = max(1, budget * (q.shape[1] // k.shape[1]) // kv_bytes)
+    groups = -(-n_hz // cap)
+    return -(-n_hz // groups)
+
+
+def aligned(*tensors):
+    """Which tensors start at a 16-byte aligned address: Triton specializes pointer arguments
+    on it, so launch keys hold it."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The one device script: run the named steps, in order, on a GPU machine from the repository
+# root, every log and result under $OUT (the GPU runner sets it; default ./gpu-out), each
+# step's log tee'd there, and a summary of every step printed last.
+#
+#   benchmarks/gpu.sh setup test bench      # e.g. the before/after check of a kernel change
+#   benchmarks/gpu.sh setup compare ncu     # the profiler's run at the seed shape
+#
+# Steps:
+#   setup    install the project into the machine's torch/triton (pip -e, no deps); GPU and
+#            versions into gpu.txt
+#   test     the GPU tests (pytest -m cuda) under -n 8 twice: in file order, then in the order
+#            TEST_ORDER names (reverse or shuffle, seeded by TEST_ORDER_SEED; default reverse)
+#   bench    `attnscope bench --sweep default` forward, backward, and forward+backward
+#            (BENCH_MODES) into bench_MODE.json; with BEFORE_TREE (a folder holding an earlier
+#            tree of the project, e.g. `git archive REV | tar -x -C build/before`), each mode
+#            first runs there too, into bench_before_MODE.json, and the fused rows' time ratios
+#            (after / before) are printed
+#   compare  `attnscope compare` at the seed shape, with its report, into compare/
+#   ncu      `attnscope ncu` (hardware counters) into compare/
+# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_MODES, BENCH_IMPLS (forward peers),
+# BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE; STEP_TIMEOUT (seconds per command,
+# default 280).
+set -uo pipefail
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STEP_TIMEOUT=${STEP_TIMEOUT:-280}
+BENCH_IMPLS=${BENCH_IMPLS:-naive naive_inplace sdpa_auto sdpa_math sdpa_flash sdpa_efficient sdpa_cudnn flex fused}
+BENCH_BWD_IMPLS=${BENCH_BWD_IMPLS:-sdpa_flash sdpa_efficient sdpa_cudnn fused}
+SUMMARY=()
+
+step_setup() {
+  pip install -e . --no-deps --no-build-isolation || return
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv \
+    | tee "$OUT/gpu.txt"
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/gpu.txt"
+}
+
+step_test() {
+  local rc=0 order=${TEST_ORDER:-reverse}
+  timeout "$STEP_TIMEOUT" python -m pytest -m cuda -q -p no:cacheprovider -n 8 || rc=$?
+  timeout "$STEP_TIMEOUT" python -m pytest -m cuda -q -p no:cacheprovider -n 8 \
+    --test-order "$order" --test-order-seed "${TEST_ORDER_SEED:-0}" || rc=$?
+  return $rc
+}
+
+bench_ratios() {  # BEFORE.json AFTER.json: the fused rows' median time, after / before
+  python - "$1" "$2" <<'PY'
+import json, sys
+before, after = ({(tuple(r["shape"]), r["kv_heads"]): r for r in json.load(open(p))["rows"]
+                  if r["impl"] == "fused" and r["status"] == "ok"} for p in sys.argv[1:])
+for key in sorted(set(before) & set(after)):
+    b, a = before[key]["median_ms"], after[key]["median_ms"]
+    print(f"fused {key[0]} kv_heads {key[1]}: before {b:.4f} ms, after {a:.4f} ms, ratio {a / b:.3f}")
+PY
+}
+
+step_bench() {
+  local rc=0 mode impls out
+  out=$(cd "$OUT" && pwd)  # absolute: the before-run works in another folder
+  for mode in ${BENCH_MODES:-fwd bwd fwd_bwd}; do
+    impls=$BENCH_IMPLS; [ "$mode" = fwd ] || impls=$BENCH_BWD_IMPLS
+    if [ -n "${BEFORE_TREE:-}" ]; then  # python -m imports the current folder's attnscope
+      # shellcheck disable=SC2086  # the implementation names are separate arguments
+      (cd "$BEFORE_TREE" && timeout "$STEP_TIMEOUT" python -m attnscope.profile bench \
+        --sweep default --mode "$mode" --impl $impls --json "$out/bench_before_$mode.json") || rc=$?
+    fi
+    # shellcheck disable=SC2086
+    timeout "$STEP_TIMEOUT" python -m attnscope.profile bench --sweep default --mode "$mode" \
+      --impl $impls --json "$out/bench_$mode.json" || rc=$?
+    if [ -n "${BEFORE_TREE:-}" ]; then
+      bench_ratios "$out/bench_before_$mode.json" "$out/bench_$mode.json" || rc=$?
+    fi
+  done
+  return $rc
+}
+
+step_compare() {
+  timeout "$STEP_TIMEOUT" python -m attnscope.profile compare --out "$OUT/compare" --report
+}
+
+step_ncu() {
+  timeout "$STEP_TIMEOUT" python -m attnscope.profile ncu --out "$OUT/compare"
+}
+
+# the lines of a step's log that say how it went, for the summary
+highlights() {
+  case $1 in
+    setup) cat "$OUT/gpu.txt" 2>/dev/null ;;
+    test) grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/test.log" ;;
+    bench) grep -E "^\s*(fused|sdpa_cudnn) |geometric|ratio" "$OUT/bench.log" ;;
+    *) tail -3 "$OUT/$1.log" ;;
+  esac
+}
+
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+for step in "$@"; do
+  if ! declare -F "step_$step" > /dev/null; then
+    echo "gpu.sh: unknown step '$step' (setup, test, bench, compare, ncu)" >&2
+    exit 2
+  fi
+done
+status=0
+for step in "$@"; do
+  start=$SECONDS
+  echo "== $step" | tee "$OUT/$step.log"
+  "step_$step" 2>&1 | tee -a "$OUT/$step.log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || status=1
+  SUMMARY+=("$step: rc $rc, $((SECONDS - start)) s, log $OUT/$step.log")
+done
+echo "== summary"
+for i in "${!SUMMARY[@]}"; do
+  echo "${SUMMARY[$i]}"
+  highlights "${@:$((i + 1)):1}" | cut -c1-140 | head -20 | sed 's/^/  /'
+done
+exit $status

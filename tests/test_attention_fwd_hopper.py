@@ -1,0 +1,118 @@
+"""The Gluon Hopper forward (attnscope/kernels/attention_fwd_hopper.py): on an sm_90 GPU against
+the float64 reference (the tolerance rule is fused_checks.py's), what the dispatch routes to it,
+its two output paths (TMA store, register stores) and CUDA-graph capture; on CPU, that the
+dispatch never takes it.
+"""
+
+import pytest
+import torch
+from einops import rearrange
+
+from attnscope import fused_attention
+from attnscope.kernels import dispatch, tile_schedule
+# nan_outputs: autouse, poisons every buffer the op allocates
+from fused_checks import (CPU, GPU_DTYPES, check, make_qkv, nan_outputs,  # noqa: F401
+                          on_hopper, replays_in_a_cuda_graph)
+
+
+@pytest.fixture
+def fresh_launches():
+    """A process that has launched nothing: no kept launch, no tile schedule (a test that needs
+    a shape to be new, whatever ran before it in this worker)."""
+    dispatch.forget_launches()
+    tile_schedule.forget_schedules()
+    yield
+    dispatch.forget_launches()
+
+
+HOPPER_SHAPES = [
+    # (batch, heads, kv_heads, q_len, kv_len, causal, alignment): the kernel's 128-row tiles,
+    # the diagonal, ragged query tiles and rows past a head's end (key lengths are multiples of
+    # its 128-key blocks: other lengths run the Triton kernel)
+    (2, 3, 3, 1000, 1024, True, "top_left"),
+    (1, 4, 1, 333, 384, True, "top_left"),        # MQA, one ragged query tile
+    (1, 2, 2, 77, 256, True, "bottom_right"),     # diagonal off the tile grid
+    (1, 2, 2, 300, 128, True, "bottom_right"),    # rows that see no key, tiles with no block
+    (2, 2, 1, 257, 512, False, "top_left"),       # non-causal
+    (3, 1, 1, 1, 128, True, "bottom_right"),      # single-token decoding
+    (3, 16, 16, 2048, 2048, True, "top_left"),    # more tiles than SMs: the persistent loop
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("shape", HOPPER_SHAPES)
+def test_hopper_kernel(shape, dtype, floor, lse_tol):
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 128, dtype, "cuda")
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), 128 ** -0.5)
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_hopper_kernel_strided_out_takes_register_stores():
+    # An `out` that is not one contiguous matrix cannot take the TMA store; the register stores
+    # write the same values.
+    q, k, v = make_qkv(1, 2, 2, 320, 384, 128, torch.bfloat16, "cuda")
+    wide = torch.full((1, 2, 320, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out, lse = wide[..., :128], torch.empty(1, 2, 320, device="cuda")
+    assert dispatch.uses_hopper_kernel(q, k, v, out, 128 ** -0.5)
+    dispatch.attention_fwd(q, k, v, out, lse, causal=True, scale=128 ** -0.5, causal_offset=0)
+    assert torch.equal(out, fused_attention(q, k, v))
+    assert wide[..., 128:].isnan().all()  # nothing written outside the view
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_hopper_kernel_in_a_cuda_graph(fresh_launches):
+    # A warmed-up shape replays from a CUDA graph (its tile schedule stays on the GPU); a shape
+    # first met during capture is refused with a clear error instead of a broken capture. The
+    # second shape must be new to the process: fresh_launches forgets what other tests warmed.
+    replays_in_a_cuda_graph(*make_qkv(2, 4, 4, 640, 640, 128, torch.bfloat16, "cuda"))
+    q2, k2, v2 = make_qkv(2, 4, 4, 768, 768, 128, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match="before capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            fused_attention(q2, k2, v2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_hopper_kernel_only_takes_what_it_supports():
+    q, k, v = make_qkv(1, 2, 2, 256, 256, 128, torch.bfloat16, "cuda")
+    out = torch.empty_like(q)
+    scale = 128 ** -0.5
+    assert dispatch.uses_hopper_kernel(q, k, v, out, scale)
+    assert not dispatch.uses_hopper_kernel(q, k, v, out, 0.0)  # it masks before scaling
+    assert not dispatch.uses_hopper_kernel(q, k[:, :, :200], v[:, :, :200], out, scale)  # ragged K
+    assert not dispatch.uses_hopper_kernel(q[..., :64], k[..., :64], v[..., :64], out[..., :64],
+                                          scale)
+    assert not dispatch.uses_hopper_kernel(q.float(), k.float(), v.float(), out.float(), scale)
+    bshd = rearrange(torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16),
+                     "b s h d -> b h s d")
+    assert not dispatch.uses_hopper_kernel(bshd, k, v, out, scale)  # not one [rows, d] matrix
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("scale", [0.0, -0.2])
+def test_non_positive_scale_on_hopper_shapes(scale):
+    # Such calls run the Triton kernel, which scales before masking.
+    q, k, v = make_qkv(1, 2, 2, 300, 384, 128, torch.bfloat16, "cuda")
+    check(q, k, v, 4e-3, 1e-3, scale=scale)
+
+
+def test_hopper_kernel_is_never_used_on_cpu():
+    q, k, v = make_qkv(1, 2, 2, 8, 128, 128, torch.float16, CPU)
+    assert not dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), 0.1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_hopper_kernel_with_the_round_robin_schedule(fresh_launches, monkeypatch):
+    # Launches of more than SCHEDULE_MAX_TILES tiles hand tiles out round-robin; forced here at a
+    # shape of more tiles than SMs, so programs run several tiles in that order.
+    monkeypatch.setattr(tile_schedule, "SCHEDULE_MAX_TILES", 0)
+    q, k, v = make_qkv(3, 16, 16, 2048, 2048, 128, torch.bfloat16, "cuda")
+    check(q, k, v, 4e-3, 1e-3)
