@@ -11,23 +11,25 @@
 #            versions into gpu.txt
 #   test     the GPU tests (pytest -m cuda) under -n 8 twice: in file order, then in the order
 #            TEST_ORDER names (reverse or shuffle, seeded by TEST_ORDER_SEED; default reverse)
-#   bench    `attnscope bench --sweep default` forward, backward, and forward+backward
-#            (BENCH_MODES) into bench_MODE.json; with BEFORE_TREE (a folder holding an earlier
-#            tree of the project, e.g. `git archive REV | tar -x -C build/before`), each mode
-#            first runs there too, into bench_before_MODE.json, and the fused rows' time ratios
-#            (after / before) are printed
+#   bench    `attnscope bench --sweep BENCH_SWEEP` (default: default) forward, backward, and
+#            forward+backward (BENCH_MODES) into bench_MODE.json; with BEFORE_TREE (a folder
+#            holding an earlier tree of the project, e.g. `git archive REV | tar -x -C
+#            build/before`), each mode first runs there too for BEFORE_IMPLS (default: fused),
+#            into bench_before_MODE.json, and the fused rows' time ratios (after / before) are
+#            printed
 #   compare  `attnscope compare` at the seed shape, with its report, into compare/
 #   ncu      `attnscope ncu` (hardware counters) into compare/
-# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_MODES, BENCH_IMPLS (forward peers),
-# BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE; STEP_TIMEOUT (seconds per command,
+# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_MODES, BENCH_IMPLS (forward
+# peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; STEP_TIMEOUT (seconds per command,
 # default 280).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STEP_TIMEOUT=${STEP_TIMEOUT:-280}
-BENCH_IMPLS=${BENCH_IMPLS:-naive naive_inplace sdpa_auto sdpa_math sdpa_flash sdpa_efficient sdpa_cudnn flex fused}
-BENCH_BWD_IMPLS=${BENCH_BWD_IMPLS:-sdpa_flash sdpa_efficient sdpa_cudnn fused}
+BENCH_IMPLS=${BENCH_IMPLS:-naive naive_inplace sdpa_auto sdpa_math sdpa_flash sdpa_efficient sdpa_cudnn flex fa4 flash_attn2 fused}
+BENCH_BWD_IMPLS=${BENCH_BWD_IMPLS:-sdpa_flash sdpa_cudnn flex fa4 flash_attn2 fused}
+BENCH_SWEEP=${BENCH_SWEEP:-default}
 SUMMARY=()
 
 step_setup() {
@@ -65,10 +67,10 @@ step_bench() {
     if [ -n "${BEFORE_TREE:-}" ]; then  # python -m imports the current folder's attnscope
       # shellcheck disable=SC2086  # the implementation names are separate arguments
       (cd "$BEFORE_TREE" && timeout "$STEP_TIMEOUT" python -m attnscope.profile bench \
-        --sweep default --mode "$mode" --impl $impls --json "$out/bench_before_$mode.json") || rc=$?
+        --sweep "$BENCH_SWEEP" --mode "$mode" --impl ${BEFORE_IMPLS:-fused} --json "$out/bench_before_$mode.json") || rc=$?
     fi
     # shellcheck disable=SC2086
-    timeout "$STEP_TIMEOUT" python -m attnscope.profile bench --sweep default --mode "$mode" \
+    timeout "$STEP_TIMEOUT" python -m attnscope.profile bench --sweep "$BENCH_SWEEP" --mode "$mode" \
       --impl $impls --json "$out/bench_$mode.json" || rc=$?
     if [ -n "${BEFORE_TREE:-}" ]; then
       bench_ratios "$out/bench_before_$mode.json" "$out/bench_$mode.json" || rc=$?
