@@ -14,5 +14,6 @@ if not _torch.cuda.is_available():
 from attnscope._version import __version__  # noqa: E402
 from attnscope.attention import IMPLEMENTATIONS  # noqa: E402
 from attnscope.attention.fused import fused_attention  # noqa: E402
+from attnscope.attention.varlen import fused_attention_varlen  # noqa: E402
 
-__all__ = ["IMPLEMENTATIONS", "__version__", "fused_attention"]
+__all__ = ["IMPLEMENTATIONS", "__version__", "fused_attention", "fused_attention_varlen"]
