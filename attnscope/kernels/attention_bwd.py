@@ -33,6 +33,10 @@ Conventions shared with attention_fwd.py (same names, same masks, common.py's he
 - Any head_dim (BLOCK_D padding loads zeros), any length (masks), any strides of q/k/v/o/dO.
 - fp32 inputs use IEEE fp32 dots; P and dS are cast to the input dtype before their matmuls, as
   in the forward's P @ V.
+- Window, softcap and packed sequences as in the forward (same constexprs). Under a softcap, P
+  is recomputed from the capped logits and dS is multiplied by the cap's derivative 1 - tanh^2.
+  Under a window the dK/dV program visits only the query blocks whose rows see its keys (the
+  window's left edge ends them), the dQ program only the key blocks its rows see.
 
 Limits: head_dim <= 256; the gradient of the LSE output is not computed (the op marks it
 non-differentiable); no double backward. Same devices as the forward.
@@ -174,15 +178,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K, 
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < seq_k
     d_ok = offs_d < HEAD_DIM
-    k_base = K + off_z * stride_kz + off_hkv * stride_kh
-    v_base = V + off_z * stride_vz + off_hkv * stride_vh
-    if VARLEN:  # packed: the batch stride is 0 and the sequence starts at row k_start
-        k_base += k_start.to(tl.int64) * stride_kn
-        v_base += k_start.to(tl.int64) * stride_vn
     # K and V stay on chip for the whole program; keys past seq_k load as zeros and only ever
     # touch their own (unstored) rows of dK and dV, so the loops below need no key mask.
+    k_base = K + off_z * stride_kz + off_hkv * stride_kh
+    if VARLEN:  # packed: the batch stride is 0 and the sequence starts at row k_start
+        k_base += k_start.to(tl.int64) * stride_kn
     k = _load_tile(k_base, offs_n, offs_d, stride_kn, stride_kk, seq_k, True, HEAD_DIM, BLOCK_D,
                    False)
+    v_base = V + off_z * stride_vz + off_hkv * stride_vh
+    if VARLEN:
+        v_base += k_start.to(tl.int64) * stride_vn
     v = _load_tile(v_base, offs_n, offs_d, stride_vn, stride_vk, seq_k, True, HEAD_DIM, BLOCK_D,
                    False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -257,12 +262,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K, 
     nd_ok = n_ok[:, None] & d_ok[None, :]
     dk_ptrs = (DK + off_z * stride_dkz + off_hkv * stride_dkh
                + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk)
+    if VARLEN:
+        dk_ptrs += k_start.to(tl.int64) * stride_dkn
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=nd_ok)
     dv_ptrs = (DV + off_z * stride_dvz + off_hkv * stride_dvh
                + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvk)
     if VARLEN:
-        dk_ptrs += k_start.to(tl.int64) * stride_dkn
         dv_ptrs += k_start.to(tl.int64) * stride_dvn
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=nd_ok)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=nd_ok)
 
 
@@ -337,12 +343,13 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K,  #
     d_ok = offs_d < HEAD_DIM
     md_ok = m_ok[:, None] & d_ok[None, :]
     q_base = Q + off_z * stride_qz + off_h * stride_qh
-    do_base = DO + off_z * stride_doz + off_h * stride_doh
     if VARLEN:  # packed: the batch stride is 0 and the sequence starts at row q_start
         q_base += q_start.to(tl.int64) * stride_qm
-        do_base += q_start.to(tl.int64) * stride_dom
     q = _load_tile(q_base, offs_m, offs_d, stride_qm, stride_qk, seq_q, True, HEAD_DIM, BLOCK_D,
                    False)
+    do_base = DO + off_z * stride_doz + off_h * stride_doh
+    if VARLEN:
+        do_base += q_start.to(tl.int64) * stride_dom
     do = _load_tile(do_base, offs_m, offs_d, stride_dom, stride_dok, seq_q, True, HEAD_DIM,
                     BLOCK_D, False)
     # rows past seq_q load LSE -inf like rows that see no key: P is 0 on them

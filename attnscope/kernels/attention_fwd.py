@@ -20,6 +20,12 @@ Details that matter for exactness:
 - Any sequence length: rows and keys past the end are masked, so no multiple-of-block rule.
 - GQA/MQA: query head h reads K/V head h // GROUP; nothing is repeated in memory.
 - fp32 inputs use IEEE fp32 dots (Triton's default would be tf32, ~1e-3 relative error).
+- Sliding window (HAS_WINDOW, the left edge: j >= i + LEFT_OFFSET; the right edge is the causal
+  bound with a larger offset) and softcap (SOFTCAP: logits softcap * tanh(s / softcap)) are
+  constexprs, so the default kernel compiles to the code it had without them. A window adds a
+  masked stage for its left edge before the unmasked blocks; blocks left of it are not visited.
+- Packed sequences (VARLEN): the program's sequence is its batch index, its rows start at
+  CU_SEQLENS_Q/K[b] in tensors seen with batch stride 0; programs past its end exit at once.
 
 Two loop schedules (config field `pipeline`): the plain one computes q @ k^T, softmax and p @ V of
 each K block in turn; the software-pipelined one issues the next block's q @ k^T before this
