@@ -20,7 +20,7 @@ import triton.language as tl
 from attnscope import fused_attention
 from attnscope.attention import fused
 from attnscope.attention.reference import window_mask
-from attnscope.kernels.common import _window_key_ranges
+from attnscope.kernels.common import _window_key_ranges, visibility
 from fused_checks import CPU, CPU_DTYPES, GPU_DTYPES, check, make_qkv, nan_outputs  # noqa: F401
 from test_fused_attention_backward import CPU_DTYPES as GRAD_CPU_DTYPES
 from test_fused_attention_backward import GPU_DTYPES as GRAD_GPU_DTYPES
@@ -105,8 +105,7 @@ def _ranges_kernel(Out, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, CAUSAL: tl.constexp
 def test_key_ranges_skip_blocks_outside_the_window(q_len, kv_len, alignment, window, causal):
     # Each query block visits [lo, hi): every key its rows see lies there, the block before lo
     # holds none (skipped, not masked), and every row sees every key of [full_lo, full_hi).
-    from attnscope.kernels.common import visibility
-    block_m, block_n = 32, 16
+    block_m, block_n = 32, 16  # the interpreter's forward tiles
     offset = kv_len - q_len if alignment == "bottom_right" else 0
     bounded, upper, has_window, left_offset = visibility(causal, offset, window)
     num_m = -(-q_len // block_m)

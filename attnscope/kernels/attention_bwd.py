@@ -45,9 +45,10 @@ non-differentiable); no double backward. Same devices as the forward.
 import triton
 import triton.language as tl
 
-from attnscope.kernels.common import (LOG2E_C, _load, _logits, _query_block, _sees, _sees_window,
-                                      _sequence, _window_key_ranges, aligned, head_group,
-                                      is_interpreted, score_scales, tile_constants, visibility)
+from attnscope.kernels.common import (LOG2E_C, _head_base, _load, _logits, _query_block, _sees,
+                                      _sees_window, _sequence, _window_key_ranges, aligned,
+                                      head_group, is_interpreted, score_scales, tile_constants,
+                                      visibility)
 from attnscope.kernels.launch import FastLaunch
 
 
@@ -180,14 +181,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K, 
     d_ok = offs_d < HEAD_DIM
     # K and V stay on chip for the whole program; keys past seq_k load as zeros and only ever
     # touch their own (unstored) rows of dK and dV, so the loops below need no key mask.
-    k_base = K + off_z * stride_kz + off_hkv * stride_kh
-    if VARLEN:  # packed: the batch stride is 0 and the sequence starts at row k_start
-        k_base += k_start.to(tl.int64) * stride_kn
+    k_base = _head_base(K, off_z, off_hkv, stride_kz, stride_kh, k_start, stride_kn, VARLEN)
     k = _load_tile(k_base, offs_n, offs_d, stride_kn, stride_kk, seq_k, True, HEAD_DIM, BLOCK_D,
                    False)
-    v_base = V + off_z * stride_vz + off_hkv * stride_vh
-    if VARLEN:
-        v_base += k_start.to(tl.int64) * stride_vn
+    v_base = _head_base(V, off_z, off_hkv, stride_vz, stride_vh, k_start, stride_vn, VARLEN)
     v = _load_tile(v_base, offs_n, offs_d, stride_vn, stride_vk, seq_k, True, HEAD_DIM, BLOCK_D,
                    False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -225,11 +222,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K, 
     for g in range(0, GROUP):
         # the query heads sharing this K/V head add their contributions in registers
         off_h = off_hkv * GROUP + g
-        q_base = Q + off_z * stride_qz + off_h * stride_qh
-        do_base = DO + off_z * stride_doz + off_h * stride_doh
+        q_base = _head_base(Q, off_z, off_h, stride_qz, stride_qh, q_start, stride_qm, VARLEN)
+        do_base = _head_base(DO, off_z, off_h, stride_doz, stride_doh, q_start, stride_dom,
+                             VARLEN)
         if VARLEN:  # LSE and Delta are [heads, total_q]
-            q_base += q_start.to(tl.int64) * stride_qm
-            do_base += q_start.to(tl.int64) * stride_dom
             lse_base = Lse + off_h * N_CTX_Q + q_start
             delta_base = Delta + off_h * N_CTX_Q + q_start
         else:
@@ -260,16 +256,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K, 
     # epilogue: dS was taken w.r.t. the scaled scores; the chain rule puts the scale on dK
     dk = dk * sm_scale
     nd_ok = n_ok[:, None] & d_ok[None, :]
-    dk_ptrs = (DK + off_z * stride_dkz + off_hkv * stride_dkh
-               + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk)
-    if VARLEN:
-        dk_ptrs += k_start.to(tl.int64) * stride_dkn
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=nd_ok)
-    dv_ptrs = (DV + off_z * stride_dvz + off_hkv * stride_dvh
-               + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvk)
-    if VARLEN:
-        dv_ptrs += k_start.to(tl.int64) * stride_dvn
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=nd_ok)
+    tl.store(_head_base(DK, off_z, off_hkv, stride_dkz, stride_dkh, k_start, stride_dkn, VARLEN)
+             + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk,
+             dk.to(DK.dtype.element_ty), mask=nd_ok)
+    tl.store(_head_base(DV, off_z, off_hkv, stride_dvz, stride_dvh, k_start, stride_dvn, VARLEN)
+             + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvk,
+             dv.to(DV.dtype.element_ty), mask=nd_ok)
 
 
 @triton.jit
@@ -342,14 +334,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K,  #
     m_ok = offs_m < seq_q
     d_ok = offs_d < HEAD_DIM
     md_ok = m_ok[:, None] & d_ok[None, :]
-    q_base = Q + off_z * stride_qz + off_h * stride_qh
-    if VARLEN:  # packed: the batch stride is 0 and the sequence starts at row q_start
-        q_base += q_start.to(tl.int64) * stride_qm
+    q_base = _head_base(Q, off_z, off_h, stride_qz, stride_qh, q_start, stride_qm, VARLEN)
     q = _load_tile(q_base, offs_m, offs_d, stride_qm, stride_qk, seq_q, True, HEAD_DIM, BLOCK_D,
                    False)
-    do_base = DO + off_z * stride_doz + off_h * stride_doh
-    if VARLEN:
-        do_base += q_start.to(tl.int64) * stride_dom
+    do_base = _head_base(DO, off_z, off_h, stride_doz, stride_doh, q_start, stride_dom, VARLEN)
     do = _load_tile(do_base, offs_m, offs_d, stride_dom, stride_dok, seq_q, True, HEAD_DIM,
                     BLOCK_D, False)
     # rows past seq_q load LSE -inf like rows that see no key: P is 0 on them
@@ -359,11 +347,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K,  #
         row = off_hz.to(tl.int64) * N_CTX_Q + offs_m
     lse = _lse_log2(tl.load(Lse + row, mask=m_ok, other=float("-inf")))
     delta = tl.load(Delta + row, mask=m_ok, other=0.0)
-    k_base = K + off_z * stride_kz + off_hkv * stride_kh
-    v_base = V + off_z * stride_vz + off_hkv * stride_vh
-    if VARLEN:
-        k_base += k_start.to(tl.int64) * stride_kn
-        v_base += k_start.to(tl.int64) * stride_vn
+    k_base = _head_base(K, off_z, off_hkv, stride_kz, stride_kh, k_start, stride_kn, VARLEN)
+    v_base = _head_base(V, off_z, off_hkv, stride_vz, stride_vh, k_start, stride_vn, VARLEN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, masked_hi = _window_key_ranges(start_m, seq_k, CAUSAL_OFFSET,
@@ -394,11 +379,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K,  #
                             INPUT_PRECISION)
 
     dq = dq * sm_scale
-    dq_ptrs = (DQ + off_z * stride_dqz + off_h * stride_dqh
-               + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk)
-    if VARLEN:
-        dq_ptrs += q_start.to(tl.int64) * stride_dqm
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=md_ok)
+    tl.store(_head_base(DQ, off_z, off_h, stride_dqz, stride_dqh, q_start, stride_dqm, VARLEN)
+             + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
+             dq.to(DQ.dtype.element_ty), mask=md_ok)
 
 
 # Launch configs: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) per head-dim

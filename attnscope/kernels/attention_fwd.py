@@ -44,9 +44,10 @@ launches go through launch.FastLaunch.
 import triton
 import triton.language as tl
 
-from attnscope.kernels.common import (LN2, _load, _logits, _query_block, _sees, _sees_window,
-                                      _sequence, _window_key_ranges, aligned, head_group,
-                                      is_interpreted, score_scales, tile_constants, visibility)
+from attnscope.kernels.common import (LN2, _head_base, _load, _logits, _query_block, _sees,
+                                      _sees_window, _sequence, _window_key_ranges, aligned,
+                                      head_group, is_interpreted, score_scales, tile_constants,
+                                      visibility)
 from attnscope.kernels.launch import FORWARD_LAUNCHES, FastLaunch, ensure_scratch_allocator
 
 @triton.jit
@@ -198,16 +199,11 @@ def _attn_fwd(Q, K, V, Out, Lse, CU_SEQLENS_Q, CU_SEQLENS_K,  #
     m_ok = offs_m < seq_q
     d_ok = offs_d < HEAD_DIM
 
-    q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh
+    q_ptrs = (_head_base(Q, off_z, off_h, stride_qz, stride_qh, q_start, stride_qm, VARLEN)
               + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk)
-    if VARLEN:  # packed: the batch stride is 0 and the sequence starts at row q_start / k_start
-        q_ptrs += q_start.to(tl.int64) * stride_qm
     q = _load(q_ptrs, m_ok[:, None], d_ok[None, :], True, HEAD_DIM != BLOCK_D)
-    k_src = K + off_z * stride_kz + off_hkv * stride_kh
-    v_src = V + off_z * stride_vz + off_hkv * stride_vh
-    if VARLEN:
-        k_src += k_start.to(tl.int64) * stride_kn
-        v_src += k_start.to(tl.int64) * stride_vn
+    k_src = _head_base(K, off_z, off_hkv, stride_kz, stride_kh, k_start, stride_kn, VARLEN)
+    v_src = _head_base(V, off_z, off_hkv, stride_vz, stride_vh, k_start, stride_vn, VARLEN)
     if USE_TMA:
         # One [N_CTX_K, HEAD_DIM] descriptor per (batch, kv head): K/V tiles then arrive through
         # the bulk tensor copy engine instead of per-thread cp.async address arithmetic.
@@ -280,10 +276,8 @@ def _attn_fwd(Q, K, V, Out, Lse, CU_SEQLENS_Q, CU_SEQLENS_K,  #
         tl.store(Lse + off_h * N_CTX_Q + q_start + offs_m, lse, mask=m_ok)  # [heads, total_q]
     else:
         tl.store(Lse + off_hz * N_CTX_Q + offs_m, lse, mask=m_ok)
-    o_ptrs = (Out + off_z * stride_oz + off_h * stride_oh
+    o_ptrs = (_head_base(Out, off_z, off_h, stride_oz, stride_oh, q_start, stride_om, VARLEN)
               + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok)
-    if VARLEN:
-        o_ptrs += q_start.to(tl.int64) * stride_om
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 

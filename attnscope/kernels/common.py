@@ -141,6 +141,16 @@ def _window_key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, CAUSAL: tl.
 
 
 @triton.jit
+def _head_base(ptr, off_z, off_h, stride_z, stride_h, start, stride_s, VARLEN: tl.constexpr):
+    # Where (batch off_z, head off_h)'s rows of a [batch, heads, seq, head_dim] view begin. A
+    # packed batch's view has batch stride 0: its sequence begins `start` rows in.
+    base = ptr + off_z * stride_z + off_h * stride_h
+    if VARLEN:
+        base += start.to(tl.int64) * stride_s
+    return base
+
+
+@triton.jit
 def _sequence(CU_SEQLENS, off_z, N_CTX, VARLEN: tl.constexpr):
     # A packed batch's sequence off_z: its first row in the packed tensor and its length, read
     # from the cumulative lengths. Not VARLEN: every sequence starts at 0 (the batch stride
