@@ -15,5 +15,7 @@ from attnscope._version import __version__  # noqa: E402
 from attnscope.attention import IMPLEMENTATIONS  # noqa: E402
 from attnscope.attention.fused import fused_attention  # noqa: E402
 from attnscope.attention.decode import fused_attention_with_kvcache  # noqa: E402
+from attnscope.attention.varlen import fused_attention_varlen  # noqa: E402
 
-__all__ = ["IMPLEMENTATIONS", "__version__", "fused_attention", "fused_attention_with_kvcache"]
+__all__ = ["IMPLEMENTATIONS", "__version__", "fused_attention", "fused_attention_varlen",
+           "fused_attention_with_kvcache"]

@@ -45,10 +45,13 @@ def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
             signature[name] = "constexpr"
             if name in unit_strides:
                 constants[name] = 1
+        elif name.startswith("CU_SEQLENS"):  # packed sequences only: None otherwise
+            signature[name] = "constexpr"
+            constants[name] = None
         elif name in ("Q", "K", "V", "Out", "Lse"):
             signature[name] = "*fp32" if name == "Lse" else f"*{dtype}"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "softcap_log2"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -56,7 +59,8 @@ def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     constants.update(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                      CAUSAL=True, INPUT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n,
-                     PIPELINE=pipeline, USE_TMA=tma, EVEN_N=True, EMPTY_ROWS=False)
+                     PIPELINE=pipeline, USE_TMA=tma, EVEN_N=True, EMPTY_ROWS=False,
+                     HAS_WINDOW=False, SOFTCAP=False, VARLEN=False)
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg:
         options["maxnreg"] = maxnreg

@@ -94,6 +94,25 @@ def _validate(q, k, v, causal, scale, layout, causal_alignment):
                          f"{q.device}")
 
 
+def _validate_window_softcap(causal, window, softcap):
+    """Checks window=(left, right) and softcap (both APIs take them); returns the window as a
+    tuple of two ints."""
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window)):
+        raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    if causal and right > 0:
+        raise ValueError(f"window={tuple(window)} with causal=True: a causal mask hides every key "
+                         f"right of the diagonal, so the window's right size must be 0 or -1; "
+                         f"pass causal=False for a window that looks {right} keys ahead")
+    if (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+            or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap!r}")
+    return int(left), int(right)
+
+
 def _as_bhsd(t, layout):
     return t if layout == "bhsd" else rearrange(t, "b s h d -> b h s d")  # a view, no copy
 
@@ -168,7 +187,8 @@ def _check_interpreter(kernels, q):
                         "or float32 on CPU, bfloat16 on CUDA")
 
 
-def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
+def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, window_right=-1,
+             softcap=0.0, wrap=None):
     # Eager inference at small shapes is bound by this function's host time (benchmarks/
     # host_cost.py), so it reads the device once.
     kernels = _kernels()
@@ -186,26 +206,31 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, wrap=None):
         return out, lse
     # Eager CUDA inference with few queries: the split-KV decode kernel (all q heads of a KV head
     # in one program, keys split over programs) instead of one program per query block and head.
+    # It has no sliding window and no softcap: those calls take the prefill kernel.
     if (wrap is None and device.type == "cuda" and q_len <= _decode_kernels().MAX_Q_LEN
-            and (bottom_right or not causal)
+            and (bottom_right or not causal) and window_left == window_right == -1
+            and not softcap
             and not (q.requires_grad or k.requires_grad or v.requires_grad)):
         with _on_device(device):
             _decode_kernels().attention_decode(q4, k4, v4, out4, lse, causal=causal, scale=scale)
         return out, lse
     with _on_device(device):
         kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
-                              causal_offset=offset, wrap=wrap)
+                              causal_offset=offset, window=(window_left, window_right),
+                              softcap=softcap, wrap=wrap)
     return out, lse
 
 
 @triton_op("attnscope::attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   bottom_right: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   bottom_right: bool, layout: str, window_left: int = -1, window_right: int = -1,
+                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """What torch.compile, dispatch modes and torch.func see (`_traced`). Eager calls skip it:
     inference calls _forward directly and training goes through _EagerAttention, because the
     dispatcher round trip of a Python custom op costs more host time than the seed-shape kernel
     itself (notes/forward.md and notes/backward.md, "Host cost")."""
-    return _forward(q, k, v, causal, scale, bottom_right, layout, wrap=_launch_wrap(q))
+    return _forward(q, k, v, causal, scale, bottom_right, layout, window_left, window_right,
+                    softcap, wrap=_launch_wrap(q))
 
 
 
@@ -213,7 +238,8 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 # Gradients flow to q, k, v through `out`; the LSE output is marked non-differentiable (it is
 # saved for the backward, not a quantity the formula below differentiates).
 
-def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout):
+def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout, window_left=-1,
+                   window_right=-1, softcap=0.0):
     # The backward op's body, also run directly by _EagerAttention.
     kernels = _kernels()
     # Gradients are allocated contiguous in the caller's layout, like the forward's output.
@@ -229,23 +255,27 @@ def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout)
         return dq, dk, dv
     with _on_device(q.device):
         kernels.attention_bwd(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta, causal=causal,
-                              scale=scale, causal_offset=offset, wrap=_launch_wrap(q))
+                              scale=scale, causal_offset=offset,
+                              window=(window_left, window_right), softcap=softcap,
+                              wrap=_launch_wrap(q))
     return dq, dk, dv
 
 
 @triton_op("attnscope::attention_bwd", mutates_args=())
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                   bottom_right: bool, layout: str
+                   bottom_right: bool, layout: str, window_left: int = -1,
+                   window_right: int = -1, softcap: float = 0.0
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout)
+    return _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
+                          window_left, window_right, softcap)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, bottom_right, layout = inputs
+    q, k, v, *args = inputs  # causal, scale, bottom_right, layout[, window_left, window_right, softcap]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.attention_args = (causal, scale, bottom_right, layout)
+    ctx.attention_args = tuple(args)
     ctx.mark_non_differentiable(lse)
 
 
@@ -253,7 +283,7 @@ def _backward(ctx, dout, _dlse):
     # _dlse is zeros or None: lse is non-differentiable.
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _attention_bwd(dout, q, k, v, out, lse, *ctx.attention_args)
-    return dq, dk, dv, None, None, None, None
+    return (dq, dk, dv) + (None,) * len(ctx.attention_args)
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -267,28 +297,30 @@ class _EagerAttention(torch.autograd.Function):
     derivative, so a second backward through it raises instead of dropping terms."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, bottom_right, layout):
+    def forward(ctx, q, k, v, causal, scale, bottom_right, layout, window_left, window_right,
+                softcap):
         # (ctx-style forward: with a separate setup_context, Function.apply binds its arguments
         # through inspect.signature on every call, ~60 us on the CPU machine)
-        output = _forward(q, k, v, causal, scale, bottom_right, layout)
-        _setup_context(ctx, (q, k, v, causal, scale, bottom_right, layout), output)
+        args = (causal, scale, bottom_right, layout, window_left, window_right, softcap)
+        output = _forward(q, k, v, *args)
+        _setup_context(ctx, (q, k, v, *args), output)
         ctx.set_materialize_grads(False)  # no zeros tensor for the unused LSE gradient
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # no gradient reached `out` (lse has none by construction)
-            return (None,) * 7
+            return (None,) * 10
         q, k, v, out, lse = ctx.saved_tensors
         # Compiled autograd traces this with dynamo, and create_graph=True runs it with grad
         # mode on: both get the op. A plain backward runs with grad mode off.
         traced = torch.compiler.is_compiling() or torch.is_grad_enabled()
         impl = _attention_bwd if traced else _backward_impl
-        return (*impl(dout, q, k, v, out, lse, *ctx.attention_args), None, None, None, None)
+        return (*impl(dout, q, k, v, out, lse, *ctx.attention_args), *(None,) * 7)
 
 
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
-                    causal_alignment="top_left", return_lse=False):
+                    causal_alignment="top_left", window=(-1, -1), softcap=0.0, return_lse=False):
     """Attention softmax(q @ k^T * scale) @ v in one Triton kernel.
 
     Shapes (layout="bhsd", as SDPA):  q [batch, heads, q_len, head_dim],
@@ -305,6 +337,22 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     With bottom_right and q_len > kv_len the first q_len - kv_len rows see no key: their output
     is 0 and their LSE -inf.
 
+    window=(left, right), flash-attn's window_size: query i sees key j when
+    i + offset - left <= j <= i + offset + right, offset being the causal alignment's (0 top-left,
+    kv_len - q_len bottom-right) and -1 leaving a side unbounded; with causal=True the right size
+    is 0 (a right size > 0 with causal=True is a ValueError). E.g. window=(2, -1), causal, for
+    q_len=kv_len=5, top-left (Mistral's sliding window of 3 keys):
+            1 0 0 0 0
+            1 1 0 0 0
+            1 1 1 0 0
+            0 1 1 1 0
+            0 0 1 1 1
+    Key blocks wholly outside a query block's window are skipped, not masked. Rows that see no
+    key give zeros and LSE -inf, and zero gradients.
+
+    softcap > 0 caps the logits as Gemma 2 and flash-attn do: each scaled score s becomes
+    softcap * tanh(s / softcap) before the softmax (and the LSE is that of the capped logits).
+
     Returns the output in q's layout and dtype, and with return_lse=True also the float32
     log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
 
@@ -312,6 +360,9 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     LSE is returned with requires_grad=False, so no gradient flows through it. No double backward.
     """
     _validate(q, k, v, causal, scale, layout, causal_alignment)
+    # (the defaults skip the checks: eager calls at small shapes are bound by host time)
+    left, right = ((-1, -1) if window == (-1, -1) and softcap == 0
+                   else _validate_window_softcap(causal, window, softcap))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if _traced(q):  # torch.compile, a dispatch mode, torch.func, fake tensors
@@ -320,7 +371,8 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
         forward = _EagerAttention.apply
     else:
         forward = _forward
-    out, lse = forward(q, k, v, causal, float(scale), causal_alignment == "bottom_right", layout)
+    out, lse = forward(q, k, v, causal, float(scale), causal_alignment == "bottom_right", layout,
+                       left, right, float(softcap))
     return (out, lse) if return_lse else out
 
 

@@ -28,28 +28,87 @@ def causal_mask(q_len: int, kv_len: int, alignment: str, device=None) -> torch.T
     return j <= i + offset
 
 
+def window_mask(q_len: int, kv_len: int, alignment: str, window, causal: bool,
+                device=None) -> torch.Tensor:
+    """Boolean [q_len, kv_len], True where query i may see key j under a causal flag and a
+    window (left, right) in flash-attn's convention: i + offset - left <= j <= i + offset + right,
+    offset the alignment's (0 top-left, kv_len - q_len bottom-right), -1 = unbounded, and
+    causal setting right = 0."""
+    left, right = window
+    if causal:
+        right = 0
+    offset = 0 if alignment == "top_left" else kv_len - q_len
+    i = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)[None, :]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= j >= i + offset - left
+    if right >= 0:
+        visible &= j <= i + offset + right
+    return visible
+
+
 def attention_reference(q, k, v, *, causal=True, scale=None, layout="bhsd",
-                        causal_alignment="top_left", return_lse=False, dtype=torch.float64):
+                        causal_alignment="top_left", window=(-1, -1), softcap=0.0,
+                        return_lse=False, dtype=torch.float64):
     """Attention computed step by step in `dtype`; same arguments and result as fused_attention.
 
     GQA is handled by repeating k/v heads (this is the oracle; it may copy). Rows that see no
-    key give zeros and LSE -inf. The output comes back in `dtype`, the LSE in float64.
+    key give zeros and LSE -inf. softcap > 0 replaces each scaled score s by
+    softcap * tanh(s / softcap). The output comes back in `dtype`, the LSE in float64.
     """
     if layout == "bshd":
         q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
     elif layout != "bhsd":
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', "
+                         f"got {causal_alignment!r}")
     q, k, v = (t.to(dtype) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale
-    if causal:
-        visible = causal_mask(q.shape[2], k.shape[2], causal_alignment, device=q.device)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal or tuple(window) != (-1, -1):
+        visible = window_mask(q.shape[2], k.shape[2], causal_alignment, window, causal,
+                              device=q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores.double(), dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row of all -inf softmaxes to NaN
     out = probs @ v
     if layout == "bshd":
         out = rearrange(out, "b h s d -> b s h d")
+    return (out, lse) if return_lse else out
+
+
+def attention_reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, scale=None,
+                               window=(-1, -1), softcap=0.0, return_lse=False,
+                               dtype=torch.float64):
+    """fused_attention_varlen's oracle: attention_reference on each packed sequence (causal
+    aligned bottom-right), the outputs concatenated [total_q, heads, head_dim], the LSE
+    [heads, total_q]. Empty sequences give empty pieces."""
+    outs, lses = [], []
+    bounds = zip(cu_seqlens_q.tolist(), cu_seqlens_q[1:].tolist(), cu_seqlens_k.tolist(),
+                 cu_seqlens_k[1:].tolist())
+    for q0, q1, k0, k1 in bounds:
+        qs, ks, vs = (rearrange(t[a:b], "s h d -> 1 h s d")
+                      for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
+        if q1 == q0:
+            continue
+        if k1 == k0:  # no key: zeros and LSE -inf (softmax over nothing)
+            outs.append(torch.zeros(q1 - q0, q.shape[1], q.shape[2], dtype=dtype,
+                                    device=q.device) + 0 * qs.sum())
+            lses.append(torch.full((q.shape[1], q1 - q0), float("-inf"), dtype=torch.float64,
+                                   device=q.device))
+            continue
+        out, lse = attention_reference(qs, ks, vs, causal=causal, scale=scale,
+                                       causal_alignment="bottom_right", window=window,
+                                       softcap=softcap, return_lse=True, dtype=dtype)
+        outs.append(rearrange(out, "1 h s d -> s h d"))
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else torch.zeros(0, *q.shape[1:], dtype=dtype, device=q.device)
+    lse = (torch.cat(lses, dim=1) if lses
+           else torch.zeros(q.shape[1], 0, dtype=torch.float64, device=q.device))
     return (out, lse) if return_lse else out

@@ -33,6 +33,10 @@ Conventions shared with attention_fwd.py (same names, same masks, common.py's he
 - Any head_dim (BLOCK_D padding loads zeros), any length (masks), any strides of q/k/v/o/dO.
 - fp32 inputs use IEEE fp32 dots; P and dS are cast to the input dtype before their matmuls, as
   in the forward's P @ V.
+- Window, softcap and packed sequences as in the forward (same constexprs). Under a softcap, P
+  is recomputed from the capped logits and dS is multiplied by the cap's derivative 1 - tanh^2.
+  Under a window the dK/dV program visits only the query blocks whose rows see its keys (the
+  window's left edge ends them), the dQ program only the key blocks its rows see.
 
 Limits: head_dim <= 256; the gradient of the LSE output is not computed (the op marks it
 non-differentiable); no double backward. Same devices as the forward.
@@ -41,8 +45,10 @@ non-differentiable); no double backward. Same devices as the forward.
 import triton
 import triton.language as tl
 
-from attnscope.kernels.common import (LOG2E, LOG2E_C, _key_ranges, _load, _query_block, _sees,
-                                      aligned, head_group, is_interpreted, tile_constants)
+from attnscope.kernels.common import (LOG2E_C, _head_base, _load, _logits, _query_block, _sees,
+                                      _sees_window, _sequence, _window_key_ranges, aligned,
+                                      head_group, is_interpreted, score_scales, tile_constants,
+                                      visibility)
 from attnscope.kernels.launch import FastLaunch
 
 
@@ -91,10 +97,11 @@ def _attn_bwd_preprocess(O, DO, Delta,  #
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
                          stride_qm, stride_qk, stride_dom, stride_dok,  #
-                         offs_n, offs_d, lo, hi, N_CTX_Q, CAUSAL_OFFSET, qk_scale,  #
-                         MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,  #
-                         INPUT_PRECISION: tl.constexpr):
+                         offs_n, offs_d, lo, hi, N_CTX_Q, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
+                         softcap_log2,  #
+                         MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     # Works on transposed tiles (keys along rows) so that dK and dV accumulate as
     # [BLOCK_N, BLOCK_D] without transposing the accumulators.
     for start_m in tl.range(lo, hi, BLOCK_M):
@@ -111,13 +118,17 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
             visible = m_ok[None, :]
             if CAUSAL:
                 visible = visible & _sees(offs_m[None, :], offs_n[:, None], CAUSAL_OFFSET)
-            qkT = tl.where(visible, qkT * qk_scale, float("-inf"))
+            if HAS_WINDOW:
+                visible = visible & _sees_window(offs_m[None, :], offs_n[:, None], LEFT_OFFSET)
+            logits, tanh_s = _logits(qkT, qk_scale, softcap_log2, SOFTCAP)
+            qkT = tl.where(visible, logits, float("-inf"))
             pT = tl.math.exp2(qkT - lse[None, :])
         else:
             # every row here sees every key of the block, so its LSE is finite
             lse = tl.load(lse_base + offs_m) * LOG2E_C
             delta = tl.load(delta_base + offs_m)
-            pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+            logits, tanh_s = _logits(qkT, qk_scale, softcap_log2, SOFTCAP)
+            pT = tl.math.exp2(logits - lse[None, :])
         do = _load_tile(do_base, offs_m, offs_d, stride_dom, stride_dok, N_CTX_Q, MASKED,
                         HEAD_DIM, BLOCK_D, False)
         # -- dV += P^T dO --
@@ -125,94 +136,130 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
         # -- dS^T = P^T * (dP^T - Delta), dP^T = V dO^T; dK += dS^T Q --
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:  # through the cap: d(c * tanh(s / c)) / ds = 1 - tanh^2
+            dsT = dsT * (1.0 - tanh_s * tanh_s)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=INPUT_PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta,  #
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K,  #
                    stride_qz, stride_qh, stride_qm, stride_qk,  #
                    stride_kz, stride_kh, stride_kn, stride_kk,  #
                    stride_vz, stride_vh, stride_vn, stride_vk,  #
                    stride_doz, stride_doh, stride_dom, stride_dok,  #
                    stride_dkz, stride_dkh, stride_dkn, stride_dkk,  #
                    stride_dvz, stride_dvh, stride_dvn, stride_dvk,  #
-                   H_KV, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale,  #
+                   H_KV, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
+                   softcap_log2, sm_scale,  #
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+                   HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
                    INPUT_PRECISION: tl.constexpr,  #
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # K/V heads along grid axis 0, key blocks along axis 1 in order: under a causal mask the
     # first key blocks are seen by the most queries, so the longest programs start first.
+    # CAUSAL, HAS_WINDOW, VARLEN and the offsets as in the forward (_attn_fwd).
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
+    softcap_log2 = tl.cast(softcap_log2, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     off_hkvz = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N
     off_z = (off_hkvz // H_KV).to(tl.int64)
     off_hkv = (off_hkvz % H_KV).to(tl.int64)
     H = H_KV * GROUP
+    q_start, seq_q = _sequence(CU_SEQLENS_Q, off_z, N_CTX_Q, VARLEN)
+    k_start, seq_k = _sequence(CU_SEQLENS_K, off_z, N_CTX_K, VARLEN)
+    if VARLEN:
+        if start_n >= seq_k:  # the grid covers the longest sequence
+            return
+        CAUSAL_OFFSET += seq_k - seq_q
+        LEFT_OFFSET += seq_k - seq_q
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < N_CTX_K
+    n_ok = offs_n < seq_k
     d_ok = offs_d < HEAD_DIM
-    # K and V stay on chip for the whole program; keys past N_CTX_K load as zeros and only ever
+    # K and V stay on chip for the whole program; keys past seq_k load as zeros and only ever
     # touch their own (unstored) rows of dK and dV, so the loops below need no key mask.
-    k = _load_tile(K + off_z * stride_kz + off_hkv * stride_kh, offs_n, offs_d, stride_kn,
-                   stride_kk, N_CTX_K, True, HEAD_DIM, BLOCK_D, False)
-    v = _load_tile(V + off_z * stride_vz + off_hkv * stride_vh, offs_n, offs_d, stride_vn,
-                   stride_vk, N_CTX_K, True, HEAD_DIM, BLOCK_D, False)
+    k_base = _head_base(K, off_z, off_hkv, stride_kz, stride_kh, k_start, stride_kn, VARLEN)
+    k = _load_tile(k_base, offs_n, offs_d, stride_kn, stride_kk, seq_k, True, HEAD_DIM, BLOCK_D,
+                   False)
+    v_base = _head_base(V, off_z, off_hkv, stride_vz, stride_vh, k_start, stride_vn, VARLEN)
+    v = _load_tile(v_base, offs_n, offs_d, stride_vn, stride_vk, seq_k, True, HEAD_DIM, BLOCK_D,
+                   False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # Query ranges, in BLOCK_M steps. Rows from start_n + BLOCK_N - 1 - CAUSAL_OFFSET on see every
     # key of this block: whole query blocks there need no mask. Above them, from the first row
     # that sees key start_n, is the masked diagonal band; the ragged end of Q is masked too.
-    full_hi = N_CTX_Q // BLOCK_M * BLOCK_M
+    full_hi = seq_q // BLOCK_M * BLOCK_M
     if CAUSAL:
-        first_row = tl.minimum(tl.maximum(start_n - CAUSAL_OFFSET, 0), N_CTX_Q)
+        first_row = tl.minimum(tl.maximum(start_n - CAUSAL_OFFSET, 0), seq_q)
         band_lo = first_row // BLOCK_M * BLOCK_M
         full_lo = tl.maximum(start_n + BLOCK_N - 1 - CAUSAL_OFFSET, 0)
         full_lo = tl.minimum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, full_hi)
         # no query sees this block (top-left with more keys than queries): nothing to add
-        tail_lo = tl.where(first_row == N_CTX_Q, N_CTX_Q, full_hi)
+        tail_lo = tl.where(first_row == seq_q, seq_q, full_hi)
     else:
         band_lo = 0
         full_lo = 0
+        tail_lo = full_hi
+    tail_hi = seq_q
+    if HAS_WINDOW:
+        # The window's left edge ends the rows that see this block: row i sees key j only when
+        # i <= j - LEFT_OFFSET. Rows up to start_n - LEFT_OFFSET see all of its keys (unmasked
+        # if the diagonal lets them), rows to start_n + BLOCK_N - 1 - LEFT_OFFSET some (masked),
+        # and no query block past that is visited.
+        tail_hi = tl.minimum(tl.maximum(start_n + BLOCK_N - LEFT_OFFSET, 0), seq_q)
+        full_hi = tl.minimum(tl.maximum(start_n + 1 - LEFT_OFFSET, 0) // BLOCK_M * BLOCK_M,
+                             full_hi)
+        no_full = full_lo >= full_hi  # a window narrower than a block: all masked
+        full_lo = tl.where(no_full, band_lo, full_lo)
+        full_hi = tl.where(no_full, band_lo, full_hi)
         tail_lo = full_hi
 
     for g in range(0, GROUP):
         # the query heads sharing this K/V head add their contributions in registers
         off_h = off_hkv * GROUP + g
-        q_base = Q + off_z * stride_qz + off_h * stride_qh
-        do_base = DO + off_z * stride_doz + off_h * stride_doh
-        lse_base = Lse + (off_z * H + off_h) * N_CTX_Q
-        delta_base = Delta + (off_z * H + off_h) * N_CTX_Q
+        q_base = _head_base(Q, off_z, off_h, stride_qz, stride_qh, q_start, stride_qm, VARLEN)
+        do_base = _head_base(DO, off_z, off_h, stride_doz, stride_doh, q_start, stride_dom,
+                             VARLEN)
+        if VARLEN:  # LSE and Delta are [heads, total_q]
+            lse_base = Lse + off_h * N_CTX_Q + q_start
+            delta_base = Delta + off_h * N_CTX_Q + q_start
+        else:
+            lse_base = Lse + (off_z * H + off_h) * N_CTX_Q
+            delta_base = Delta + (off_z * H + off_h) * N_CTX_Q
         # stage 1: the diagonal band, masked
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
                                       stride_qm, stride_qk, stride_dom, stride_dok,  #
-                                      offs_n, offs_d, band_lo, full_lo, N_CTX_Q, CAUSAL_OFFSET,
-                                      qk_scale,  #
-                                      True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
+                                      offs_n, offs_d, band_lo, full_lo, seq_q, CAUSAL_OFFSET,
+                                      LEFT_OFFSET, qk_scale, softcap_log2,  #
+                                      True, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
+                                      BLOCK_M, INPUT_PRECISION)
         # stage 2: query blocks below the band that see the whole key block, no masking
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
                                       stride_qm, stride_qk, stride_dom, stride_dok,  #
-                                      offs_n, offs_d, full_lo, full_hi, N_CTX_Q, CAUSAL_OFFSET,
-                                      qk_scale,  #
-                                      False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
-        # stage 3: the ragged last query block, masked
+                                      offs_n, offs_d, full_lo, full_hi, seq_q, CAUSAL_OFFSET,
+                                      LEFT_OFFSET, qk_scale, softcap_log2,  #
+                                      False, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
+                                      BLOCK_M, INPUT_PRECISION)
+        # stage 3: the ragged last query block (or the window's left edge), masked
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
                                       stride_qm, stride_qk, stride_dom, stride_dok,  #
-                                      offs_n, offs_d, tail_lo, N_CTX_Q, N_CTX_Q, CAUSAL_OFFSET,
-                                      qk_scale,  #
-                                      True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, INPUT_PRECISION)
+                                      offs_n, offs_d, tail_lo, tail_hi, seq_q, CAUSAL_OFFSET,
+                                      LEFT_OFFSET, qk_scale, softcap_log2,  #
+                                      True, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
+                                      BLOCK_M, INPUT_PRECISION)
 
     # epilogue: dS was taken w.r.t. the scaled scores; the chain rule puts the scale on dK
     dk = dk * sm_scale
     nd_ok = n_ok[:, None] & d_ok[None, :]
-    tl.store(DK + off_z * stride_dkz + off_hkv * stride_dkh
+    tl.store(_head_base(DK, off_z, off_hkv, stride_dkz, stride_dkh, k_start, stride_dkn, VARLEN)
              + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkk,
              dk.to(DK.dtype.element_ty), mask=nd_ok)
-    tl.store(DV + off_z * stride_dvz + off_hkv * stride_dvh
+    tl.store(_head_base(DV, off_z, off_hkv, stride_dvz, stride_dvh, k_start, stride_dvn, VARLEN)
              + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvk,
              dv.to(DV.dtype.element_ty), mask=nd_ok)
 
@@ -220,10 +267,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta,  #
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #
                        stride_kn, stride_kk, stride_vn, stride_vk,  #
-                       offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
-                       MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
-                       INPUT_PRECISION: tl.constexpr):
+                       offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
+                       softcap_log2,  #
+                       MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                       SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -238,66 +286,100 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #
             visible = n_ok[None, :]
             if CAUSAL:
                 visible = visible & _sees(offs_m[:, None], offs_n[None, :], CAUSAL_OFFSET)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            if HAS_WINDOW:
+                visible = visible & _sees_window(offs_m[:, None], offs_n[None, :], LEFT_OFFSET)
+            logits, tanh_s = _logits(qk, qk_scale, softcap_log2, SOFTCAP)
+            qk = tl.where(visible, logits, float("-inf"))
             p = tl.math.exp2(qk - lse[:, None])
         else:
-            p = tl.math.exp2(qk * qk_scale - lse[:, None])
+            logits, tanh_s = _logits(qk, qk_scale, softcap_log2, SOFTCAP)
+            p = tl.math.exp2(logits - lse[:, None])
         # -- dS = P * (dO V^T - Delta); dQ += dS K --
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - tanh_s * tanh_s)
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=INPUT_PRECISION)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta,  #
+def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K,  #
                  stride_qz, stride_qh, stride_qm, stride_qk,  #
                  stride_kz, stride_kh, stride_kn, stride_kk,  #
                  stride_vz, stride_vh, stride_vn, stride_vk,  #
                  stride_doz, stride_doh, stride_dom, stride_dok,  #
                  stride_dqz, stride_dqh, stride_dqm, stride_dqk,  #
-                 H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, NUM_M,
-                 HEAD_GROUP,  #
+                 H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2,
+                 sm_scale, NUM_M, HEAD_GROUP,  #
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+                 HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
                  INPUT_PRECISION: tl.constexpr,  #
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_log2 = tl.cast(softcap_log2, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     # the forward's grid and tile order
     off_hz, start_m, off_z, off_h, off_hkv = _query_block(H, GROUP, NUM_M, HEAD_GROUP)
+    q_start, seq_q = _sequence(CU_SEQLENS_Q, off_z, N_CTX_Q, VARLEN)
+    k_start, seq_k = _sequence(CU_SEQLENS_K, off_z, N_CTX_K, VARLEN)
+    if VARLEN:
+        if start_m * BLOCK_M >= seq_q:
+            return
+        CAUSAL_OFFSET += seq_k - seq_q
+        LEFT_OFFSET += seq_k - seq_q
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < N_CTX_Q
+    m_ok = offs_m < seq_q
     d_ok = offs_d < HEAD_DIM
     md_ok = m_ok[:, None] & d_ok[None, :]
-    q = _load_tile(Q + off_z * stride_qz + off_h * stride_qh, offs_m, offs_d, stride_qm,
-                   stride_qk, N_CTX_Q, True, HEAD_DIM, BLOCK_D, False)
-    do = _load_tile(DO + off_z * stride_doz + off_h * stride_doh, offs_m, offs_d, stride_dom,
-                    stride_dok, N_CTX_Q, True, HEAD_DIM, BLOCK_D, False)
-    # rows past N_CTX_Q load LSE -inf like rows that see no key: P is 0 on them
-    row = off_hz.to(tl.int64) * N_CTX_Q + offs_m
+    q_base = _head_base(Q, off_z, off_h, stride_qz, stride_qh, q_start, stride_qm, VARLEN)
+    q = _load_tile(q_base, offs_m, offs_d, stride_qm, stride_qk, seq_q, True, HEAD_DIM, BLOCK_D,
+                   False)
+    do_base = _head_base(DO, off_z, off_h, stride_doz, stride_doh, q_start, stride_dom, VARLEN)
+    do = _load_tile(do_base, offs_m, offs_d, stride_dom, stride_dok, seq_q, True, HEAD_DIM,
+                    BLOCK_D, False)
+    # rows past seq_q load LSE -inf like rows that see no key: P is 0 on them
+    if VARLEN:
+        row = off_h * N_CTX_Q + q_start + offs_m  # LSE and Delta are [heads, total_q]
+    else:
+        row = off_hz.to(tl.int64) * N_CTX_Q + offs_m
     lse = _lse_log2(tl.load(Lse + row, mask=m_ok, other=float("-inf")))
     delta = tl.load(Delta + row, mask=m_ok, other=0.0)
-    k_base = K + off_z * stride_kz + off_hkv * stride_kh
-    v_base = V + off_z * stride_vz + off_hkv * stride_vh
+    k_base = _head_base(K, off_z, off_hkv, stride_kz, stride_kh, k_start, stride_kn, VARLEN)
+    v_base = _head_base(V, off_z, off_hkv, stride_vz, stride_vh, k_start, stride_vn, VARLEN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_hi, masked_hi = _key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, masked_hi = _window_key_ranges(start_m, seq_k, CAUSAL_OFFSET,
+                                                         LEFT_OFFSET, CAUSAL, HAS_WINDOW,
+                                                         BLOCK_M, BLOCK_N)
 
-    # stage 1: blocks left of the diagonal, no masking
+    if HAS_WINDOW:
+        # stage 0: the window's left edge, masked (blocks left of it are skipped)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #
+                                stride_kn, stride_kk, stride_vn, stride_vk,  #
+                                offs_m, offs_d, lo, full_lo, seq_k, CAUSAL_OFFSET, LEFT_OFFSET,
+                                qk_scale, softcap_log2,  #
+                                True, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                INPUT_PRECISION)
+    # stage 1: blocks every row sees whole, no masking
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #
                             stride_kn, stride_kk, stride_vn, stride_vk,  #
-                            offs_m, offs_d, 0, full_hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
-                            False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
-    # stage 2: the diagonal band and the ragged end of K, masked
+                            offs_m, offs_d, full_lo, full_hi, seq_k, CAUSAL_OFFSET, LEFT_OFFSET,
+                            qk_scale, softcap_log2,  #
+                            False, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
+                            INPUT_PRECISION)
+    # stage 2: the diagonal band (or the window's right edge) and the ragged end of K, masked
     dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base,  #
                             stride_kn, stride_kk, stride_vn, stride_vk,  #
-                            offs_m, offs_d, full_hi, masked_hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
-                            True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
+                            offs_m, offs_d, full_hi, masked_hi, seq_k, CAUSAL_OFFSET, LEFT_OFFSET,
+                            qk_scale, softcap_log2,  #
+                            True, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N,
+                            INPUT_PRECISION)
 
     dq = dq * sm_scale
-    tl.store(DQ + off_z * stride_dqz + off_h * stride_dqh
+    tl.store(_head_base(DQ, off_z, off_h, stride_dqz, stride_dqh, q_start, stride_dqm, VARLEN)
              + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqk,
              dq.to(DQ.dtype.element_ty), mask=md_ok)
 
@@ -328,13 +410,15 @@ def config_for(head_dim):
 
 
 def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, causal_offset,
-                  wrap=None, config=None):
+                  window=(-1, -1), softcap=0.0, varlen=None, wrap=None, config=None):
     """Launch the backward. q, out, do, dq: [batch, heads, q_len, head_dim] views with any
     strides; k, v, dk, dv: [batch, kv_heads, kv_len, head_dim]; lse (the forward's, natural log)
     and delta (scratch, written here): contiguous fp32 [batch, heads, q_len]. Writes dq, dk, dv.
-    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launches;
-    without it the launches skip Triton's dispatch on repeats (FastLaunch). `config`: a tuple
-    named by CONFIG_FIELDS instead of the table's (tests, labs)."""
+    `window`, `softcap` and `varlen` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    as the forward's (attention_fwd.attention_fwd_triton); with varlen, lse and delta are
+    [heads, total_q]. `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile
+    sees the launches; without it the launches skip Triton's dispatch on repeats (FastLaunch).
+    `config`: a tuple named by CONFIG_FIELDS instead of the table's (tests, labs)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is None:
@@ -343,26 +427,39 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     block_m1, block_n1, block_m2, block_n2, num_warps, num_stages = config
     block_d, precision = tile_constants(head_dim, q.dtype)
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, INPUT_PRECISION=precision,
+    bounded, offset, has_window, left_offset = visibility(causal, causal_offset, window)
+    qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=bounded, HAS_WINDOW=has_window,
+                  SOFTCAP=has_softcap, VARLEN=varlen is not None, INPUT_PRECISION=precision,
                   num_warps=num_warps, num_stages=num_stages)
-    num_m = -(-q_len // block_m2)
+    if varlen is None:
+        cu_q = cu_k = None
+        max_q, max_k = q_len, kv_len
+        # Delta, one row per query row: [batch, heads] programs over query blocks
+        pre_grid = (batch * heads, -(-q_len // block_m2))
+    else:
+        cu_q, cu_k, max_q, max_k = varlen
+        # The packed rows are one sequence to Delta: [heads, total_q] (batch stride 0)
+        pre_grid = (heads, -(-q_len // block_m2))
+    num_m = -(-max_q // block_m2)
     tensors = (q, k, v, out, do, dq, dk, dv, lse, delta)
     strides = tuple(t.stride() for t in tensors)  # read once: the launches and the key share them
     sq, sk, sv, so, sdo, sdq, sdk, sdv = strides[:8]
     launches = [
-        (_launch_preprocess, (batch * heads, num_m),
+        (_launch_preprocess, pre_grid,
          (out, do, delta, *so, *sdo, heads, q_len),
          dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2)),
-        (_launch_dkdv, (batch * kv_heads, -(-kv_len // block_n1)),
-         (q, k, v, do, dk, dv, lse, delta,  #
+        (_launch_dkdv, (batch * kv_heads, -(-max_k // block_n1)),
+         (q, k, v, do, dk, dv, lse, delta, cu_q, cu_k,  #
           *sq, *sk, *sv, *sdo, *sdk, *sdv,  #
-          kv_heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale),
+          kv_heads, heads // kv_heads, q_len, kv_len, offset, left_offset, qk_scale,
+          softcap_log2, scale),
          dict(BLOCK_M=block_m1, BLOCK_N=block_n1, **common)),
         (_launch_dq, (batch * heads * num_m,),
-         (q, k, v, do, dq, lse, delta,  #
+         (q, k, v, do, dq, lse, delta, cu_q, cu_k,  #
           *sq, *sk, *sv, *sdo, *sdq,  #
-          heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_m,
-          head_group(q, k)),
+          heads, heads // kv_heads, q_len, kv_len, offset, left_offset, qk_scale, softcap_log2,
+          scale, num_m, head_group(q, k)),
          dict(BLOCK_M=block_m2, BLOCK_N=block_n2, **common)),
     ]
     if wrap is not None:
@@ -371,7 +468,9 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         return result
     # one key for the three launches: shapes, strides, alignment and the config fix them all
     key = (q.device, tuple(t.dtype for t in tensors), q.shape, k.shape, strides,
-           aligned(*tensors), causal, causal_offset, config)
+           aligned(*tensors), causal, causal_offset, window, softcap, config)
+    if varlen is not None:  # the cumulative lengths are arguments too: the key fixes none
+        key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
     for launch, grid, args, kwargs in launches:
         result = launch(key, grid, args, kwargs)
     return result

@@ -20,6 +20,12 @@ Details that matter for exactness:
 - Any sequence length: rows and keys past the end are masked, so no multiple-of-block rule.
 - GQA/MQA: query head h reads K/V head h // GROUP; nothing is repeated in memory.
 - fp32 inputs use IEEE fp32 dots (Triton's default would be tf32, ~1e-3 relative error).
+- Sliding window (HAS_WINDOW, the left edge: j >= i + LEFT_OFFSET; the right edge is the causal
+  bound with a larger offset) and softcap (SOFTCAP: logits softcap * tanh(s / softcap)) are
+  constexprs, so the default kernel compiles to the code it had without them. A window adds a
+  masked stage for its left edge before the unmasked blocks; blocks left of it are not visited.
+- Packed sequences (VARLEN): the program's sequence is its batch index, its rows start at
+  CU_SEQLENS_Q/K[b] in tensors seen with batch stride 0; programs past its end exit at once.
 
 Two loop schedules (config field `pipeline`): the plain one computes q @ k^T, softmax and p @ V of
 each K block in turn; the software-pipelined one issues the next block's q @ k^T before this
@@ -38,8 +44,10 @@ launches go through launch.FastLaunch.
 import triton
 import triton.language as tl
 
-from attnscope.kernels.common import (LN2, LOG2E, _key_ranges, _load, _query_block, _sees,
-                                      aligned, head_group, is_interpreted, tile_constants)
+from attnscope.kernels.common import (LN2, _head_base, _load, _logits, _query_block, _sees,
+                                      _sees_window, _sequence, _window_key_ranges, aligned,
+                                      head_group, is_interpreted, score_scales, tile_constants,
+                                      visibility)
 from attnscope.kernels.launch import FORWARD_LAUNCHES, FastLaunch, ensure_scratch_allocator
 
 @triton.jit
@@ -60,13 +68,16 @@ def _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, CHECK_ROWS
 
 
 @triton.jit
-def _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K, CAUSAL_OFFSET, qk_scale,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+def _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
+                    softcap_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
                     EVEN_N: tl.constexpr, EMPTY_ROWS: tl.constexpr):
     # Raw scores of one K block -> probabilities p (relative to the new running max), the factor
     # alpha that rescales what was accumulated under the old max, and the new running sum / max.
     # EVEN_N: the key length is a multiple of BLOCK_N (no ragged block to mask); EMPTY_ROWS:
-    # some row may have seen no key yet (only a negative causal offset allows that).
+    # some row may have seen no key yet (a negative causal offset or a window allows that).
+    # Masked blocks apply every bound the call has: a block near both edges of a narrow window
+    # needs both.
     if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if CAUSAL:
@@ -75,7 +86,10 @@ def _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K, CAUSAL_OFFSET, qk_sc
                 visible = visible & (offs_n < N_CTX_K)[None, :]
         else:
             visible = (offs_n < N_CTX_K)[None, :]
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        if HAS_WINDOW:
+            visible = visible & _sees_window(offs_m[:, None], offs_n[None, :], LEFT_OFFSET)
+        logits, _ = _logits(qk, qk_scale, softcap_log2, SOFTCAP)
+        qk = tl.where(visible, logits, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(qk, 1))
         if EMPTY_ROWS:
             # A row with no visible key so far keeps m == -inf; subtracting 0 instead keeps
@@ -84,7 +98,13 @@ def _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K, CAUSAL_OFFSET, qk_sc
         else:
             m_sub = m_ij
         qk = qk - m_sub[:, None]
+    elif SOFTCAP:
+        qk, _ = _logits(qk, qk_scale, softcap_log2, SOFTCAP)
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = m_ij
+        qk = qk - m_sub[:, None]
     else:
+        # the scale goes on the row max, not on the whole block (a positive scale commutes)
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         m_sub = m_ij
         qk = qk * qk_scale - m_sub[:, None]
@@ -113,9 +133,10 @@ def _accumulate(acc, p, alpha, v_src, start_n, stride_vn, stride_vk, offs_d, N_C
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
                     stride_kn, stride_kk, stride_vn, stride_vk,  #
-                    offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, qk_scale,  #
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr,  #
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
+                    offs_m, offs_d, lo, hi, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
+                    softcap_log2,  #
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,  #
                     INPUT_PRECISION: tl.constexpr, PIPELINE: tl.constexpr,
                     USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, EMPTY_ROWS: tl.constexpr):
     # K/V blocks [lo, hi). Without PIPELINE each block runs q @ k^T, softmax, p @ V in turn.
@@ -132,7 +153,8 @@ def _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
             qk = _scores(q, k_src, start_n, stride_kn, stride_kk, offs_d, N_CTX_K, RAGGED,
                          HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
         p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, offs_m, start_n, N_CTX_K,
-                                             CAUSAL_OFFSET, qk_scale, MASKED, CAUSAL, BLOCK_N,
+                                             CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2,
+                                             MASKED, CAUSAL, HAS_WINDOW, SOFTCAP, BLOCK_N,
                                              EVEN_N, EMPTY_ROWS)
         if PIPELINE:
             qk = _scores(q, k_src, start_n + BLOCK_N, stride_kn, stride_kk, offs_d, N_CTX_K, True,
@@ -143,84 +165,118 @@ def _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, Out, Lse,  #
+def _attn_fwd(Q, K, V, Out, Lse, CU_SEQLENS_Q, CU_SEQLENS_K,  #
               stride_qz, stride_qh, stride_qm, stride_qk,  #
               stride_kz, stride_kh, stride_kn, stride_kk,  #
               stride_vz, stride_vh, stride_vn, stride_vk,  #
               stride_oz, stride_oh, stride_om, stride_ok,  #
-              H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, NUM_M, HEAD_GROUP,  #
+              H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2,
+              NUM_M, HEAD_GROUP,  #
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
+              HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
               INPUT_PRECISION: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,  #
               USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    # CAUSAL: keys right of row i + CAUSAL_OFFSET are hidden (a causal mask, or a window's right
+    # edge); HAS_WINDOW: keys left of row i + LEFT_OFFSET too (a window's left edge). VARLEN: a
+    # packed batch, sequence off_z's rows start at CU_SEQLENS_Q[off_z] (CU_SEQLENS_K[off_z] for
+    # K/V), N_CTX_Q is the packed length (the LSE's row stride) and the offsets are relative to
+    # each sequence's bottom-right alignment.
     # torch.compile passes Python floats as fp64; one fp32 scale keeps every score op in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
+    softcap_log2 = tl.cast(softcap_log2, tl.float32)
     off_hz, start_m, off_z, off_h, off_hkv = _query_block(H, GROUP, NUM_M, HEAD_GROUP)
+    q_start, seq_q = _sequence(CU_SEQLENS_Q, off_z, N_CTX_Q, VARLEN)
+    k_start, seq_k = _sequence(CU_SEQLENS_K, off_z, N_CTX_K, VARLEN)
+    if VARLEN:
+        if start_m * BLOCK_M >= seq_q:  # the grid covers the longest sequence
+            return
+        CAUSAL_OFFSET += seq_k - seq_q
+        LEFT_OFFSET += seq_k - seq_q
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < N_CTX_Q
+    m_ok = offs_m < seq_q
     d_ok = offs_d < HEAD_DIM
 
-    q_ptrs = (Q + off_z * stride_qz + off_h * stride_qh
+    q_ptrs = (_head_base(Q, off_z, off_h, stride_qz, stride_qh, q_start, stride_qm, VARLEN)
               + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk)
     q = _load(q_ptrs, m_ok[:, None], d_ok[None, :], True, HEAD_DIM != BLOCK_D)
-    k_src = K + off_z * stride_kz + off_hkv * stride_kh
-    v_src = V + off_z * stride_vz + off_hkv * stride_vh
+    k_src = _head_base(K, off_z, off_hkv, stride_kz, stride_kh, k_start, stride_kn, VARLEN)
+    v_src = _head_base(V, off_z, off_hkv, stride_vz, stride_vh, k_start, stride_vn, VARLEN)
     if USE_TMA:
         # One [N_CTX_K, HEAD_DIM] descriptor per (batch, kv head): K/V tiles then arrive through
         # the bulk tensor copy engine instead of per-thread cp.async address arithmetic.
-        k_src = tl.make_tensor_descriptor(k_src, shape=[N_CTX_K, HEAD_DIM], strides=[stride_kn, 1],
+        k_src = tl.make_tensor_descriptor(k_src, shape=[seq_k, HEAD_DIM], strides=[stride_kn, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_src, shape=[N_CTX_K, HEAD_DIM], strides=[stride_vn, 1],
+        v_src = tl.make_tensor_descriptor(v_src, shape=[seq_k, HEAD_DIM], strides=[stride_vn, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_hi, masked_hi = _key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, full_lo, full_hi, masked_hi = _window_key_ranges(start_m, seq_k, CAUSAL_OFFSET,
+                                                         LEFT_OFFSET, CAUSAL, HAS_WINDOW,
+                                                         BLOCK_M, BLOCK_N)
 
     if PIPELINE:
         # The last block (start `last`) is peeled off the loops: it has no next block to
-        # prefetch. A tile that sees no key at all (masked_hi <= 0) runs no block.
+        # prefetch. A tile that sees no key at all (masked_hi <= lo) runs no block.
         last = (tl.cdiv(masked_hi, BLOCK_N) - 1) * BLOCK_N
+        if HAS_WINDOW:
+            full_lo = tl.minimum(full_lo, last)
         split = tl.minimum(full_hi, last)
         end = last
-        qk = _scores(q, k_src, 0, stride_kn, stride_kk, offs_d, N_CTX_K, True, HEAD_DIM, BLOCK_D,
+        qk = _scores(q, k_src, lo, stride_kn, stride_kk, offs_d, seq_k, True, HEAD_DIM, BLOCK_D,
                      BLOCK_N, INPUT_PRECISION, USE_TMA)
     else:
         split = full_hi
         end = masked_hi
         qk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # unused without PIPELINE
-    # stage 1: blocks left of the diagonal, no masking
+    if HAS_WINDOW:
+        # stage 0: the window's left edge, masked (blocks left of it are skipped)
+        acc, l_i, m_i, qk = _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
+                                            stride_kn, stride_kk, stride_vn, stride_vk,  #
+                                            offs_m, offs_d, lo, full_lo, seq_k, CAUSAL_OFFSET,
+                                            LEFT_OFFSET, qk_scale, softcap_log2,  #
+                                            True, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
+                                            BLOCK_N, INPUT_PRECISION, PIPELINE, USE_TMA, EVEN_N,
+                                            EMPTY_ROWS)
+    # stage 1: blocks every row sees whole (left of the diagonal), no masking
     acc, l_i, m_i, qk = _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
                                         stride_kn, stride_kk, stride_vn, stride_vk,  #
-                                        offs_m, offs_d, 0, split, N_CTX_K, CAUSAL_OFFSET,
-                                        qk_scale,  #
-                                        False, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                                        PIPELINE, USE_TMA, EVEN_N, EMPTY_ROWS)
-    # stage 2: the diagonal band and the ragged end of K, masked
+                                        offs_m, offs_d, full_lo, split, seq_k, CAUSAL_OFFSET,
+                                        LEFT_OFFSET, qk_scale, softcap_log2,  #
+                                        False, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
+                                        BLOCK_N, INPUT_PRECISION, PIPELINE, USE_TMA, EVEN_N,
+                                        EMPTY_ROWS)
+    # stage 2: the diagonal band (or the window's right edge) and the ragged end of K, masked
     acc, l_i, m_i, qk = _attn_fwd_inner(acc, l_i, m_i, qk, q, k_src, v_src,  #
                                         stride_kn, stride_kk, stride_vn, stride_vk,  #
-                                        offs_m, offs_d, split, end, N_CTX_K, CAUSAL_OFFSET,
-                                        qk_scale,  #
-                                        True, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION,
-                                        PIPELINE, USE_TMA, EVEN_N, EMPTY_ROWS)
+                                        offs_m, offs_d, split, end, seq_k, CAUSAL_OFFSET,
+                                        LEFT_OFFSET, qk_scale, softcap_log2,  #
+                                        True, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
+                                        BLOCK_N, INPUT_PRECISION, PIPELINE, USE_TMA, EVEN_N,
+                                        EMPTY_ROWS)
     if PIPELINE:
-        if masked_hi > 0:  # the peeled last block, masked
-            p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, offs_m, last, N_CTX_K,
-                                                 CAUSAL_OFFSET, qk_scale, True, CAUSAL, BLOCK_N,
-                                                 False, EMPTY_ROWS)
-            acc = _accumulate(acc, p, alpha, v_src, last, stride_vn, stride_vk, offs_d, N_CTX_K,
+        if masked_hi > lo:  # the peeled last block, masked
+            p, alpha, l_i, m_i = _online_softmax(qk, l_i, m_i, offs_m, last, seq_k,
+                                                 CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
+                                                 softcap_log2, True, CAUSAL, HAS_WINDOW, SOFTCAP,
+                                                 BLOCK_N, False, EMPTY_ROWS)
+            acc = _accumulate(acc, p, alpha, v_src, last, stride_vn, stride_vk, offs_d, seq_k,
                               True, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
 
     # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2  # log2 domain -> natural log
-    tl.store(Lse + off_hz * N_CTX_Q + offs_m, lse, mask=m_ok)
-    o_ptrs = (Out + off_z * stride_oz + off_h * stride_oh
+    if VARLEN:
+        tl.store(Lse + off_h * N_CTX_Q + q_start + offs_m, lse, mask=m_ok)  # [heads, total_q]
+    else:
+        tl.store(Lse + off_hz * N_CTX_Q + offs_m, lse, mask=m_ok)
+    o_ptrs = (_head_base(Out, off_z, off_h, stride_oz, stride_oh, q_start, stride_om, VARLEN)
               + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok)
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
@@ -268,50 +324,67 @@ def tma_ok(t):
             and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
 
 
-def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, wrap=None,
-                         config=None, key=None):
+def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1, -1),
+                         softcap=0.0, varlen=None, wrap=None, config=None, key=None):
     """Launch the Triton forward. q, out: [batch, heads, q_len, head_dim] views with any
     strides; k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads,
-    q_len]. `config`: a tuple named by CONFIG_FIELDS instead of the table's (tests, labs).
-    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch.
-    `key`: the dispatch's launch key for this call (built here when None). Returns what the
-    launch returns (the compiled kernel, when called eagerly)."""
+    q_len]. `window` (left, right) and `softcap` as fused_attention's (common.visibility,
+    common.score_scales). `varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q) for a packed
+    batch: q/out/k/v are then the packed tensors as [batch, heads, total, head_dim] views with
+    batch stride 0, lse is [heads, total_q] and causal_offset is relative to each sequence's
+    bottom-right alignment. `config`: a tuple named by CONFIG_FIELDS instead of the table's
+    (tests, labs). `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile
+    sees the launch. `key`: the dispatch's launch key for this call (built here when None).
+    Returns what the launch returns (the compiled kernel, when called eagerly)."""
     batch, heads, q_len, head_dim = q.shape
+    max_q = q_len if varlen is None else varlen[2]
     if config is None:
-        config = config_for(head_dim, q_len, causal)
+        config = config_for(head_dim, max_q, causal)
     elif len(config) != len(CONFIG_FIELDS):
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     block_m, block_n, num_warps, num_stages, pipeline, use_tma = config
     # Tensor descriptors only on eager launches: under torch.compile the inputs are fake (no
     # address to check) and inductor's launch provides no scratch for device-side descriptors.
-    use_tma = use_tma and wrap is None and tma_ok(k) and tma_ok(v)
+    # Not for packed sequences: a sequence's first row need not be 16-byte aligned.
+    use_tma = use_tma and wrap is None and varlen is None and tma_ok(k) and tma_ok(v)
     if use_tma:
         ensure_scratch_allocator()
-    num_m = -(-q_len // block_m)
-    args = (q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),  #
-            heads, heads // k.shape[1], q_len, k.shape[2], causal_offset, scale * LOG2E,  #
-            num_m, head_group(q, k))
+    bounded, offset, has_window, left_offset = visibility(causal, causal_offset, window)
+    qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
+    cu_q, cu_k = (None, None) if varlen is None else varlen[:2]
+    num_m = -(-max_q // block_m)
+    args = (q, k, v, out, lse, cu_q, cu_k, *q.stride(), *k.stride(), *v.stride(),
+            *out.stride(),  #
+            heads, heads // k.shape[1], q_len, k.shape[2], offset, left_offset, qk_scale,
+            softcap_log2, num_m, head_group(q, k))
     block_d, precision = tile_constants(head_dim, q.dtype)
-    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=causal, INPUT_PRECISION=precision,
+    # A row may see no key when the causal offset is negative, under a window, or in a packed
+    # batch (each sequence has its own offset).
+    empty_rows = bounded and (offset < 0 or has_window or varlen is not None)
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=bounded, HAS_WINDOW=has_window,
+                  SOFTCAP=has_softcap, VARLEN=varlen is not None, INPUT_PRECISION=precision,
                   BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,
-                  EVEN_N=k.shape[2] % block_n == 0, EMPTY_ROWS=causal and causal_offset < 0,
+                  EVEN_N=varlen is None and k.shape[2] % block_n == 0, EMPTY_ROWS=empty_rows,
                   num_warps=num_warps, num_stages=num_stages)
     grid = (batch * heads * num_m,)
     if wrap is not None:
         return wrap(_attn_fwd)[grid](*args, **kwargs)
     if key is None:
-        key = launch_key(q, k, v, out, lse, causal, causal_offset, scale) + (config,)
-    return _launch(key, grid, args, kwargs, per_call=5,
+        key = launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap)
+        if varlen is not None:  # the cumulative lengths are per-call arguments too
+            key += ("varlen", max_q, aligned(cu_q, cu_k))
+        key += (config,)
+    return _launch(key, grid, args, kwargs, per_call=5 if varlen is None else 7,
                    config=dict(zip(CONFIG_FIELDS, (block_m, block_n, num_warps, num_stages,
                                                    pipeline, use_tma))))
 
 
-def launch_key(q, k, v, out, lse, causal, causal_offset, scale):
+def launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap):
     """What fixes a forward's kernel, its table config and every argument but the five
     tensors (FastLaunch's key): the dispatch looks an eager call up by it."""
     return (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape,
             q.stride(), k.stride(), v.stride(), out.stride(), aligned(q, k, v, out, lse),
-            causal, causal_offset, scale)
+            causal, causal_offset, scale, window, softcap)
 
 
 _launch = FastLaunch(_attn_fwd, FORWARD_LAUNCHES)

@@ -1,7 +1,7 @@
 """What the attention kernels share: @triton.jit helpers and host helpers.
 
-The jit helpers (masked loads, the launch's tile order, a query block's key ranges, causal
-visibility) are inlined into each kernel that calls them, so the forward, the backward and the
+The jit helpers (masked loads, the launch's tile order, a query block's key ranges, causal and
+sliding-window visibility, the softcap, a packed sequence's bounds) are inlined into each kernel that calls them, so the forward, the backward and the
 Gluon kernel apply one rule each instead of three copies of it. The host helpers compute the
 launch constants every kernel's launch needs (tile width and dot precision, heads per L2 group,
 the device's properties, pointer alignment).
@@ -38,6 +38,36 @@ def _sees(rows, cols, CAUSAL_OFFSET):
     # j <= i + CAUSAL_OFFSET (0: SDPA's top-left alignment; kv_len - q_len: bottom-right).
     # rows and cols come broadcastable ([M, 1] and [1, N], or transposed).
     return cols <= rows + CAUSAL_OFFSET
+
+
+@triton.jit
+def _sees_window(rows, cols, LEFT_OFFSET):
+    # A sliding window's left edge: query row i sees key j only when j >= i + LEFT_OFFSET
+    # (LEFT_OFFSET = the causal offset - the window's left size). Its right edge is a causal
+    # bound (_sees) whose offset is the causal offset + the window's right size.
+    return cols >= rows + LEFT_OFFSET
+
+
+@triton.jit
+def _tanh_exp2(x):
+    # tanh(y) for x = 2 * y * log2(e), through one exp2: 1 - 2 / (e^(2y) + 1) is exactly +-1 where
+    # exp2 overflows or underflows, so no NaN for any finite x (tl has no tanh the interpreter
+    # also runs). Near 0 its absolute error is ~fp32 eps, which the softcap scales to ~1e-5 of a
+    # logit at softcap 50: well below the inputs' own rounding.
+    return 1.0 - 2.0 / (tl.math.exp2(x) + 1.0)
+
+
+@triton.jit
+def _logits(qk, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    # Raw scores q @ k^T -> logits in log2 units. Without SOFTCAP qk_scale is scale * log2(e);
+    # with it, qk_scale is 2 * scale / softcap * log2(e) (_tanh_exp2's argument) and the logit
+    # is softcap * tanh(scale * qk / softcap) * log2(e). Also returns the tanh (the backward's
+    # derivative 1 - tanh^2 needs it); without SOFTCAP that is the unused raw scores.
+    if SOFTCAP:
+        t = _tanh_exp2(qk * qk_scale)
+        return t * softcap_log2, t
+    else:
+        return qk * qk_scale, qk
 
 
 @triton.jit
@@ -82,6 +112,75 @@ def _key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL: tl.constexpr, BLOCK_M: 
         full_hi = N_CTX_K
         masked_hi = N_CTX_K
     return full_hi // BLOCK_N * BLOCK_N, masked_hi
+
+
+@triton.jit
+def _window_key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, CAUSAL: tl.constexpr,
+                       HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # _key_ranges with a sliding window's left edge: query block start_m visits key blocks
+    # [lo, hi) = [lo, full_lo) masked (the window's left edge), [full_lo, full_hi) unmasked,
+    # [full_hi, hi) masked (the diagonal or the window's right edge, and the ragged end of K).
+    # Blocks left of lo are seen by no row of the tile: they are skipped, not masked. Without
+    # HAS_WINDOW, lo = full_lo = 0 and the rest is _key_ranges's, so that code is unchanged.
+    full_hi, hi = _key_ranges(start_m, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_M, BLOCK_N)
+    if HAS_WINDOW:
+        first_row = start_m * BLOCK_M
+        # the first row sees keys from first_row + LEFT_OFFSET, the last row from BLOCK_M - 1 on
+        # (lo may pass N_CTX_K: a window right of every key visits nothing)
+        lo = tl.maximum(first_row + LEFT_OFFSET, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(first_row + BLOCK_M - 1 + LEFT_OFFSET, 0), N_CTX_K)
+        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+        # a window narrower than a block leaves no block every row sees: all of [lo, hi) masked
+        no_full = full_lo >= full_hi
+        full_lo = tl.where(no_full, lo, full_lo)
+        full_hi = tl.where(no_full, lo, full_hi)
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _head_base(ptr, off_z, off_h, stride_z, stride_h, start, stride_s, VARLEN: tl.constexpr):
+    # Where (batch off_z, head off_h)'s rows of a [batch, heads, seq, head_dim] view begin. A
+    # packed batch's view has batch stride 0: its sequence begins `start` rows in.
+    base = ptr + off_z * stride_z + off_h * stride_h
+    if VARLEN:
+        base += start.to(tl.int64) * stride_s
+    return base
+
+
+@triton.jit
+def _sequence(CU_SEQLENS, off_z, N_CTX, VARLEN: tl.constexpr):
+    # A packed batch's sequence off_z: its first row in the packed tensor and its length, read
+    # from the cumulative lengths. Not VARLEN: every sequence starts at 0 (the batch stride
+    # places it) and has length N_CTX.
+    if VARLEN:
+        start = tl.load(CU_SEQLENS + off_z)
+        return start, tl.load(CU_SEQLENS + off_z + 1) - start
+    else:
+        return 0, N_CTX
+
+
+def visibility(causal, causal_offset, window):
+    """The kernels' visibility arguments (CAUSAL, CAUSAL_OFFSET, HAS_WINDOW, LEFT_OFFSET) of a
+    call: query i sees key j when i + offset - left <= j <= i + offset + right, -1 leaving a
+    side unbounded and causal setting right = 0 (flash-attn's window_size). The right edge is
+    the causal bound moved right by `right`, so a non-causal window with right >= 0 runs the
+    causal code with that offset; the left edge is HAS_WINDOW's. With no window this is
+    (causal, causal_offset, False, 0): today's arguments."""
+    left, right = window
+    if causal:
+        right = 0
+    return right >= 0, causal_offset + max(right, 0), left >= 0, causal_offset - max(left, 0)
+
+
+def score_scales(scale, softcap):
+    """The kernels' (qk_scale, softcap_log2, SOFTCAP) for a scale and a softcap (0: off): see
+    _logits. Exponentials are exp2, so logits are kept in log2 units."""
+    if softcap > 0:
+        return 2.0 * scale / softcap * LOG2E, softcap * LOG2E, True
+    return scale * LOG2E, 1.0, False
 
 
 def is_interpreted():

@@ -1,0 +1,157 @@
+"""fused_attention_varlen (packed sequences) against the float64 per-sequence reference.
+
+Tolerance rule as tests/fused_checks.py's and the backward's: the error of the output and of
+each gradient against float64 autograd of attention_reference_varlen must be at most twice the
+error of that reference run in the input dtype, plus a floor (the same floors). Every buffer
+the op allocates starts as NaN. Causal sequences are aligned bottom-right (flash-attn's varlen).
+"""
+
+import pytest
+import torch
+
+from attnscope import fused_attention_varlen
+from attnscope.attention.reference import attention_reference_varlen
+from fused_checks import CPU, CPU_DTYPES, GPU_DTYPES, nan_outputs  # noqa: F401
+from test_fused_attention_backward import CPU_DTYPES as GRAD_CPU_DTYPES
+from test_fused_attention_backward import GPU_DTYPES as GRAD_GPU_DTYPES
+
+
+def packed(lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, device):
+    """Random packed q, k, v and their int32 cumulative lengths."""
+    def cumulative(lengths):
+        return torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lengths_q), heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(sum(lengths_k), kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.randn(sum(lengths_k), kv_heads, head_dim, dtype=dtype, device=device)
+    return q, k, v, cumulative(lengths_q), cumulative(lengths_k)
+
+
+def _grads(fn, inputs, dout):
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out, lse = fn(*leaves)
+    return (out, lse, *torch.autograd.grad(out, leaves, dout)) if out.numel() else (out, lse)
+
+
+def check_varlen(lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, device, **kwargs):
+    """Output, LSE and gradients of one packed call against the float64 reference."""
+    floor, lse_tol = {d: (f, t) for d, f, t in CPU_DTYPES + GPU_DTYPES}[dtype]
+    grad_floor = dict(GRAD_CPU_DTYPES + GRAD_GPU_DTYPES)[dtype]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, device)
+    dout = torch.randn_like(q)
+    ours = _grads(lambda *t: fused_attention_varlen(*t, cu_q, cu_k, max(lengths_q),
+                                                    max(lengths_k), return_lse=True, **kwargs),
+                  (q, k, v), dout)
+    ref = _grads(lambda *t: attention_reference_varlen(*t, cu_q, cu_k, return_lse=True,
+                                                       **kwargs),
+                 (q.double(), k.double(), v.double()), dout.double())
+    low = _grads(lambda *t: attention_reference_varlen(*t, cu_q, cu_k, return_lse=True,
+                                                       dtype=dtype, **kwargs), (q, k, v), dout)
+    out, lse, ref_out, ref_lse = ours[0], ours[1], ref[0], ref[1]
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (heads, q.shape[0]) and lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "LSE -inf on empty rows"
+    seen = ~torch.isneginf(ref_lse)
+    if seen.any():
+        lse_err = (lse.double() - ref_lse)[seen].abs().max().item()
+        assert lse_err <= lse_tol * max(1.0, ref_lse[seen].abs().max().item())
+    names = ("out", "dq", "dk", "dv")
+    for name, a, r, lo in zip(names, ours[:1] + ours[2:], ref[:1] + ref[2:], low[:1] + low[2:]):
+        assert not a.isnan().any(), f"{name} has NaN (unwritten element or 0/0)"
+        if not a.numel():
+            continue
+        err = (a.double() - r).abs().max().item()
+        torch_err = (lo.double() - r).abs().max().item()
+        scale = 1.0 if name == "out" else max(1.0, r.abs().max().item())
+        bound = 2 * torch_err + (floor if name == "out" else grad_floor) * scale
+        assert err <= bound, f"{name}: error {err:.3g} > 2 x torch's {torch_err:.3g} + floor"
+    return ours, cu_q, cu_k
+
+
+# ---- CPU (Triton interpreter; forward tiles 32 x 16, backward 16 x 32 and 32 x 16) ----------
+
+def test_causal_gqa_with_empty_sequences():
+    # sequence 0: more keys than queries; 1: keys but no query (its dk/dv must be 0);
+    # 2: 37 queries on 30 keys, crossing blocks (bottom-right: rows 0..6 see no key);
+    # 3: queries but no key (zeros, LSE -inf); 4: one query, one key.
+    (out, lse, dq, dk, dv), cu_q, cu_k = check_varlen(
+        [5, 0, 37, 20, 1], [9, 4, 30, 0, 1], 4, 2, 16, torch.float32, CPU)
+    assert torch.equal(out[42:62], torch.zeros_like(out[42:62]))
+    assert torch.isneginf(lse[:, 42:62]).all()
+    assert torch.equal(dk[9:13], torch.zeros_like(dk[9:13]))
+    assert torch.equal(dv[9:13], torch.zeros_like(dv[9:13]))
+
+
+def test_window_softcap_non_causal():
+    # a two-sided window (7, 3) and a softcap of 4 at scale 1.0 (so that the cap saturates),
+    # per sequence from its own bottom-right alignment; MQA; odd lengths over several blocks
+    check_varlen([5, 3, 37, 20], [9, 4, 50, 33], 3, 1, 16, torch.float32, CPU, causal=False,
+                 window=(7, 3), softcap=4.0, scale=1.0)
+
+
+def test_causal_window_fp16():
+    # fp16, a causal window of 16 (BLOCK_N), head_dim 40 padded to 64; fewer keys than queries
+    # in the first sequence and more in the second
+    check_varlen([17, 40], [9, 70], 2, 2, 40, torch.float16, CPU, window=(16, -1))
+
+
+def test_no_query_at_all():
+    # every sequence empty in q: nothing to launch, empty outputs, zero dk/dv
+    q, k, v, cu_q, cu_k = packed([0, 0], [3, 5], 2, 1, 16, torch.float32, CPU)
+    k.requires_grad_()
+    out, lse = fused_attention_varlen(q, k, v, cu_q, cu_k, 0, 5, return_lse=True)
+    assert out.shape == (0, 2, 16) and lse.shape == (2, 0)
+    (dk,) = torch.autograd.grad(out.sum() + k.sum() * 0, [k])
+    assert torch.equal(dk, torch.zeros_like(dk))
+
+
+def test_torch_compile_fullgraph_traces_the_op():
+    # dynamo traces the custom ops whole: the lengths' value checks, which would read the
+    # tensor, are skipped while traced; inductor is GPU-tested with the fixed-length op
+    q, k, v, cu_q, cu_k = packed([8, 12], [10, 20], 2, 1, 16, torch.float32, CPU)
+    q.requires_grad_()
+    kwargs = dict(window=(3, -1), softcap=5.0)
+    compiled = torch.compile(lambda *t: fused_attention_varlen(*t, cu_q, cu_k, 12, 20, **kwargs),
+                             fullgraph=True, backend="eager")
+    out = compiled(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), [q])
+    expected = fused_attention_varlen(q, k, v, cu_q, cu_k, 12, 20, **kwargs)
+    assert torch.equal(out, expected)
+    assert torch.equal(dq, torch.autograd.grad(expected.sum(), [q])[0])
+
+
+def test_validation():
+    q, k, v, cu_q, cu_k = packed([3, 5], [4, 6], 2, 1, 16, torch.float32, CPU)
+    call = fused_attention_varlen
+    with pytest.raises(ValueError, match="int32"):
+        call(q, k, v, cu_q.long(), cu_k, 5, 6)
+    with pytest.raises(ValueError, match="same length"):
+        call(q, k, v, cu_q, torch.tensor([0, 10], dtype=torch.int32), 5, 10)
+    with pytest.raises(ValueError, match="start at 0"):
+        call(q, k, v, torch.tensor([1, 3, 8], dtype=torch.int32), cu_k, 5, 6)
+    with pytest.raises(ValueError, match="not decrease"):
+        call(q, k, v, torch.tensor([0, 9, 8], dtype=torch.int32), cu_k, 9, 6)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        call(q, k, v, cu_q, cu_k, 4, 6)
+    with pytest.raises(ValueError, match="3-D"):
+        call(q[None], k, v, cu_q, cu_k, 5, 6)
+    with pytest.raises(ValueError, match="causal=True"):
+        call(q, k, v, cu_q, cu_k, 5, 6, window=(3, 1))
+
+
+# ---- GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [d for d, _, _ in GPU_DTYPES])
+@pytest.mark.parametrize("causal,window,softcap", [
+    (True, (-1, -1), 0.0),
+    (True, (1024, -1), 50.0),
+    (False, (-1, -1), 0.0),
+    (False, (300, 77), 30.0),
+])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_realistic(causal, window, softcap, head_dim, dtype):
+    # lengths {0, 1, 127, 128, 1000, 4096} in q, the keys' a rotation of them so that every
+    # sequence has q_len != kv_len (both alignments' cases, empty q and empty k)
+    lengths = [0, 1, 127, 128, 1000, 4096]
+    check_varlen(lengths, lengths[1:] + lengths[:1], 8, 2, head_dim, dtype, "cuda",
+                 causal=causal, window=window, softcap=softcap)
