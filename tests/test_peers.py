@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from attnscope.attention import IMPLEMENTATIONS, attention_reference, flash_attn, hub
+from attnscope.profile import runs
 from attnscope.profile import tensor_cores as tc
 from attnscope.profile.cli import main
 
@@ -389,7 +390,7 @@ def test_peer_captured_by_the_driver(tmp_path, name, main_kernel, mode):
     _require(name)
     out = tmp_path / "out"
     assert main(["compare", "--impl", name, "--mode", mode, "--out", str(out)]) == 0
-    row, = json.loads((out / "results.json").read_text())["rows"]
+    row, = json.loads((runs.resolve(out) / "results.json").read_text())["rows"]
     assert row["status"] == "ok", row.get("reason")
     names = [k["name"] for k in row["kernels"]]
     assert any(main_kernel in n for n in names), names
@@ -403,7 +404,8 @@ def test_peer_captured_by_the_driver(tmp_path, name, main_kernel, mode):
 def test_hub_standin_captured_by_the_driver(standin, tmp_path):
     out = tmp_path / "out"
     assert main(["compare", "--impl", "hub_flash_attn", "fused", "--out", str(out)]) == 0
-    rows = {r["impl"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    results = json.loads((runs.resolve(out) / "results.json").read_text())
+    rows = {r["impl"]: r for r in results["rows"]}
     hub_row = rows["hub_flash_attn"]
     assert hub_row["status"] == "ok", hub_row.get("reason")
     names = [k["name"] for k in hub_row["kernels"]]
