@@ -308,3 +308,27 @@ def test_an_implementations_own_os_error_is_its_row(tmp_path, monkeypatch):
     rows = {r["impl"]: r for r in _results(out)["rows"]}
     assert rows["lost"]["status"] == "error" and "FileNotFoundError" in rows["lost"]["reason"]
     assert rows["quick"]["status"] == "ok"
+
+
+def _start_with_ctrl_c(tmp_path, *command):
+    # A `torch` whose import is interrupted stands first on the path: Ctrl-C lands while
+    # attnscope's own package imports it, before any of the driver's code runs.
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise KeyboardInterrupt\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+    return subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+
+
+def test_ctrl_c_while_the_package_imports_torch_is_one_line_and_130(tmp_path):
+    done = _start_with_ctrl_c(tmp_path, "-m", "attnscope.profile", "list")
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "interrupted\n" and done.stdout == ""
+
+
+def test_ctrl_c_while_a_program_imports_the_library_stays_its_own(tmp_path):
+    # Outside the driver the caller's Ctrl-C handling applies: KeyboardInterrupt propagates.
+    done = _start_with_ctrl_c(tmp_path, "-c", "import attnscope")
+    assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr
