@@ -2,9 +2,9 @@
 
 Triton compiles for a named target without a driver, and its wheel ships ptxas and cuobjdump, so
 registers, spills, shared memory, the instruction mix and ptxas's performance remarks of any
-config can be checked before spending device time (notes/forward.md, "Offline compilation"). Use
-the Triton version the GPU machine has (3.6.0 on the H200), e.g. in a side venv; the code
-generated differs by version.
+config can be checked before spending device time (notes/forward.md, "Checking a kernel
+without a GPU"). Use the Triton version the GPU machine has (3.6.0 on the H200), e.g. in a side
+venv; the code generated differs by version.
 
     python benchmarks/sass_offline.py --head-dim 128 --config 128,64,8,3 [--pipeline] [--tma]
         [--maxnreg N] [--sass out.sass]

@@ -228,7 +228,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     """What torch.compile, dispatch modes and torch.func see (`_traced`). Eager calls skip it:
     inference calls _forward directly and training goes through _EagerAttention, because the
     dispatcher round trip of a Python custom op costs more host time than the seed-shape kernel
-    itself (notes/forward.md and notes/backward.md, "Host cost")."""
+    itself (notes/launch.md; notes/backward.md, "The launch path")."""
     return _forward(q, k, v, causal, scale, bottom_right, layout, window_left, window_right,
                     softcap, wrap=_launch_wrap(q))
 
@@ -272,7 +272,8 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *args = inputs  # causal, scale, bottom_right, layout[, window_left, window_right, softcap]
+    # args: causal, scale, bottom_right, layout[, window_left, window_right, softcap]
+    q, k, v, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.attention_args = tuple(args)
@@ -292,9 +293,10 @@ _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """Autograd for calls that are run, not traced: the custom ops' forward and backward bodies
     without the dispatcher round trips of two Python custom ops, which cost more host time than
-    the kernels at short shapes (notes/backward.md, "Host cost"). Traced calls (`_traced`) keep the custom
-    ops, and so does a backward that builds a graph (create_graph=True): the backward op has no
-    derivative, so a second backward through it raises instead of dropping terms."""
+    the kernels at short shapes (notes/backward.md, "The launch path"). Traced calls
+    (`_traced`) keep the custom ops, and so does a backward that builds a graph
+    (create_graph=True): the backward op has no derivative, so a second backward through it raises
+    instead of dropping terms."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, bottom_right, layout, window_left, window_right,

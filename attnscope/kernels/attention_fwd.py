@@ -32,7 +32,7 @@ each K block in turn; the software-pipelined one issues the next block's q @ k^T
 block's p @ V so the softmax overlaps an in-flight wgmma, and peels the last block off the loop.
 The H200 table uses the pipelined loop for head_dim 256 only: 0.3320 against 0.3604 ms at
 (1,16,4096,256), but 0.0953 against 0.0652 ms at (8,16,1024,64) and 1.5130 against 1.3333 ms
-at (4,32,4096,128) (notes/forward.md, "Loop schedule").
+at (4,32,4096,128) (notes/forward.md, "The pipelined loop").
 
 Limits: head_dim <= 256 (registers); inputs must live on one CUDA device, or on the CPU with
 TRITON_INTERPRET=1 set before triton is imported (fp16/fp32 there: the interpreter's bf16 dot is
@@ -292,13 +292,14 @@ CONFIGS = {
     64: (128, 64, 8, 3, False, False),
     128: (128, 64, 8, 3, False, False),
     # TMA: 0.3547 against 0.3689 ms at (1,16,4096,256); slower at head_dim <= 128, e.g. 1.4829
-    # against 1.4355 ms at (4,32,4096,128) (notes/forward.md, "K/V by TMA")
+    # against 1.4355 ms at (4,32,4096,128) (notes/forward.md, "TMA loads")
     256: (64, 32, 4, 2, True, True),
 }
 # Causal calls with at most SHORT_SEQ queries take these instead: 64-row tiles of one warpgroup,
 # three programs per SM, finer causal tiles: 0.0604 against 0.0647 ms at (8,16,1024,64) and
 # 0.0972 against 0.1016 ms at (4,16,2048,64); 0.7118 against 0.7168 ms at (4,32,4096,64), within
-# the rounds' spread, so longer calls keep the table's (notes/forward.md, "Short causal calls").
+# the rounds' spread, so longer calls keep the table's (notes/forward.md, "The short-sequence
+# rule").
 SHORT_SEQ = 2048
 SHORT_CONFIGS = {64: (64, 64, 4, 3, False, False)}
 # The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross

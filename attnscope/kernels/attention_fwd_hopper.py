@@ -370,7 +370,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
             batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
             group, sched.shape[1])
     # Output blocks by TMA store where out is one contiguous [rows, head_dim] matrix: 0.1004
-    # against 0.1088 ms with register stores at (8,16,1024,128) (notes/forward.md, "TMA store").
+    # against 0.1088 ms with register stores at (8,16,1024,128) (notes/forward.md, "TMA, both
+    # directions").
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, head_dim, dtype),
@@ -386,7 +387,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
                    config=dict(zip(CONFIG_FIELDS, config)))
 
 
-# Host cost matters at small shapes (notes/forward.md, "Host cost"): what does not change
+# Host cost matters at small shapes (notes/launch.md): what does not change
 # between calls is computed once (here, in device_properties, tile_schedule and FastLaunch).
 @functools.cache
 def _smem_layout(rows, head_dim, dtype):

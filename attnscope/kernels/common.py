@@ -213,7 +213,7 @@ def head_group(q, k, l2_share=0.5):
     """How many (batch, head) pairs a launch runs together (`_grouped_tile`): about as many as
     keep their K and V within `l2_share` of L2 (the rest for Q, the output and other streams),
     with the heads split into groups of equal size. A group of query heads shares one K/V head
-    under GQA. Measured (notes/forward.md, "Tile order"): all heads in one group at
+    under GQA. Measured (notes/forward.md, "The tile order"): all heads in one group at
     (4,32,4096,128) made each running program stream its own head's K/V from DRAM (10 % L2
     hits); and a small last group puts its longest tiles at the very end of the launch, where
     nothing overlaps them. In the interpreter, groups of two, so that CPU tests cross group

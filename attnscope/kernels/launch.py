@@ -2,7 +2,7 @@
 
 Triton's `kernel[grid](*args)` binds the arguments, works out their specialization (dtypes,
 which integers are 1 or multiples of 16, pointer alignment) and looks the compiled kernel up on
-every call: ~40 of the ~60 us a launch took on the H200's host (notes/forward.md, "Host cost"),
+every call: ~40 of the ~60 us a launch took on the H200's host (notes/launch.md),
 more than the seed-shape kernel itself. `FastLaunch` does that once per key and keeps a `_Bound`
 launch, which calls Triton's C launcher for the kernel directly.
 
@@ -97,9 +97,9 @@ def direct_launch_ok():
 def _warn_public_launch():
     # Once per process (the `once` filter keys on the message and the calling location).
     warnings.warn("attnscope: this Triton's kernel launcher is not one the direct launcher "
-                  "was written for (Triton 3.6 to 3.9's); every launch goes through Triton's public "
-                  "launch, which costs ~40 us more host time per call (notes/forward.md, "
-                  "\"Host cost\")", RuntimeWarning, stacklevel=3)
+                  "was written for (Triton 3.6 to 3.9's); every launch goes through Triton's "
+                  "public launch, which costs ~40 us more host time per call (notes/launch.md)",
+                  RuntimeWarning, stacklevel=3)
 
 
 _warned = False
@@ -205,8 +205,8 @@ class _Bound:
     current stream and global scratch as Triton's `CompiledKernel[grid]` runner would find
     them, minus that runner's per-call work (a closure, the device lookup, launch metadata and
     calls of empty hook chains). A launch with Triton's launch hooks set (a profiler such as
-    proton), profile scratch or the global sanitizer takes Triton's own runner, as does a compiled kernel without the
-    attributes the direct call reads (tests' stand-ins)."""
+    proton), profile scratch or the global sanitizer takes Triton's own runner, as does a
+    compiled kernel without the attributes the direct call reads (tests' stand-ins)."""
 
     def __init__(self, compiled, grid, suffix, record=None):
         self.compiled, self.grid, self.suffix = compiled, (*grid, 1, 1)[:3], suffix

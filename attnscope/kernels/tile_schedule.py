@@ -14,7 +14,7 @@ import torch
 # epilogue, which nothing overlaps within the tile. Measured from 0 to 4: 1 is the fastest at
 # (4,32,4096,128) (0.9934 ms against 0.9984-1.0214), 1.2-1.7 % behind 0, 2, 3 and 4 at
 # (8,16,1024,128), no value ahead at both by more than the rounds' spread (notes/forward.md,
-# "Tile schedule").
+# "The host-made tile schedule").
 TILE_OVERHEAD = 1
 # Above this many tiles the schedule is round-robin: list scheduling in Python takes 3.5 ms at
 # 1024 tiles, 21 ms at 4096 and ~50 ms at 32768 on a shape's first call (the CPU machine).
