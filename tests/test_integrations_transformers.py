@@ -249,8 +249,13 @@ def test_gradients_match_sdpa(op_calls):
     assert len(op_calls) == TINY["num_hidden_layers"] and not hf.fallbacks
 
 
-def test_qwen2_logits_and_generation(op_calls):
-    sdpa, ours, reference = _models(Qwen2Config)
+@pytest.mark.parametrize("overrides", [
+    {},
+    # layer 1 (from max_window_layers on) slides a window of 4 over the 6 + 4 tokens
+    dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+], ids=["full", "sliding_layer"])
+def test_qwen2_logits_and_generation(overrides, op_calls):
+    sdpa, ours, reference = _models(Qwen2Config, **overrides)
     ids = _tokens(1, 6)
     with torch.no_grad():
         _assert_within(ours(ids).logits, sdpa(ids).logits, reference(ids).logits, 1e-5)
