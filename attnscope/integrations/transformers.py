@@ -78,8 +78,8 @@ NAME = "attnscope"
 
 # Why a call cannot take the op: reason -> what the warning says.
 REASONS = {
-    "padding": "the padding mask cannot be read here (shorter than the keys, or inside "
-               "torch.compile)",
+    "padding": "the padding mask cannot be packed here (shorter than the keys or the queries, "
+               "or inside torch.compile)",
     "window_gaps": "a sliding window over a batch with padding between tokens (a window counts "
                    "positions, packing removes them)",
     "chunked_attention": "chunked attention (attention_chunk_size) cuts keys off",
@@ -187,8 +187,11 @@ def _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attentio
     if attention_mask is None:
         return None, None
     padding = attention_mask[:, kv_offset:kv_offset + kv_length]
-    if padding.shape[-1] < kv_length or torch.compiler.is_compiling():
-        return "padding", None  # shorter than the keys, or not readable while tracing
+    if (padding.shape[-1] < kv_length or q_length > kv_length
+            or torch.compiler.is_compiling()):
+        # Shorter than the keys, queries without keys of their own (no padding for them), or
+        # not readable while tracing.
+        return "padding", None
     packing = _packing(padding.bool(), q_length, windowed)
     if packing == "window_gaps":
         return packing, None
