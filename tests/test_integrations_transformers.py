@@ -17,10 +17,17 @@ import torch
 pytest.importorskip("transformers")
 hf = pytest.importorskip("attnscope.integrations.transformers")
 
+from attnscope.attention import fused  # noqa: E402
 from transformers import (AutoModelForCausalLM, DynamicCache, LlamaConfig,  # noqa: E402
                           LlamaForCausalLM, MistralConfig, Qwen2Config)
 from transformers.masking_utils import (bidirectional_mask_function,  # noqa: E402
-                                        causal_mask_function, sdpa_mask)
+                                        causal_mask_function, sdpa_mask,
+                                        sliding_window_causal_mask_function)
+
+try:  # Gemma 2 (logit softcapping) arrived in transformers 4.42
+    from transformers import Gemma2Config
+except ImportError:
+    Gemma2Config = None
 
 # The forward's cache argument was renamed (past_key_values -> cache, transformers 5.2x).
 _CACHE = ("cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
@@ -57,6 +64,30 @@ def op_calls(monkeypatch):
 
     monkeypatch.setattr(hf, "fused_attention", spy)
     return calls
+
+
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    """(packed q shape, packed k shape, cu_seqlens_q, cu_seqlens_k, window) of every call that
+    reached the packed op."""
+    calls = []
+    op = hf.fused_attention_varlen
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        calls.append((tuple(q.shape), tuple(k.shape), cu_q.tolist(), cu_k.tolist(),
+                      kwargs["window"]))
+        return op(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+    monkeypatch.setattr(hf, "fused_attention_varlen", spy)
+    return calls
+
+
+@pytest.fixture
+def no_fallback():
+    """Turns a fallback warning into an error: the test's calls must all take the op."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hf.AttnscopeFallbackWarning)
+        yield
 
 
 def _models(config_cls, dtype=torch.float32, device="cpu", **overrides):
@@ -137,36 +168,75 @@ def test_chunked_prefill_takes_the_op_bottom_right(op_calls):
     assert not hf.fallbacks
 
 
-def test_padded_batch_falls_back_to_sdpa_with_one_warning(op_calls):
-    sdpa, ours, _ = _models(LlamaConfig)
-    ids = _tokens(2, 7)
+def _padding(ids, side):
+    """A padding mask over ids: row 0 padded by 3 on `side`, row 1 by 1, row 2 not at all."""
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding on the first sequence only
-    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = [ours(ids, attention_mask=mask).logits for _ in range(2)]
-        expected = sdpa(ids, attention_mask=mask).logits
-    # Same weights and, through the fallback, the same attention function: equal on real tokens.
-    for logits in got:
-        torch.testing.assert_close(logits[0, 3:], expected[0, 3:], rtol=0, atol=1e-6)
-        torch.testing.assert_close(logits[1], expected[1], rtol=0, atol=1e-6)
-    fallback_warnings = [w for w in caught if issubclass(w.category, hf.AttnscopeFallbackWarning)]
-    assert len(fallback_warnings) == 1 and "padding" in str(fallback_warnings[0].message)
-    assert hf.fallbacks == {"padding": 2 * TINY["num_hidden_layers"]} and not op_calls
-    # An all-ones mask is no padding: the op runs.
+    for row, pad in ((0, 3), (1, 1)):
+        if side == "left":
+            mask[row, :pad] = 0
+        else:
+            mask[row, mask.shape[1] - pad:] = 0
+    return mask
+
+
+# Floors as in the prefill test.
+@pytest.mark.parametrize("dtype, floor", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_takes_the_packed_op(dtype, floor, side, op_calls, varlen_calls,
+                                          no_fallback):
+    sdpa, ours, reference = _models(LlamaConfig, dtype)
+    ids = _tokens(3, 9)
+    mask = _padding(ids, side)
+    real = mask.bool()
+    with torch.no_grad():
+        logits = [model(ids, attention_mask=mask).logits[real]
+                  for model in (ours, sdpa, reference)]
+    _assert_within(*logits, floor)
+    assert not hf.fallbacks and not op_calls
+    # Only the real tokens reached the op: 6 + 8 + 9, packed, GQA unrepeated.
+    assert varlen_calls[0][:4] == ((23, 2, 32), (23, 1, 32), [0, 6, 14, 23], [0, 6, 14, 23])
+    assert len(varlen_calls) == TINY["num_hidden_layers"]
+    # An all-ones mask is no padding: the batched op runs.
     with torch.no_grad():
         ours(ids, attention_mask=torch.ones_like(ids))
     assert len(op_calls) == TINY["num_hidden_layers"]
 
 
+def test_padded_greedy_generation_is_identical(varlen_calls, no_fallback):
+    sdpa, ours, _ = _models(LlamaConfig)
+    ids = _tokens(3, 6)
+    mask = _padding(ids, "left")  # generation pads on the left: new tokens follow real ones
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(ours.generate(ids, **kwargs), sdpa.generate(ids, **kwargs))
+    assert not hf.fallbacks
+    # Decode steps packed one query per row on each row's real keys (cache + new tokens).
+    assert ((3, 2, 32), (3 * 10 - 4, 1, 32), [0, 1, 2, 3], [0, 7, 16, 26], (-1, -1)) in \
+        varlen_calls
+
+
+def test_padded_gradients_match_sdpa(varlen_calls, no_fallback):
+    sdpa, ours, reference = _models(LlamaConfig)
+    ids = _tokens(3, 7)
+    # Right padding: SDPA's padding rows then see real keys and stay finite (left-padded ones see
+    # none); no loss on them, and no real token attends to them, so the gradients must agree.
+    mask = _padding(ids, "right")
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for model in (ours, sdpa, reference):
+        model.train()
+        model.zero_grad()
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append(torch.cat([p.grad.double().flatten() for p in model.parameters()]))
+    _assert_within(*grads, floor=1e-6)  # floor as in test_gradients_match_sdpa
+    assert varlen_calls and not hf.fallbacks
+
+
 def test_on_unsupported_error_raises_instead_of_falling_back():
-    _, ours, _ = _models(LlamaConfig)
-    ids = _tokens(2, 5)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 4, 32, generator=gen) for _ in range(3))
     hf.configure(on_unsupported="error")
-    with pytest.raises(NotImplementedError, match="padding"), torch.no_grad():
-        ours(ids, attention_mask=mask)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        hf.attention_forward(_Layer(), q, k, v, None, dropout=0.5)
     assert not hf.fallbacks
     with pytest.raises(ValueError, match="on_unsupported must be one of"):
         hf.configure(on_unsupported="ignore")
@@ -179,8 +249,13 @@ def test_gradients_match_sdpa(op_calls):
     assert len(op_calls) == TINY["num_hidden_layers"] and not hf.fallbacks
 
 
-def test_qwen2_logits_and_generation(op_calls):
-    sdpa, ours, reference = _models(Qwen2Config)
+@pytest.mark.parametrize("overrides", [
+    {},
+    # layer 1 (from max_window_layers on) slides a window of 4 over the 6 + 4 tokens
+    dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+], ids=["full", "sliding_layer"])
+def test_qwen2_logits_and_generation(overrides, op_calls):
+    sdpa, ours, reference = _models(Qwen2Config, **overrides)
     ids = _tokens(1, 6)
     with torch.no_grad():
         _assert_within(ours(ids).logits, sdpa(ids).logits, reference(ids).logits, 1e-5)
@@ -189,20 +264,51 @@ def test_qwen2_logits_and_generation(op_calls):
     assert op_calls and not hf.fallbacks
 
 
-def test_mistral_sliding_window(op_calls):
-    ids = _tokens(1, 7)
-    # A window of 4 over 7 tokens cuts keys off: SDPA runs it, with its windowed mask.
-    sdpa, ours, _ = _models(MistralConfig, sliding_window=4)
-    with torch.no_grad(), pytest.warns(hf.AttnscopeFallbackWarning, match="sliding window"):
-        got = ours(ids).logits
-        expected = sdpa(ids).logits
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    assert hf.fallbacks == {"sliding_window": TINY["num_hidden_layers"]} and not op_calls
-    # A window of 16 over 7 tokens cuts nothing: the op runs.
-    hf.reset_fallbacks()
-    sdpa, ours, reference = _models(MistralConfig, sliding_window=16)
+def test_mistral_sliding_window_takes_the_op(op_calls, varlen_calls, no_fallback):
+    # A window of 4 keys over 9 tokens cuts keys off, in prefill and in every decode step.
+    sdpa, ours, reference = _models(MistralConfig, sliding_window=4)
+    ids = _tokens(2, 9)
     with torch.no_grad():
         _assert_within(ours(ids).logits, sdpa(ids).logits, reference(ids).logits, 1e-5)
+    assert len(op_calls) == TINY["num_hidden_layers"]
+    # Left-padded generation: the window and the packing together.
+    mask = _padding(ids, "left")[:2]
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(ours.generate(ids, **kwargs), sdpa.generate(ids, **kwargs))
+    assert varlen_calls and {call[4] for call in varlen_calls} == {(3, 0)}
+    assert not hf.fallbacks
+
+
+def test_window_with_padding_between_tokens_falls_back():
+    # Padding inside a row moves positions apart, and a window counts positions: SDPA runs it.
+    sdpa, ours, _ = _models(MistralConfig, sliding_window=3)
+    ids = _tokens(2, 7)
+    mask = torch.ones_like(ids)
+    mask[0, 2:4] = 0
+    with torch.no_grad(), pytest.warns(hf.AttnscopeFallbackWarning, match="padding between"):
+        got = ours(ids, attention_mask=mask).logits
+        expected = sdpa(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-6)  # same SDPA call
+    assert hf.fallbacks == {"window_gaps": TINY["num_hidden_layers"]}
+
+
+@pytest.mark.skipif(Gemma2Config is None, reason="this transformers has no Gemma 2")
+def test_gemma2_softcap_and_local_layers_match_eager(op_calls, no_fallback):
+    # Gemma 2 alternates sliding (window 4 here) and full layers and caps the logits; SDPA has no
+    # softcap, so transformers' eager attention is the peer. softcap 1.0 (Gemma 2 uses 50.0) caps
+    # the scores hard at this scale: without it the logits move by ~0.5.
+    config = Gemma2Config(**TINY, sliding_window=4, attn_logit_softcapping=1.0,
+                          query_pre_attn_scalar=32)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="attnscope")
+    ours.load_state_dict(eager.state_dict())
+    reference = copy.deepcopy(eager).double().eval()
+    ids = _tokens(2, 9)
+    with torch.no_grad():
+        logits = [model.eval()(ids).logits for model in (ours, eager, reference)]
+    _assert_within(*logits, floor=1e-5)  # floor as in the prefill test
     assert len(op_calls) == TINY["num_hidden_layers"] and not hf.fallbacks
 
 
@@ -231,8 +337,9 @@ def _mask(**kwargs):
     dict(q_length=1, kv_length=9, q_offset=8),  # decode
     dict(q_length=9, q_offset=0),  # prefill
     dict(attention_mask=torch.ones(2, 9, dtype=torch.bool)),  # a mask without padding
-    dict(local_size=9),  # a window as long as the keys cuts nothing
-], ids=["chunked", "decode", "prefill", "no_padding", "window_cuts_nothing"])
+    dict(local_size=9),  # a window (or chunk) as long as the keys cuts nothing
+    dict(local_size=4, config=MistralConfig(sliding_window=4)),  # the layer passes the window
+], ids=["chunked", "decode", "prefill", "no_padding", "window_cuts_nothing", "window"])
 def test_mask_function_returns_none_for_plain_bottom_right_causal(kwargs):
     assert _mask(**kwargs) is None
 
@@ -240,12 +347,15 @@ def test_mask_function_returns_none_for_plain_bottom_right_causal(kwargs):
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(kv_length=16), "static_cache"),  # 7 unused slots past the last query
     (dict(q_offset=torch.tensor(5)), "static_cache"),  # offset kept on the device
-    (dict(local_size=8), "sliding_window"),
+    (dict(local_size=8), "chunked_attention"),  # no config saying it is a sliding window
+    (dict(local_size=4, config=MistralConfig(sliding_window=3)), "chunked_attention"),
     (dict(allow_is_causal_skip=False), "mask_pattern"),
     (dict(mask_function=bidirectional_mask_function), "mask_pattern"),
-    (dict(attention_mask=torch.tensor([[1] * 9, [0] * 2 + [1] * 7], dtype=torch.bool)),
-     "padding"),
-], ids=["unused_slots", "tensor_offset", "window", "no_skip", "bidirectional", "padding"])
+    (dict(attention_mask=torch.ones(2, 7, dtype=torch.bool)), "padding"),  # shorter than keys
+    (dict(attention_mask=torch.tensor([[1] * 9, [1, 0] + [1] * 7], dtype=torch.bool),
+          local_size=4, config=MistralConfig(sliding_window=4)), "window_gaps"),
+], ids=["unused_slots", "tensor_offset", "chunk", "chunk_not_window", "no_skip", "bidirectional",
+        "short_padding", "window_gaps"])
 def test_mask_function_materializes_and_labels_what_the_op_cannot_express(kwargs, reason):
     mask = _mask(**kwargs)
     assert mask._attnscope_reason == reason
@@ -279,14 +389,62 @@ def test_attention_function_reads_views_and_returns_bshd(op_calls):
     assert op_calls == [((2, 3, 4, 48), (2, 8, 2, 48), q.data_ptr())]
 
 
-def test_attention_function_refuses_softcap_and_falls_back_on_dropout():
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 4, 32, generator=gen) for _ in range(3))
+def _qkv(seed, batch=2, q_len=3, kv_len=8):
+    """q as transformers builds it (a projection viewed and transposed), k/v as a cache holds
+    them: 4 q heads on 2 k/v heads, head_dim 32."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_len, 4 * 32, generator=gen).view(batch, q_len, 4, 32).transpose(1, 2)
+    k, v = (torch.randn(batch, 2, kv_len, 32, generator=gen) for _ in range(2))
+    return q, k, v
+
+
+def _sdpa_reference(q, k, v, keep, scale=None):
+    """float64 SDPA under a boolean mask, in transformers' output layout."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1),
+        attn_mask=keep, scale=scale).transpose(1, 2)
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])  # 1: the query's own key only; 6 cuts 2 of 8
+def test_attention_function_window_counts_keys_as_transformers(window):
+    q, k, v = _qkv(5)  # 3 queries after 5 cached keys: the window counted bottom-right
+    keep = sdpa_mask(batch_size=1, q_length=3, kv_length=8, q_offset=5,
+                     mask_function=sliding_window_causal_mask_function(window),
+                     allow_is_causal_skip=False, device="cpu")
+    out, _ = hf.attention_forward(_Layer(), q, k, v, None, sliding_window=window)
+    # fp32 through online softmax: ~1e-6 from float64 at these magnitudes.
+    torch.testing.assert_close(out.double(), _sdpa_reference(q, k, v, keep), rtol=0, atol=1e-5)
+
+
+def test_attention_function_softcap():
+    q, k, v = _qkv(6, q_len=5, kv_len=5)
+    q = q * 4  # scores of several units, so that softcap 2.0 changes them
+    out, _ = hf.attention_forward(_Layer(), q, k, v, None, scaling=0.5, softcap=2.0)
+    scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.5
+    scores = (2.0 * torch.tanh(scores / 2.0)).masked_fill(
+        ~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    expected = (scores.softmax(-1) @ v.double().repeat_interleave(2, 1)).transpose(1, 2)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)  # fp32, as above
+    # A softcapped call the op cannot take has nowhere to go: SDPA has no softcap.
     with pytest.raises(NotImplementedError, match="softcap"):
-        hf.attention_forward(_Layer(), q, k, v, None, softcap=30.0)
-    with pytest.warns(hf.AttnscopeFallbackWarning, match="dropout"):
-        out, _ = hf.attention_forward(_Layer(), q, k, v, None, dropout=0.5)
-    assert out.shape == (1, 4, 2, 32) and hf.fallbacks == {"dropout": 1}
+        hf.attention_forward(_Layer(), q, k, v, None, softcap=2.0, dropout=0.5)
+
+
+def test_attention_function_packs_a_padded_decode_and_zeroes_padding_rows(monkeypatch):
+    monkeypatch.setattr(fused, "_empty",  # NaN: an element the kernel skips would show
+                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                device=device))
+    q, k, v = _qkv(7, batch=3, q_len=2, kv_len=8)
+    # Row 0 left-padded by 3, row 1 right-padded (its last query is padding), row 2 all padding.
+    padding = torch.tensor([[0] * 3 + [1] * 5, [1] * 7 + [0], [0] * 8], dtype=torch.bool)
+    mask = hf.create_mask(3, 2, 8, q_offset=6, attention_mask=padding, device="cpu")
+    assert mask._attnscope_reason is None and mask._attnscope_packing.max_seqlen_k == 7
+    out, _ = hf.attention_forward(_Layer(), q, k, v, mask)
+    real_q = padding[:, 6:]
+    assert (out[~real_q] == 0).all()
+    keep = mask & real_q[:, None, :, None]  # SDPA's rows for padding queries are not compared
+    expected = _sdpa_reference(q, k, v, keep).nan_to_num()
+    torch.testing.assert_close(out.double()[real_q], expected[real_q], rtol=0, atol=1e-5)
 
 
 # ---- GPU: bfloat16 at a small realistic size ----------------------------------------------------
@@ -316,24 +474,31 @@ def test_gpu_bf16_logits_and_chunked_prefill(config_cls, op_calls):
     assert op_calls and not hf.fallbacks
 
 
+def _assert_greedy_agrees(sdpa, ours, reference, ids, mask=None, **kwargs):
+    """Greedy tokens identical to SDPA's, or a near tie flipped by bf16 rounding: then, at the
+    first step where the two differ, the two picks must be tied in the float64 model's logits
+    within twice SDPA's own bf16 error there."""
+    kwargs = dict(do_sample=False, attention_mask=mask, **kwargs)
+    expected, got = sdpa.generate(ids, **kwargs), ours.generate(ids, **kwargs)
+    if torch.equal(got, expected):
+        return
+    row, step = next((r, s) for r in range(got.shape[0]) for s in range(got.shape[1])
+                     if got[r, s] != expected[r, s])
+    prefix = got[row:row + 1, :step]
+    prefix_mask = None if mask is None else torch.nn.functional.pad(
+        mask[row:row + 1], (0, step - mask.shape[1]), value=1)
+    with torch.no_grad():
+        exact = reference(prefix, attention_mask=prefix_mask).logits[0, -1]
+        sdpa_error = (sdpa(prefix, attention_mask=prefix_mask).logits[0, -1].double()
+                      - exact).abs().max()
+    assert (exact[expected[row, step]] - exact[got[row, step]]).abs() <= 2 * sdpa_error
+
+
 @pytest.mark.cuda
 def test_gpu_bf16_greedy_generation():
     sdpa, ours, reference = _gpu_models(LlamaConfig)
-    ids = _tokens(2, 64).cuda()
-    kwargs = dict(max_new_tokens=32, do_sample=False)
-    expected, got = sdpa.generate(ids, **kwargs), ours.generate(ids, **kwargs)
+    _assert_greedy_agrees(sdpa, ours, reference, _tokens(2, 64).cuda(), max_new_tokens=32)
     assert not hf.fallbacks
-    if torch.equal(got, expected):
-        return
-    # bf16 rounding may flip a near tie. Then, at the first step where the two differ, the two
-    # picks must be tied in the float64 model's logits within twice SDPA's own bf16 error there.
-    row, step = next((r, s) for r in range(got.shape[0]) for s in range(got.shape[1])
-                     if got[r, s] != expected[r, s])
-    with torch.no_grad():
-        prefix = got[row:row + 1, :step]
-        exact = reference(prefix).logits[0, -1]
-        sdpa_error = (sdpa(prefix).logits[0, -1].double() - exact).abs().max()
-    assert (exact[expected[row, step]] - exact[got[row, step]]).abs() <= 2 * sdpa_error
 
 
 @pytest.mark.cuda
@@ -344,17 +509,79 @@ def test_gpu_bf16_gradients():
     assert not hf.fallbacks
 
 
-@pytest.mark.cuda
-def test_gpu_bf16_padded_batch_falls_back():
-    sdpa, ours, _ = _gpu_models(LlamaConfig)
-    ids = _tokens(2, 128).cuda()
+def _gpu_padding(ids, side):
+    """Row 0 padded by 40 on `side`, row 1 by 1 (one block boundary off), the rest not at all."""
     mask = torch.ones_like(ids)
-    mask[0, :40] = 0
-    with torch.no_grad(), pytest.warns(hf.AttnscopeFallbackWarning, match="padding"):
-        got = ours(ids, attention_mask=mask).logits
+    for row, pad in ((0, 40), (1, 1)):
+        if side == "left":
+            mask[row, :pad] = 0
+        else:
+            mask[row, mask.shape[1] - pad:] = 0
+    return mask
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_gpu_bf16_padded_batch_takes_the_packed_op(side, varlen_calls, no_fallback):
+    sdpa, ours, reference = _gpu_models(LlamaConfig)
+    ids = _tokens(4, 300).cuda()
+    mask = _gpu_padding(ids, side)
+    real = mask.bool()
     with torch.no_grad():
-        expected = sdpa(ids, attention_mask=mask).logits
-    # The fallback runs SDPA on the same weights: bf16's default tolerance is ample.
-    torch.testing.assert_close(got[0, 40:], expected[0, 40:])
-    torch.testing.assert_close(got[1], expected[1])
-    assert hf.fallbacks == {"padding": GPU["num_hidden_layers"]}
+        logits = [model(ids, attention_mask=mask).logits[real]
+                  for model in (ours, sdpa, reference)]
+    _assert_within(*logits, floor=1e-2)  # floor as in test_gpu_bf16_logits_and_chunked_prefill
+    assert len(varlen_calls) == GPU["num_hidden_layers"] and not hf.fallbacks
+
+
+@pytest.mark.cuda
+def test_gpu_bf16_padded_generation_and_gradients(varlen_calls, no_fallback):
+    sdpa, ours, reference = _gpu_models(LlamaConfig)
+    ids = _tokens(4, 64).cuda()
+    _assert_greedy_agrees(sdpa, ours, reference, ids, _gpu_padding(ids, "left"),
+                          max_new_tokens=32)
+    # Right padding, no loss on padding (see test_padded_gradients_match_sdpa); floor as in
+    # test_gpu_bf16_gradients.
+    ids = _tokens(2, 256).cuda()
+    mask = _gpu_padding(ids, "right")
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for model in (ours, sdpa, reference):
+        model.train()
+        model.zero_grad()
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append(torch.cat([p.grad.double().flatten() for p in model.parameters()]))
+    _assert_within(*grads, floor=1e-3)
+    assert varlen_calls and not hf.fallbacks
+
+
+@pytest.mark.cuda
+def test_gpu_bf16_mistral_sliding_window(op_calls, varlen_calls, no_fallback):
+    # A window of 100 keys over 300 tokens: cuts across the kernels' blocks.
+    sdpa, ours, reference = _models(MistralConfig, torch.bfloat16, "cuda",
+                                    **{**GPU, "sliding_window": 100})
+    ids = _tokens(2, 300).cuda()
+    with torch.no_grad():
+        _assert_within(ours(ids).logits, sdpa(ids).logits, reference(ids).logits, 1e-2)
+    _assert_greedy_agrees(sdpa, ours, reference, ids, _gpu_padding(ids, "left"),
+                          max_new_tokens=16)
+    assert op_calls and varlen_calls and not hf.fallbacks
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(Gemma2Config is None, reason="this transformers has no Gemma 2")
+def test_gpu_bf16_gemma2_softcap(op_calls, no_fallback):
+    # Gemma 2's own softcap (50.0) and a window of 100 on every other layer, against eager.
+    config = Gemma2Config(**{**TINY, **GPU}, sliding_window=100, attn_logit_softcapping=50.0,
+                          query_pre_attn_scalar=128)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="attnscope")
+    ours.load_state_dict(eager.state_dict())
+    reference = copy.deepcopy(eager).to("cuda", torch.float64).eval()
+    eager, ours = (m.to("cuda", torch.bfloat16).eval() for m in (eager, ours))
+    ids = _tokens(2, 300).cuda()
+    with torch.no_grad():
+        logits = [model(ids).logits for model in (ours, eager, reference)]
+    _assert_within(*logits, floor=1e-2)  # floor as in test_gpu_bf16_logits_and_chunked_prefill
+    assert len(op_calls) == GPU["num_hidden_layers"] and not hf.fallbacks

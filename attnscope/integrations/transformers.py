@@ -6,47 +6,65 @@
 Importing this module registers two functions under the name "attnscope" in transformers' public
 registries, and both are needed:
 
-- the attention function (`AttentionInterface`), which runs `attnscope.fused_attention` on a layer
-  whose mask is plain causal, and transformers' SDPA function otherwise;
+- the attention function (`AttentionInterface`), which runs attnscope's op on a layer whose mask
+  the op can express, and transformers' SDPA function otherwise;
 - the mask function (`AttentionMaskInterface`). transformers hands a custom attention function no
   mask at all unless a mask function is registered under the same name, so without it a padded
   batch would attend to its padding, silently.
 
-The contract between the two: the mask function returns None exactly when the layer's mask is
-plain causal with the queries being the *last* q_len of the kv_len key positions (bottom-right
-alignment, flash-attn's convention, which transformers' flash-attention backends share): prefill,
-chunked prefill and KV-cache decode. Anything else gets transformers' own SDPA boolean mask,
-materialized and labelled with the reason, and the attention function hands that to SDPA.
+The contract between the two. The mask function returns None exactly when the layer's mask is
+causal with the queries being the *last* q_len of the kv_len key positions (bottom-right
+alignment, flash-attn's convention, which transformers' flash-attention backends share: prefill,
+chunked prefill and KV-cache decode), possibly cut by a sliding window. For a batch with padding
+tokens it returns transformers' SDPA boolean mask carrying the packing of the real tokens
+(`_Packing`): the attention function gathers those into packed q/k/v, runs
+`fused_attention_varlen` and scatters the output back, zeros on padding rows. Anything else gets
+the SDPA mask labelled with the reason the op cannot take it, and the attention function hands
+that mask to SDPA. As in transformers' flash-attention backends, the window itself comes from the
+layer's `sliding_window` argument (Mistral, Qwen2, Gemma 2 pass it): a window of W keys is the op's
+window=(W - 1, 0), the query's own key and W - 1 before it, as transformers' masks count it.
 
-What decides "plain causal", and what it costs. The mask function runs once per model forward per
-mask kind (full / sliding), not per layer, and decides from Python integers transformers gives it:
-query and key lengths and offsets (the queries must end where the keys end), `allow_is_causal_skip`
+Why padding + causal is packed causal. Each query sits at one of the last q_len key positions and
+sees the real keys at or before it; packing keeps order, and the real keys after a real query are
+exactly the real queries after it, so in packed indices that is bottom-right causal per sequence,
+whatever the padding pattern. A window counts positions, so it survives packing only when no
+padding sits between two real tokens of a row (left or right padding): other patterns fall back.
+
+What decides, and what it costs. The mask function runs once per model forward per mask kind
+(full / sliding), not per layer, and decides from Python integers transformers gives it: query
+and key lengths and offsets (the queries must end where the keys end), `allow_is_causal_skip`
 (False when transformers adds anything to the causal pattern: overlays, packed sequences,
 bidirectional masks, compiled static-cache decode), the mask pattern (`causal_mask_function`, or a
-sliding window / chunk size `local_size` that cuts no key), and whether the cache offset is a tensor
-(a static cache). The one value it reads from the device is the 2-D padding mask, when the caller
-passed one (`generate` always does): `.all()` over it, one device sync per forward, which
-transformers' SDPA mask path pays too. While torch.compile traces, that mask is not read, and a
-given padding mask falls back. The attention function then decides per layer from the mask
-(None or not), shapes, dtypes and keyword arguments only: no sync.
+`local_size` that is the config's sliding window; Llama-4-style chunked attention falls back
+where its chunks cut keys), and whether the cache offset is a tensor (a static cache). The one
+value it reads from the device is a few numbers per row of the 2-D padding mask, when the caller
+passed one (`generate` always does): one device sync per forward, which transformers' SDPA mask
+path pays too. While torch.compile traces, that mask is not read, and a given padding mask falls
+back. The attention function then decides per layer from the mask (None, packed or not), shapes,
+dtypes and keyword arguments only: no sync.
 
-Where the op cannot express a call (padding until a varlen path exists, a sliding window that
-binds, a static cache's unused slots, a non-causal or custom mask, dropout, a position bias,
-attention sinks, head dims the op does not take, bfloat16 on CPU), the call falls back to
-transformers' SDPA attention with one warning per reason (`AttnscopeFallbackWarning`) and is
-counted in `fallbacks` (reason -> number of attention calls), or raises NotImplementedError after
-`configure(on_unsupported="error")`. Logit softcapping is refused in both modes: SDPA cannot do it
-either (use attn_implementation="eager").
+Where the op cannot express a call (a static cache's unused slots, a non-causal or custom mask,
+chunked attention, a window over padding between tokens, dropout, a position bias, attention
+sinks, head dims the op does not take, bfloat16 on CPU), the call falls back to transformers' SDPA
+attention with one warning per reason (`AttnscopeFallbackWarning`) and is counted in `fallbacks`
+(reason -> number of attention calls), or raises NotImplementedError after
+`configure(on_unsupported="error")`. Logit softcapping (Gemma 2's `softcap`) runs in the op; a
+softcapped call the op cannot take raises in both modes, since SDPA has no softcapping (use
+attn_implementation="eager").
 
-q, k, v arrive as [batch, heads, seq, head_dim] views; the op reads them through transposed views
-(layout "bshd", any strides) and writes its output contiguous as [batch, seq, heads, head_dim],
-which is what transformers expects back, so nothing is copied. K/V keep their fewer heads (GQA).
+q, k, v arrive as [batch, heads, seq, head_dim] views; without padding the op reads them through
+transposed views (layout "bshd", any strides) and writes its output contiguous as [batch, seq,
+heads, head_dim], which is what transformers expects back, so nothing is copied. With padding the
+real tokens are gathered once per layer (the packed op needs them contiguous in rows). K/V keep
+their fewer heads (GQA).
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -54,16 +72,21 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from attnscope.attention.fused import DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, fused_attention
+from attnscope.attention.varlen import fused_attention_varlen
 
 NAME = "attnscope"
 
 # Why a call cannot take the op: reason -> what the warning says.
 REASONS = {
-    "padding": "the batch has padding tokens (the op has no packed-sequence path yet)",
-    "sliding_window": "the sliding window (or attention chunk) cuts keys off",
+    "padding": "the padding mask cannot be packed here (shorter than the keys or the queries, "
+               "or inside torch.compile)",
+    "window_gaps": "a sliding window over a batch with padding between tokens (a window counts "
+                   "positions, packing removes them)",
+    "chunked_attention": "chunked attention (attention_chunk_size) cuts keys off",
     "static_cache": "the cache holds slots past the last query (a static cache)",
-    "mask_pattern": "transformers builds a mask beyond plain causal here (bidirectional, an "
-                    "overlay, packed sequences, or compiled static-cache decode)",
+    "mask_pattern": "transformers builds a mask beyond causal + sliding window here "
+                    "(bidirectional, an overlay, packed sequences, or compiled static-cache "
+                    "decode)",
     "user_mask": "the model was given a ready-made attention mask",
     "dropout": "attention dropout is on",
     "position_bias": "the model adds a position bias to the scores",
@@ -100,43 +123,94 @@ def reset_fallbacks() -> None:
 
 # ---- the mask function: once per forward, per mask kind ---------------------------------------
 
-def _mask_reason(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                 local_size, allow_is_causal_skip):
-    """None when the mask is plain causal aligned bottom-right, else the reason it is not."""
+class _Packing(NamedTuple):
+    """Where a padded batch's real tokens sit, for fused_attention_varlen: (batch, position)
+    index pairs of the real queries and keys, row-major as packed, and the cumulative lengths."""
+    q_rows: tuple[torch.Tensor, torch.Tensor]
+    k_rows: tuple[torch.Tensor, torch.Tensor]
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _is_chunked(local_size, config):
+    # create_sliding_window_causal_mask and create_chunked_causal_mask both hand the mask
+    # function a local_size; only the config says which one it is.
+    return (getattr(config, "sliding_window", None) != local_size
+            or getattr(config, "attention_chunk_size", None) == local_size)
+
+
+def _packing(padding, q_length, windowed):
+    """The packing of a [batch, kv_len] padding mask whose last q_length columns are the
+    queries'; None when nothing is padded, "window_gaps" when a window cannot be packed."""
+    batch, kv_length = padding.shape
+    positions = torch.arange(kv_length, device=padding.device)
+    k_lengths = padding.sum(1)
+    q_lengths = padding[:, kv_length - q_length:].sum(1)
+    first = torch.where(padding, positions, kv_length).amin(1)
+    last = torch.where(padding, positions, -1).amax(1)
+    # The one device read of the forward: four numbers per row.
+    k_lengths, q_lengths, first, last = torch.stack([k_lengths, q_lengths, first, last]).tolist()
+    if min(k_lengths) == kv_length:
+        return None
+    if windowed and any(n and b - a + 1 != n for n, a, b in zip(k_lengths, first, last)):
+        return "window_gaps"
+    q_padding = padding[:, kv_length - q_length:]
+    total_q, total_k = sum(q_lengths), sum(k_lengths)
+    # nonzero_static: the sizes are known on the host, so no second device read.
+    q_rows = q_padding.nonzero_static(size=total_q).unbind(1)
+    k_rows = padding.nonzero_static(size=total_k).unbind(1)
+    cu = [torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=padding.device)
+          for n in (q_lengths, k_lengths)]
+    return _Packing(q_rows, k_rows, *cu, max(q_lengths), max(k_lengths))
+
+
+def _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+               local_size, allow_is_causal_skip, config):
+    """(reason, packing): reason None when the op can take the mask, else why not; packing
+    None without padding, else the real tokens' _Packing."""
     if isinstance(q_offset, torch.Tensor):
-        return "static_cache"  # a static cache keeps its offset on the device: not read
+        return "static_cache", None  # a static cache keeps its offset on the device: not read
     if not allow_is_causal_skip:
-        return "mask_pattern"
+        return "mask_pattern", None
     if local_size is None and mask_function is not causal_mask_function:
-        return "mask_pattern"
+        return "mask_pattern", None
     # Query i sits at position q_offset + i and sees keys kv_offset .. q_offset + i: bottom-right
     # alignment needs the last query and the last key at the same position.
     if q_offset + q_length != kv_offset + kv_length:
-        return "static_cache"
-    # A window of local_size cuts nothing when every key position is within it of every query
-    # (the largest distance is kv_length - 1) and, for chunks, when all positions sit in chunk 0.
-    if local_size is not None and (kv_offset != 0 or kv_length > local_size):
-        return "sliding_window"
-    if attention_mask is not None:
-        window = attention_mask[:, kv_offset:kv_offset + kv_length]
-        if window.shape[-1] < kv_length or torch.compiler.is_compiling():
-            return "padding"  # shorter than the keys, or not readable while tracing
-        if not bool(window.all()):  # the one device read: once per forward, not per layer
-            return "padding"
-    return None
+        return "static_cache", None
+    windowed = local_size is not None and (kv_offset != 0 or kv_length > local_size)
+    # Chunks cut nothing when every position sits in chunk 0.
+    if windowed and _is_chunked(local_size, config):
+        return "chunked_attention", None
+    if attention_mask is None:
+        return None, None
+    padding = attention_mask[:, kv_offset:kv_offset + kv_length]
+    if (padding.shape[-1] < kv_length or q_length > kv_length
+            or torch.compiler.is_compiling()):
+        # Shorter than the keys, queries without keys of their own (no padding for them), or
+        # not readable while tracing.
+        return "padding", None
+    packing = _packing(padding.bool(), q_length, windowed)
+    if packing == "window_gaps":
+        return packing, None
+    return None, packing
 
 
 def create_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                 mask_function=causal_mask_function, attention_mask=None, local_size=None,
                 allow_is_causal_skip=True, **kwargs):
-    """transformers' mask interface for "attnscope": None for a plain bottom-right causal mask
+    """transformers' mask interface for "attnscope": None for a causal mask aligned bottom-right
     (the attention function then runs the op), else SDPA's boolean mask [batch, 1, q, kv],
-    labelled with why the op cannot take it."""
-    reason = _mask_reason(q_length, kv_length, q_offset, kv_offset, mask_function,
-                          attention_mask, local_size, allow_is_causal_skip)
-    if reason is None:
+    carrying the packing of a padded batch or labelled with why the op cannot take it."""
+    reason, packing = _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function,
+                                 attention_mask, local_size, allow_is_causal_skip,
+                                 kwargs.get("config"))
+    if reason is None and packing is None:
         return None
     # Both skips off: SDPA must get the mask itself, since a None would read as plain causal.
+    # A packed batch gets it too: a layer the op cannot take falls back with it.
     kwargs.pop("allow_is_bidirectional_skip", None)
     mask = sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
                      mask_function=mask_function, attention_mask=attention_mask,
@@ -144,15 +218,20 @@ def create_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                      allow_is_bidirectional_skip=False, **kwargs)
     if mask is not None:  # the label travels with the tensor to every layer that gets it
         mask._attnscope_reason = reason
+        mask._attnscope_packing = packing
     return mask
 
 
 # ---- the attention function: per layer ----------------------------------------------------------
 
-def _call_reason(query, key, value, attention_mask, dropout, kwargs):
+def _call_reason(query, key, value, attention_mask, dropout, causal, kwargs):
     """None when the op can run this call, else the reason it cannot. No device reads."""
     if attention_mask is not None:
-        return getattr(attention_mask, "_attnscope_reason", "user_mask")
+        reason = getattr(attention_mask, "_attnscope_reason", "user_mask")
+        if reason is not None:
+            return reason
+    if kwargs.get("sliding_window") is not None and not causal:
+        return "mask_pattern"  # a bidirectional window: transformers counts it another way
     if dropout:
         return "dropout"
     if kwargs.get("position_bias") is not None:
@@ -172,6 +251,11 @@ def _call_reason(query, key, value, attention_mask, dropout, kwargs):
 def _fall_back(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal,
                kwargs):
     what = REASONS[reason]
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(
+            f"attn_implementation='attnscope' cannot run this softcapped attention call ({what}), "
+            f"and transformers' SDPA attention has no softcapping: use "
+            f"attn_implementation='eager'")
     if _settings["on_unsupported"] == "error":
         raise NotImplementedError(
             f"attn_implementation='attnscope' cannot run this attention call: {what}. "
@@ -186,26 +270,40 @@ def _fall_back(reason, module, query, key, value, attention_mask, dropout, scali
                                   scaling=scaling, is_causal=is_causal, **kwargs)
 
 
+def _packed_attention(packing, query, key, value, **op_kwargs):
+    """The op on a padded batch: gather the real tokens, run the packed op, scatter back."""
+    # [batch, seq, heads, head_dim] views, indexed by (batch, position) pairs: one gather each.
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    packed = fused_attention_varlen(q[packing.q_rows], k[packing.k_rows], v[packing.k_rows],
+                                    packing.cu_seqlens_q, packing.cu_seqlens_k,
+                                    packing.max_seqlen_q, packing.max_seqlen_k, **op_kwargs)
+    out = q.new_zeros(q.shape)  # padding rows: zeros
+    return out.index_put(packing.q_rows, packed)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, **kwargs):
     """transformers' attention interface for "attnscope". q [batch, heads, q_len, head_dim],
     k/v [batch, kv_heads, kv_len, head_dim]; returns ([batch, q_len, heads, head_dim], None).
 
-    A None mask means plain causal aligned bottom-right (see the module docstring); a mask means
-    the op cannot express it."""
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attn_implementation='attnscope' has no logit softcapping, and "
-                                  "transformers' SDPA attention has none either: use "
-                                  "attn_implementation='eager'")
-    reason = _call_reason(query, key, value, attention_mask, dropout, kwargs)
+    A None mask means causal aligned bottom-right, a mask carrying a packing a padded batch, any
+    other mask one the op cannot express (see the module docstring). `sliding_window` (W keys,
+    the query's own included) and `softcap` come from the layer's keyword arguments."""
+    # As SDPA: the call's flag first, then the layer's (an encoder layer says False).
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    reason = _call_reason(query, key, value, attention_mask, dropout, causal, kwargs)
     if reason is not None:
         return _fall_back(reason, module, query, key, value, attention_mask, dropout, scaling,
                           is_causal, kwargs)
-    # As SDPA: the call's flag first, then the layer's (an encoder layer says False).
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    op_kwargs = dict(causal=causal, scale=scaling,
+                     window=(-1, -1) if sliding_window is None else (sliding_window - 1, 0),
+                     softcap=float(softcap or 0.0))
+    packing = getattr(attention_mask, "_attnscope_packing", None)
+    if packing is not None:
+        return _packed_attention(packing, query, key, value, **op_kwargs), None
     out = fused_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                          causal=bool(causal), scale=scaling, layout="bshd",
-                          causal_alignment="bottom_right")
+                          layout="bshd", causal_alignment="bottom_right", **op_kwargs)
     return out, None
 
 
