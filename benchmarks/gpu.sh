@@ -33,7 +33,7 @@ BENCH_SWEEP=${BENCH_SWEEP:-default}
 SUMMARY=()
 
 step_setup() {
-  pip install -e . --no-deps --no-build-isolation || return
+  python -m pip install -e . --no-deps --no-build-isolation || return
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv \
     | tee "$OUT/gpu.txt"
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
