@@ -86,13 +86,17 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def load(module: str):
-    """`module.flash_attn_func`, or the reason it cannot be had. Import errors of every kind are
+def load(module: str, function: str = "flash_attn_func"):
+    """`module.function`, or the reason it cannot be had. Import errors of every kind are
     reasons: a broken CUDA extension or compiler install must not end a listing or a sweep."""
     try:
-        return importlib.import_module(module).flash_attn_func, None
+        imported = importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 -- see the docstring
         return None, f"{module} is installed but does not import ({_first_line(exc)})"
+    func = getattr(imported, function, None)
+    if func is None:
+        return None, f"this version of {module} has no {function}"
+    return func, None
 
 
 @dataclass(frozen=True)
@@ -124,20 +128,37 @@ class Peer:
             return False, why
         return True, f"{self.label} {_version(self.distributions)} ({self.module})"
 
-    def prepare(self, q, k, v, causal=True):
+    def _function(self, q, name):
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"{self.label} takes float16 or bfloat16 inputs; got {q.dtype}")
-        func, why = load(self.module)
+        func, why = load(self.module, name)
         if func is None:
-            raise RuntimeError(why)
+            raise NotImplementedError(why) if why.startswith("this version") else RuntimeError(why)
+        return func
+
+    def prepare(self, q, k, v, causal=True):
+        # causal=True is aligned bottom-right in both libraries when q_len < kv_len.
+        func = self._function(q, "flash_attn_func")
 
         def forward():
             # BSHD views, no copy (see the module docstring).
             out = func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
-            # FA4 returns (out, lse) in some versions, out in others; the output comes first.
-            out = out[0] if isinstance(out, tuple) else out
-            return out.transpose(1, 2)  # back to [batch, heads, seq, dim], a view
+            return _output(out).transpose(1, 2)  # back to [batch, heads, seq, dim], a view
         return forward
+
+    def prepare_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       causal=True):
+        # Both libraries' flash_attn_varlen_func take (q, k, v, cu_seqlens_q, cu_seqlens_k,
+        # max_seqlen_q, max_seqlen_k, ..., causal=) with the packed layout the registry hands.
+        func = self._function(q, "flash_attn_varlen_func")
+        return lambda: _output(func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                    causal=causal))
+
+
+def _output(result):
+    # FA4 returns (out, lse) in some versions, out in others; the output comes first.
+    return result[0] if isinstance(result, tuple) else result
 
 
 FA4 = Peer(
@@ -167,4 +188,6 @@ for _name, _peer, _description in (
         available=_peer.available,
         prepare=_peer.prepare,
         gqa=True,
+        q_len_differs=True,
+        prepare_varlen=_peer.prepare_varlen,
     ))
