@@ -86,17 +86,13 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
-def load(module: str, function: str = "flash_attn_func"):
-    """`module.function`, or the reason it cannot be had. Import errors of every kind are
+def load(module: str):
+    """`module.flash_attn_func`, or the reason it cannot be had. Import errors of every kind are
     reasons: a broken CUDA extension or compiler install must not end a listing or a sweep."""
     try:
-        imported = importlib.import_module(module)
+        return importlib.import_module(module).flash_attn_func, None
     except Exception as exc:  # noqa: BLE001 -- see the docstring
         return None, f"{module} is installed but does not import ({_first_line(exc)})"
-    func = getattr(imported, function, None)
-    if func is None:
-        return None, f"this version of {module} has no {function}"
-    return func, None
 
 
 @dataclass(frozen=True)
@@ -128,17 +124,18 @@ class Peer:
             return False, why
         return True, f"{self.label} {_version(self.distributions)} ({self.module})"
 
-    def _function(self, q, name):
+    def _loaded(self, q):
+        """flash_attn_func of a library that imports, for inputs it takes."""
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"{self.label} takes float16 or bfloat16 inputs; got {q.dtype}")
-        func, why = load(self.module, name)
+        func, why = load(self.module)
         if func is None:
-            raise NotImplementedError(why) if why.startswith("this version") else RuntimeError(why)
+            raise RuntimeError(why)
         return func
 
     def prepare(self, q, k, v, causal=True):
         # causal=True is aligned bottom-right in both libraries when q_len < kv_len.
-        func = self._function(q, "flash_attn_func")
+        func = self._loaded(q)
 
         def forward():
             # BSHD views, no copy (see the module docstring).
@@ -150,7 +147,11 @@ class Peer:
                        causal=True):
         # Both libraries' flash_attn_varlen_func take (q, k, v, cu_seqlens_q, cu_seqlens_k,
         # max_seqlen_q, max_seqlen_k, ..., causal=) with the packed layout the registry hands.
-        func = self._function(q, "flash_attn_varlen_func")
+        self._loaded(q)  # the same checks; the module imports
+        func = getattr(importlib.import_module(self.module), "flash_attn_varlen_func", None)
+        if func is None:
+            raise NotImplementedError(f"this version of {self.module} has no "
+                                      f"flash_attn_varlen_func")
         return lambda: _output(func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                     causal=causal))

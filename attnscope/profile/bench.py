@@ -45,7 +45,7 @@ from attnscope.profile.memory import (SCORE_BYTES, SCORE_MEMORY_FRACTION, free_m
                                       score_memory_skip)
 from attnscope.profile.metrics import REF_MEMORY_FRACTION, pct_of_peak, tflops
 from attnscope.profile.sweeps import SWEEPS, Case, resolve_sweep
-from attnscope.profile.table import fmt
+from attnscope.profile.bench_table import format_table, progress_line
 from attnscope.profile.timing import DEFAULT_L2_BYTES, input_sets, median_ms, sync, timing_block
 
 HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
@@ -214,32 +214,6 @@ def _write_json(path: str, header: dict, rows: list[dict], complete: bool) -> No
     # One row per line: a results file under git diffs row by row.
     body = ",\n".join("  " + json.dumps(row) for row in rows)
     runs.write_text(path, f'{head[:-2]},\n "rows": [\n{body}\n ]\n}}\n')
-
-
-def _progress(i: int, total: int, row: dict) -> str:
-    shape = "x".join(map(str, row["shape"]))
-    if row["status"] == "ok":
-        what = (f"{row['median_ms']:.4f} ms  {row['tflops']:.1f} TFLOP/s  "
-                f"err {fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
-    else:
-        what = f"{row['status']}: {row['reason']}"
-    return (f"[{i}/{total}] {row['scenario']} {shape} keys {row['kv_len']} kv{row['kv_heads']} "
-            f"{row['impl']}: {what}")
-
-
-def format_table(rows: list[dict], time_label: str) -> str:
-    head = ["scenario", "shape B,H,S,D", "keys", "kv", "impl", "status", time_label, "TFLOP/s",
-            "% peak", "x best peer", "max err", "1st call ms"]
-    body = [[r.get("scenario", "prefill"), ",".join(map(str, r["shape"])),
-             str(r.get("kv_len", r["shape"][2])), str(r["kv_heads"]), r["impl"], r["status"],
-             *(fmt(r[key], spec) for key, spec in (
-                 ("median_ms", ".4f"), ("tflops", ".1f"), ("pct_of_peak", ".1f"),
-                 ("ratio_to_best_peer", ".3f"), ("error", ".2e"), ("first_call_ms", ".1f")))]
-            for r in rows]
-    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 # --- CLI ---------------------------------------------------------------------------------------
@@ -441,7 +415,7 @@ def run(args) -> int:
             for case in cases:
                 for row in _case_rows(ctx, case, impls, l2_bytes):
                     rows.append(row)
-                    print(_progress(len(rows), total, row), file=sys.stderr)
+                    print(progress_line(len(rows), total, row), file=sys.stderr)
                     if args.json:
                         _write_json(args.json, header, rows, complete=False)
         if args.json:
