@@ -55,8 +55,8 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 
 
 def _case_key(row: dict) -> tuple:
-    return (tuple(row["shape"]), row["kv_heads"], row.get("kv_len"), tuple(row.get("seqlens") or ()),
-            row["dtype"], row["causal"], row["mode"])
+    return (tuple(row["shape"]), row["kv_heads"], row.get("kv_len"),
+            tuple(row.get("seqlens") or ()), row["dtype"], row["causal"], row["mode"])
 
 
 def _ours() -> set[str]:
@@ -370,7 +370,8 @@ def _header(env: dict, sweep: str, cases, device: torch.device, l2_bytes: int | 
         "error": "max abs difference of the forward output against attention_reference in "
         "float64 on the same inputs (input set 0), in every mode; error_compared says which "
         "batch*heads and query rows",
-        "skip_rule": f"entries that materialize the scores skipped when B*H*S*S*{SCORE_BYTES} "
+        "skip_rule": f"entries that materialize the scores skipped when B*H*q_len*kv_len*"
+        f"{SCORE_BYTES} (packed sequences: H*total^2*{SCORE_BYTES}) "
         f"bytes > {SCORE_MEMORY_FRACTION:.0%} of free memory",
     }
 
