@@ -350,7 +350,7 @@ def test_backward_modes_time_the_pass_they_name(fakes, tmp_path, mode):
 def test_backward_gradients_are_the_references():
     # What "bwd" times returns the gradients of the prepared forward on its own inputs.
     q, k, v = bench._with_grad(bench._make_inputs(sweeps.case(1, 2, 16, 16), torch.float32,
-                                                  torch.device("cpu"), 0))
+                                                  torch.device("cpu"), 0)).qkv
     forward = _eager(q, k, v)
     out = forward()
     grads = bench._timed_call(forward, (q, k, v), out, "bwd")()

@@ -124,20 +124,42 @@ class Peer:
             return False, why
         return True, f"{self.label} {_version(self.distributions)} ({self.module})"
 
-    def prepare(self, q, k, v, causal=True):
+    def _loaded(self, q):
+        """flash_attn_func of a library that imports, for inputs it takes."""
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"{self.label} takes float16 or bfloat16 inputs; got {q.dtype}")
         func, why = load(self.module)
         if func is None:
             raise RuntimeError(why)
+        return func
+
+    def prepare(self, q, k, v, causal=True):
+        # causal=True is aligned bottom-right in both libraries when q_len < kv_len.
+        func = self._loaded(q)
 
         def forward():
             # BSHD views, no copy (see the module docstring).
             out = func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
-            # FA4 returns (out, lse) in some versions, out in others; the output comes first.
-            out = out[0] if isinstance(out, tuple) else out
-            return out.transpose(1, 2)  # back to [batch, heads, seq, dim], a view
+            return _output(out).transpose(1, 2)  # back to [batch, heads, seq, dim], a view
         return forward
+
+    def prepare_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       causal=True):
+        # Both libraries' flash_attn_varlen_func take (q, k, v, cu_seqlens_q, cu_seqlens_k,
+        # max_seqlen_q, max_seqlen_k, ..., causal=) with the packed layout the registry hands.
+        self._loaded(q)  # the same checks; the module imports
+        func = getattr(importlib.import_module(self.module), "flash_attn_varlen_func", None)
+        if func is None:
+            raise NotImplementedError(f"this version of {self.module} has no "
+                                      f"flash_attn_varlen_func")
+        return lambda: _output(func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                    causal=causal))
+
+
+def _output(result):
+    # FA4 returns (out, lse) in some versions, out in others; the output comes first.
+    return result[0] if isinstance(result, tuple) else result
 
 
 FA4 = Peer(
@@ -167,4 +189,6 @@ for _name, _peer, _description in (
         available=_peer.available,
         prepare=_peer.prepare,
         gqa=True,
+        q_len_differs=True,
+        prepare_varlen=_peer.prepare_varlen,
     ))

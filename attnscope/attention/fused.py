@@ -392,7 +392,17 @@ def _available(device):
 
 
 def _prepare(q, k, v, causal=True):
-    return lambda: fused_attention(q, k, v, causal=causal)
+    # bottom_right: the registry's alignment for q_len < kv_len (top-left's at equal lengths).
+    return lambda: fused_attention(q, k, v, causal=causal, causal_alignment="bottom_right")
+
+
+def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    causal=True):
+    # Imported here: varlen.py imports this module.
+    from attnscope.attention.varlen import fused_attention_varlen
+
+    return lambda: fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, causal=causal)
 
 
 def _compiled_kernels():
@@ -425,5 +435,7 @@ register(Implementation(
     prepare=_prepare,
     ours=True,
     gqa=True,
+    q_len_differs=True,
+    prepare_varlen=_prepare_varlen,
     compiled_kernels=_compiled_kernels,
 ))

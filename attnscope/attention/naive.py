@@ -11,14 +11,15 @@ import math
 
 import torch
 
-from attnscope.attention.reference import causal_mask
+from attnscope.attention.reference import causal_mask, varlen_mask
 from attnscope.attention.registry import Implementation, inductor_available, register
 
 
 def _causal_fill_mask(q, k):
     # True where a key is in the future of its query: those scores become -inf. Built once in
-    # prepare, as 04_a does, so the profiled forward holds no mask construction.
-    return ~causal_mask(q.shape[2], k.shape[2], "top_left", device=q.device)
+    # prepare, as 04_a does, so the profiled forward holds no mask construction. Bottom-right:
+    # the registry's alignment for q_len < kv_len (the same mask as 04_a's at equal lengths).
+    return ~causal_mask(q.shape[2], k.shape[2], "bottom_right", device=q.device)
 
 
 def naive_attention(q, k, v, mask, scale):
@@ -41,17 +42,35 @@ def _compile_available(device):
     return inductor_available(device, "torch.compile", "inductor-generated C++ (CPU)")
 
 
+def _check_heads(q, k, heads_dim):
+    if k.shape[heads_dim] != q.shape[heads_dim]:
+        # The blog's scripts have one k/v head per query head; repeating k/v would time a copy.
+        raise NotImplementedError(f"GQA/MQA not supported: {q.shape[heads_dim]} q heads, "
+                                  f"{k.shape[heads_dim]} k/v heads")
+
+
 def _preparer(fn, compile_it=False):
     def prepare(q, k, v):
-        if k.shape[1] != q.shape[1]:
-            # The blog's scripts have one k/v head per query head; repeating k/v would time a copy.
-            raise NotImplementedError(f"GQA/MQA not supported: {q.shape[1]} q heads, "
-                                      f"{k.shape[1]} k/v heads")
+        _check_heads(q, k, 1)
         mask = _causal_fill_mask(q, k)
         scale = 1.0 / math.sqrt(q.shape[-1])
         f = torch.compile(fn) if compile_it else fn
         return lambda: f(q, k, v, mask, scale)
     return prepare
+
+
+def _varlen_preparer(fn, compile_it=False):
+    def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       causal=True):
+        # The packed sequences as one [1, heads, total, head_dim] batch whose mask keeps each
+        # sequence to itself: every score of every pair of sequences is computed, then masked.
+        _check_heads(q, k, 1)
+        mask = ~varlen_mask(cu_seqlens_q, cu_seqlens_k, causal)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # views, no copy
+        f = torch.compile(fn) if compile_it else fn
+        return lambda: f(q4, k4, v4, mask, scale)[0].transpose(0, 1)
+    return prepare_varlen
 
 
 register(Implementation(
@@ -61,6 +80,8 @@ register(Implementation(
     available=_always,
     prepare=_preparer(naive_attention),
     materializes_scores=True,
+    q_len_differs=True,
+    prepare_varlen=_varlen_preparer(naive_attention),
 ))
 register(Implementation(
     name="naive_inplace",
@@ -69,6 +90,8 @@ register(Implementation(
     available=_always,
     prepare=_preparer(naive_attention_inplace),
     materializes_scores=True,
+    q_len_differs=True,
+    prepare_varlen=_varlen_preparer(naive_attention_inplace),
 ))
 register(Implementation(
     name="naive_compiled",
@@ -77,4 +100,6 @@ register(Implementation(
     available=_compile_available,
     prepare=_preparer(naive_attention, compile_it=True),
     materializes_scores=True,
+    q_len_differs=True,
+    prepare_varlen=_varlen_preparer(naive_attention, compile_it=True),
 ))

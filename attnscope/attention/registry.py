@@ -28,6 +28,8 @@ class Implementation:
     # prepare(q, k, v) -> forward; q/k/v are [batch, heads, seq, head_dim], causal attention.
     # Entries that can also do full attention accept prepare(q, k, v, causal=False).
     # The forward returns the output as a [batch, heads, seq, head_dim] tensor (a view is fine).
+    # With fewer queries than keys (q_len_differs) causal is aligned bottom-right, flash-attn's
+    # KV-cache convention: the last query sees every key (at equal lengths both alignments agree).
     prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Forward]
     # What the driver must know about an entry, as fields, so it never special-cases a name:
     ours: bool = False  # attnscope's own op; every other entry is a peer for ratios
@@ -36,6 +38,17 @@ class Implementation:
     materializes_scores: bool = False
     # Takes k/v with fewer heads than q (GQA/MQA) without repeating them in memory.
     gqa: bool = False
+    # prepare() takes q_len < kv_len (decode, chunked prefill), causal aligned bottom-right.
+    q_len_differs: bool = False
+    # Expresses bottom-right causal (1 < q_len < kv_len) and packed-sequence masks as an explicit
+    # dense boolean mask, since its own causal flag aligns top-left; backends that take no mask
+    # then refuse the call.
+    explicit_mask: bool = False
+    # Packed variable-length sequences: prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    # max_seqlen_q, max_seqlen_k, causal=True) -> forward, q [total_q, heads, head_dim] and k/v
+    # [total_k, kv_heads, head_dim] as flash-attn's varlen API, causal aligned bottom-right per
+    # sequence; the forward returns [total_q, heads, head_dim]. None: the entry cannot.
+    prepare_varlen: Callable[..., Forward] | None = None
     # Ours only: the compiled kernels this entry's forwards launched in this process (see
     # CompiledKernel), so the driver can show source and compiled code without importing them.
     compiled_kernels: Callable[[], list["CompiledKernel"]] | None = None

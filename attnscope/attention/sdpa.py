@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from attnscope.attention.reference import causal_mask, varlen_mask
 from attnscope.attention.registry import Implementation, register
 
 
@@ -34,18 +35,43 @@ def _anywhere(what):
     return available
 
 
+def _call(backend, q, k, v, **kwargs):
+    """The zero-argument SDPA forward, pinned to `backend` unless it is None."""
+    # GQA/MQA inputs (fewer k/v heads) need enable_gqa; equal heads keep the blog's exact call.
+    if k.shape[1] != q.shape[1]:
+        kwargs["enable_gqa"] = True
+    if backend is None:
+        return lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    def forward():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return forward
+
+
 def _preparer(backend):
     def prepare(q, k, v, causal=True):
-        # GQA/MQA inputs (fewer k/v heads) need enable_gqa; equal heads keep the blog's exact call.
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        if backend is None:
-            return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
-
-        def forward():
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa)
-        return forward
+        q_len, kv_len = q.shape[2], k.shape[2]
+        if causal and q_len != kv_len and q_len > 1:
+            # is_causal aligns top-left; bottom-right (the registry's alignment for q_len < kv_len)
+            # needs an explicit [q_len, kv_len] mask, which the flash backend does not take.
+            return _call(backend, q, k, v,
+                         attn_mask=causal_mask(q_len, kv_len, "bottom_right", device=q.device))
+        # One query against kv_len keys sees every key bottom-right: no mask at all.
+        return _call(backend, q, k, v, is_causal=causal and q_len == kv_len)
     return prepare
+
+
+def _varlen_preparer(backend):
+    def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       causal=True):
+        # SDPA has no packed-sequence API: one [1, heads, total, head_dim] batch under a dense
+        # [total_q, total_k] mask keeping each sequence to itself (causal bottom-right within).
+        mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, causal)
+        q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # views, no copy
+        forward = _call(backend, q4, k4, v4, attn_mask=mask)
+        return lambda: forward()[0].transpose(0, 1)
+    return prepare_varlen
 
 
 # name, backend (None: PyTorch picks), availability, description
@@ -71,6 +97,9 @@ for _name, _backend, _available, _description in _ENTRIES:
         f"04_c_sdpa_attention.py --backend {_name.removeprefix('sdpa_')}",
         available=_available,
         prepare=_preparer(_backend),
+        prepare_varlen=_varlen_preparer(_backend),
+        q_len_differs=True,
+        explicit_mask=True,
         # The math backend builds the scores (fp32 for 16-bit inputs).
         materializes_scores=_backend is SDPBackend.MATH,
         gqa=True,  # enable_gqa (torch >= 2.5); a backend that refuses it says so when called

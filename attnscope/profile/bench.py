@@ -14,7 +14,9 @@ dout is a fixed random normal tensor. An entry whose output carries no autograd 
 with status 'unsupported' in the backward modes.
 
 The time of one call is timing.py's: do_bench's median over a rotation of prepared input sets
-on CUDA, CPU wall time (labelled so) elsewhere. The shapes are sweeps.py's.
+on CUDA, CPU wall time (labelled so) elsewhere. The shapes are sweeps.py's, or one serving
+scenario's (scenarios.py: decode, chunked prefill, packed sequences), whose module also decides
+what each entry can express, how it is asked, and the reference and FLOPs of each case.
 
 A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
 and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C keeps what finished.
@@ -36,25 +38,25 @@ from dataclasses import dataclass
 import torch
 
 from attnscope.attention import registry
-from attnscope.profile import runs
+from attnscope.profile import runs, scenarios
 from attnscope.profile.env import collect_env
-from attnscope.profile.flops import attention_flops
-from attnscope.profile.inputs import (DEFAULT_DTYPE, DTYPES, make_inputs, resolve_device,
-                                      resolve_impls)
+from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, resolve_device, resolve_impls
 from attnscope.profile.memory import (SCORE_BYTES, SCORE_MEMORY_FRACTION, free_memory,
                                       score_memory_skip)
-from attnscope.profile.metrics import (REF_MEMORY_FRACTION, max_abs_error, pct_of_peak,
-                                       reference_output, tflops)
+from attnscope.profile.metrics import REF_MEMORY_FRACTION, pct_of_peak, tflops
 from attnscope.profile.sweeps import SWEEPS, Case, resolve_sweep
-from attnscope.profile.table import fmt
+from attnscope.profile.bench_table import format_table, progress_line
 from attnscope.profile.timing import DEFAULT_L2_BYTES, input_sets, median_ms, sync, timing_block
 
 HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
         "float64, first-call cost")
 
 MODES = ("fwd", "bwd", "fwd_bwd")
+
+
 def _case_key(row: dict) -> tuple:
-    return (tuple(row["shape"]), row["kv_heads"], row["dtype"], row["causal"], row["mode"])
+    return (tuple(row["shape"]), row["kv_heads"], row.get("kv_len"),
+            tuple(row.get("seqlens") or ()), row["dtype"], row["causal"], row["mode"])
 
 
 def _ours() -> set[str]:
@@ -106,15 +108,9 @@ class _Context:
     available: dict[str, tuple[bool, str]]
 
 
-def _prepare(impl, q, k, v, causal: bool):
-    if causal:
-        return impl.prepare(q, k, v)
-    return impl.prepare(q, k, v, causal=False)
-
-
 def _upstream_grad(q: torch.Tensor) -> torch.Tensor:
     # The gradient of the output, seeded like the inputs; normal, not ones (a sum's gradient).
-    gen = torch.Generator(device=q.device).manual_seed(q.shape[2] + q.shape[3])
+    gen = torch.Generator(device=q.device).manual_seed(q.shape[-2] + q.shape[-1])
     return torch.randn(q.shape, generator=gen, device=q.device, dtype=q.dtype)
 
 
@@ -137,7 +133,9 @@ def _takes_causal(impl) -> bool:
 
 
 def _row(ctx: _Context, case: Case, name: str) -> dict:
-    return {"shape": case.shape, "kv_heads": case.kv_heads, "dtype": ctx.dtype,
+    return {"shape": case.shape, "kv_heads": case.kv_heads, "scenario": case.scenario,
+            "kv_len": case.keys, "seqlens": list(case.seqlens) if case.seqlens else None,
+            "note": "", "dtype": ctx.dtype,
             "causal": ctx.causal, "mode": ctx.mode, "impl": name, "status": "ok", "reason": "",
             "median_ms": None, "tflops": None, "pct_of_peak": None, "ratio_to_best_peer": None,
             "error": None, "error_compared": None, "first_call_ms": None, "input_sets": None,
@@ -154,14 +152,15 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
     if not ctx.causal and not _takes_causal(impl):
         return {**row, "status": "unsupported",
                 "reason": "prepare() takes no causal argument (causal only)"}
-    if case.kv_heads != case.heads and not impl.gqa:
-        return {**row, "status": "unsupported",
-                "reason": "takes no K/V with fewer heads than q (the registry's gqa field)"}
+    cannot = scenarios.unsupported(impl, case)
+    if cannot:
+        return {**row, "status": "unsupported", "reason": cannot}
+    row["note"] = scenarios.note(impl, case, ctx.causal)
     skip = score_memory_skip(impl, case, free_bytes, ctx.mode)
     if skip:
         return {**row, "status": "skipped", "reason": skip}
     try:
-        forward = _prepare(impl, *inputs[0], ctx.causal)
+        forward = scenarios.prepare(impl, inputs[0], ctx.causal)
         # First call on this shape in this process: what a user waits for (JIT, autotune, plans);
         # in the backward modes, the first forward and backward together.
         t0 = time.perf_counter()
@@ -169,27 +168,25 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
         if ctx.mode != "fwd" and out.grad_fn is None:
             return {**row, "status": "unsupported",
                     "reason": "forward only: its output carries no autograd graph"}
-        first = _timed_call(forward, inputs[0], out, ctx.mode)
+        first = _timed_call(forward, inputs[0].qkv, out, ctx.mode)
         if ctx.mode != "fwd":
             first()
         sync(ctx.device)
         row["first_call_ms"] = (time.perf_counter() - t0) * 1e3
-        q = inputs[0][0]
+        q = inputs[0].qkv[0]
         if tuple(out.shape) != tuple(q.shape):
             return {**row, "status": "failed",
                     "reason": f"output shape {list(out.shape)}, expected {list(q.shape)}"}
         if reference is not None:
-            ref, region = reference
-            start, stop = region["query_rows"]
             with torch.no_grad():
-                row["error"] = max_abs_error(out[:, :, start:stop], ref)
-            row["error_compared"] = region
+                row["error"] = scenarios.error(out, *reference)
+            row["error_compared"] = reference[1]
         if ctx.mode != "bwd":
             del out  # "bwd" keeps it: the first timed call differentiates its graph
         calls = [first]
-        for qkv in inputs[1:]:
-            other = _prepare(impl, *qkv, ctx.causal)
-            calls.append(_timed_call(other, qkv, other() if ctx.mode == "bwd" else None,
+        for more in inputs[1:]:
+            other = scenarios.prepare(impl, more, ctx.causal)
+            calls.append(_timed_call(other, more.qkv, other() if ctx.mode == "bwd" else None,
                                      ctx.mode))
         row["input_sets"] = len(calls)
         ms = median_ms(calls, ctx.device, ctx.warmup_ms, ctx.rep_ms)
@@ -201,8 +198,7 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
     except Exception as exc:  # noqa: BLE001 -- one entry's failure must not end the sweep
         first = str(exc).splitlines()[0] if str(exc) else ""
         return {**row, "status": "failed", "reason": f"{type(exc).__name__}: {first}"}
-    flops = attention_flops(case.batch, case.heads, case.seq, case.seq, case.head_dim,
-                            causal=ctx.causal, mode=ctx.mode)
+    flops = scenarios.flops(case, ctx.causal, ctx.mode)
     row.update(median_ms=ms, tflops=tflops(flops, ms * 1e-3))
     row["pct_of_peak"] = pct_of_peak(row["tflops"], ctx.dtype, ctx.env)
     if row["error"] is not None and not math.isfinite(row["error"]):
@@ -220,36 +216,23 @@ def _write_json(path: str, header: dict, rows: list[dict], complete: bool) -> No
     runs.write_text(path, f'{head[:-2]},\n "rows": [\n{body}\n ]\n}}\n')
 
 
-def _progress(i: int, total: int, row: dict) -> str:
-    shape = "x".join(map(str, row["shape"]))
-    if row["status"] == "ok":
-        what = (f"{row['median_ms']:.4f} ms  {row['tflops']:.1f} TFLOP/s  "
-                f"err {fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
-    else:
-        what = f"{row['status']}: {row['reason']}"
-    return f"[{i}/{total}] {shape} kv{row['kv_heads']} {row['impl']}: {what}"
-
-
-def format_table(rows: list[dict], time_label: str) -> str:
-    head = ["shape B,H,S,D", "kv", "impl", "status", time_label, "TFLOP/s", "% peak",
-            "x best peer", "max err", "1st call ms"]
-    body = [[",".join(map(str, r["shape"])), str(r["kv_heads"]), r["impl"], r["status"],
-             *(fmt(r[key], spec) for key, spec in (
-                 ("median_ms", ".4f"), ("tflops", ".1f"), ("pct_of_peak", ".1f"),
-                 ("ratio_to_best_peer", ".3f"), ("error", ".2e"), ("first_call_ms", ".1f")))]
-            for r in rows]
-    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 # --- CLI ---------------------------------------------------------------------------------------
 
 def add_arguments(parser) -> None:
     parser.add_argument("--sweep", default=None,
-                        help=f"named shape sweep: {', '.join(SWEEPS)} (default: 'default' on "
-                        "CUDA, 'cpu' on the CPU)")
+                        help=f"named shape sweep: {', '.join(SWEEPS)} ('serving': decode, "
+                        "chunked prefill and packed sequences) (default: 'default' on CUDA, "
+                        "'cpu' on the CPU)")
+    parser.add_argument("--scenario", choices=scenarios.SCENARIOS, default=None,
+                        help="time one serving scenario at its preset shape instead of a sweep: "
+                        "prefill (q_len == kv_len), decode (q_len 1-8 on a long KV cache), "
+                        "chunked (new queries on a longer cache), varlen (packed sequences); "
+                        "causal aligned bottom-right when q_len < kv_len")
+    parser.add_argument("--q-len", type=int, default=None, metavar="N",
+                        help="queries per sequence of --scenario's shape (default: its preset)")
+    parser.add_argument("--kv-len", type=int, default=None, metavar="N",
+                        help="keys per sequence of --scenario's shape, >= --q-len (default: its "
+                        "preset; q_len for prefill)")
     parser.add_argument("--impl", nargs="+", metavar="NAME",
                         help="implementations to time, in this order (default: every registered "
                         "one; `attnscope list` names them)")
@@ -287,8 +270,17 @@ def _resolve(args):
                          f"and {args.rep_ms:g}")
     device = torch.device(resolve_device(args.device))
     args.dtype = args.dtype or DEFAULT_DTYPE[device.type]
-    sweep = args.sweep or ("default" if device.type == "cuda" else "cpu")
-    cases = resolve_sweep(sweep, args.kv_heads)
+    one_case = args.scenario or args.q_len is not None or args.kv_len is not None
+    if one_case and args.sweep:
+        raise ValueError(f"--sweep {args.sweep} and --scenario/--q-len/--kv-len: give one "
+                         "(a scenario times one shape, a sweep its own)")
+    if one_case:
+        sweep = f"scenario {args.scenario or 'prefill'}"
+        cases = (scenarios.scenario_case(args.scenario, device.type, q_len=args.q_len,
+                                         kv_len=args.kv_len, kv_heads=args.kv_heads),)
+    else:
+        sweep = args.sweep or ("default" if device.type == "cuda" else "cpu")
+        cases = resolve_sweep(sweep, args.kv_heads)
     impls, notes = resolve_impls(args.impl)
     if not impls:
         raise ValueError("no implementations are registered")
@@ -317,11 +309,11 @@ MODE_TIMED = {
 }
 
 
-def _reference_or_none(qkv, causal: bool, device: torch.device):
+def _reference_or_none(inputs, causal: bool, device: torch.device):
     budget = REF_MEMORY_FRACTION * (free_memory(device) or 2**31)
     try:
         with torch.no_grad():  # the backward modes run with grad enabled
-            return reference_output(*qkv, causal=causal, budget_bytes=budget)
+            return scenarios.reference(inputs, causal, budget)
     except torch.OutOfMemoryError:  # the budget is an estimate; rows then carry no error
         print("bench: the float64 reference ran out of memory; no errors at this shape",
               file=sys.stderr)
@@ -330,12 +322,12 @@ def _reference_or_none(qkv, causal: bool, device: torch.device):
 
 def _make_inputs(case: Case, dtype: torch.dtype, device: torch.device, index: int):
     # Seeded per shape and set, so every implementation sees the same data.
-    return make_inputs(*case.shape, dtype, device, seed=1000 * index + case.seq + case.head_dim,
-                       kv_heads=case.kv_heads, draw_on=device)
+    return scenarios.case_inputs(case, dtype, device, seed=1000 * index + case.seq + case.head_dim,
+                                 draw_on=device)
 
 
-def _with_grad(qkv):
-    return tuple(t.requires_grad_() for t in qkv)
+def _with_grad(inputs):
+    return dataclasses.replace(inputs, qkv=tuple(t.requires_grad_() for t in inputs.qkv))
 
 
 def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
@@ -343,12 +335,14 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
     if case.dtype:  # the wide sweep's cases carry their own dtype
         ctx = dataclasses.replace(ctx, dtype=case.dtype)
     dtype = DTYPES[ctx.dtype]
-    q_bytes = case.batch * case.heads * case.seq * case.head_dim * dtype.itemsize
-    set_bytes = 2 * q_bytes + 2 * q_bytes * case.kv_heads // case.heads  # q, out, k, v
+    q_rows, kv_rows = ((sum(case.seqlens),) * 2 if case.seqlens
+                       else (case.batch * case.seq, case.batch * case.keys))
+    set_bytes = 2 * (q_rows * case.heads + kv_rows * case.kv_heads) * case.head_dim * \
+        dtype.itemsize  # q, out, k, v
     n_sets = 1 if ctx.device.type == "cpu" else input_sets(set_bytes, l2_bytes)
     inputs = [_make_inputs(case, dtype, ctx.device, i) for i in range(n_sets)]
     if ctx.mode != "fwd":
-        inputs = [_with_grad(qkv) for qkv in inputs]
+        inputs = [_with_grad(one) for one in inputs]
     reference = _reference_or_none(inputs[0], ctx.causal, ctx.device)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # free memory must not count the reference's cached blocks
@@ -376,7 +370,8 @@ def _header(env: dict, sweep: str, cases, device: torch.device, l2_bytes: int | 
         "error": "max abs difference of the forward output against attention_reference in "
         "float64 on the same inputs (input set 0), in every mode; error_compared says which "
         "batch*heads and query rows",
-        "skip_rule": f"entries that materialize the scores skipped when B*H*S*S*{SCORE_BYTES} "
+        "skip_rule": f"entries that materialize the scores skipped when B*H*q_len*kv_len*"
+        f"{SCORE_BYTES} (packed sequences: H*total^2*{SCORE_BYTES}) "
         f"bytes > {SCORE_MEMORY_FRACTION:.0%} of free memory",
     }
 
@@ -421,7 +416,7 @@ def run(args) -> int:
             for case in cases:
                 for row in _case_rows(ctx, case, impls, l2_bytes):
                     rows.append(row)
-                    print(_progress(len(rows), total, row), file=sys.stderr)
+                    print(progress_line(len(rows), total, row), file=sys.stderr)
                     if args.json:
                         _write_json(args.json, header, rows, complete=False)
         if args.json:
@@ -435,6 +430,8 @@ def run(args) -> int:
         return 1
     final = with_peer_ratios(rows)
     print(format_table(final, time_label))
+    for name, text in dict.fromkeys((r["impl"], r["note"]) for r in final if r["note"]):
+        print(f"note: {name}: {text}")
     for name, s in geomean_ratios(final).items():
         print(f"{name}: geometric mean ratio to the best peer {s['geomean_ratio_to_best_peer']:.3f}"
               f" over {s['shapes']} shapes")

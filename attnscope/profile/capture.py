@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+from attnscope.profile import scenarios
 from attnscope.profile.inputs import WARMUP_CALLS
 
 WAIT, WARMUP, ACTIVE = 1, 1, 3
@@ -40,8 +41,9 @@ def trace_paths(out_dir, impl_name, shape, mode="fwd"):
     return folder / f"{stem}.json.gz", folder / f"{stem}.txt"
 
 
-def capture(impl, q, k, v, out_dir, mode="fwd") -> Capture:
-    """Profile `impl` on q, k, v; raises whatever the implementation raises.
+def capture(impl, q, k, v, out_dir, mode="fwd", packing=None) -> Capture:
+    """Profile `impl` on q, k, v; raises whatever the implementation raises. `packing`: packed
+    sequences' (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) (scenarios.Inputs).
 
     mode "fwd_bwd" profiles forward and backward in each range: inputs require grad, and after
     each forward torch.autograd.grad computes dq, dk, dv for a fixed random upstream gradient
@@ -73,7 +75,7 @@ def capture(impl, q, k, v, out_dir, mode="fwd") -> Capture:
         return out.detach()
 
     with torch.enable_grad() if backward else torch.no_grad():
-        forward = impl.prepare(q, k, v)
+        forward = scenarios.prepare(impl, scenarios.Inputs((q, k, v), packing), causal=True)
         for _ in range(WARMUP_CALLS):
             output = step()
         if cuda:

@@ -28,13 +28,12 @@ from pathlib import Path
 import torch
 
 from attnscope.attention import attention_reference
-from attnscope.profile import artifacts, compiled, report, runs
+from attnscope.attention.reference import attention_reference_varlen
+from attnscope.profile import artifacts, compiled, report, runs, scenarios
 from attnscope.profile import tensor_cores as tc
 from attnscope.profile.capture import MODES, capture
 from attnscope.profile.env import collect_env
-from attnscope.profile.flops import attention_flops
-from attnscope.profile.inputs import (DEFAULT_DTYPE, DTYPES, SHAPES, make_inputs, resolve_device,
-                                      resolve_impls)
+from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, resolve_device, resolve_impls
 from attnscope.profile.metrics import max_abs_error, pct_of_peak, tflops
 from attnscope.profile.table import CPU_NOTE, evidence_text, format_table
 from attnscope.profile.trace import VERDICT_ARG, analyze_file, annotate_kernels
@@ -52,8 +51,23 @@ def add_arguments(p):
                         "a name given twice runs once")
     p.add_argument("--batch", type=int, help="batch size (default 8 on CUDA, 1 on CPU)")
     p.add_argument("--heads", type=int, help="attention heads (default 16 on CUDA, 2 on CPU)")
-    p.add_argument("--seq", type=int, help="sequence length (default 1024 on CUDA, 128 on CPU)")
+    p.add_argument("--seq", type=int, help="sequence length, queries and keys alike (default 1024 "
+                   "on CUDA, 128 on CPU); for unequal lengths use --q-len/--kv-len")
     p.add_argument("--head-dim", type=int, help="head dimension (default 64)")
+    p.add_argument("--scenario", choices=scenarios.SCENARIOS,
+                   help="serving scenario, each with its preset shape that the flags above "
+                        "change: prefill (default; q_len == kv_len), decode (q_len 1-8 on a "
+                        "long KV cache, GQA), chunked (new queries on a longer cache), varlen "
+                        "(packed sequences of the lengths sweeps.VARLEN_LENGTHS lists); causal "
+                        "aligned bottom-right when q_len < kv_len")
+    p.add_argument("--q-len", type=int, metavar="N",
+                   help="queries per sequence (default: the scenario's)")
+    p.add_argument("--kv-len", type=int, metavar="N",
+                   help="keys per sequence, >= --q-len (default: the scenario's; q_len for "
+                        "prefill)")
+    p.add_argument("--kv-heads", type=int, metavar="N",
+                   help="K/V heads (GQA/MQA; must divide --heads) (default: the scenario's; "
+                        "--heads for prefill)")
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="input dtype (default bf16 on CUDA as in the blog, fp32 on CPU)")
     p.add_argument("--device", choices=("cuda", "cpu"),
@@ -72,14 +86,17 @@ def add_arguments(p):
                         "default; the CPU's Triton interpreter compiles nothing)")
 
 
-def resolve_shape(args, device):
-    """(batch, heads, seq, head_dim): the flags where given, else the device's default shape."""
-    given = (args.batch, args.heads, args.seq, args.head_dim)
-    shape = tuple(fallback if g is None else g for g, fallback in zip(given, SHAPES[device]))
-    for flag, value in zip(("--batch", "--heads", "--seq", "--head-dim"), shape):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    return shape
+def resolve_case(args, device):
+    """The sweeps.Case to profile: the scenario's preset on `device` (prefill: the blog's shape),
+    changed by the flags given."""
+    if args.seq is not None and (args.q_len is not None or args.kv_len is not None):
+        raise ValueError(f"--seq sets both lengths; give it or --q-len/--kv-len, not both "
+                         f"(got --seq {args.seq}, --q-len {args.q_len}, --kv-len {args.kv_len})")
+    q_len = args.seq if args.q_len is None else args.q_len
+    kv_len = args.seq if args.kv_len is None else args.kv_len
+    return scenarios.scenario_case(args.scenario, device, batch=args.batch, heads=args.heads,
+                                   q_len=q_len, kv_len=kv_len, head_dim=args.head_dim,
+                                   kv_heads=args.kv_heads)
 
 
 def write_results(folder: Path, results: dict):
@@ -97,11 +114,15 @@ def _first_line(exc):
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-def _reference(q, k, v):
-    """The float64 oracle, kept on the CPU so it never counts in a row's peak memory; None when
-    it does not fit (its S x S float64 scores are 8x a bf16 naive's)."""
+def _reference(inputs):
+    """The float64 oracle (bottom-right causal, the registry's alignment for q_len < kv_len), kept
+    on the CPU so it never counts in a row's peak memory; None when it does not fit (its S x S
+    float64 scores are 8x a bf16 naive's)."""
+    q, k, v = inputs.qkv
     try:
-        return attention_reference(q, k, v).cpu()
+        if inputs.packing is not None:
+            return attention_reference_varlen(q, k, v, *inputs.packing[:2]).cpu()
+        return attention_reference(q, k, v, causal_alignment="bottom_right").cpu()
     except torch.cuda.OutOfMemoryError:
         _progress("note: the float64 reference does not fit in GPU memory at this shape; "
                   "the error column stays empty")
@@ -111,14 +132,18 @@ def _reference(q, k, v):
             torch.cuda.empty_cache()
 
 
-def profile_one(impl, q, k, v, reference, out: Path, device, dtype_name, env, mode="fwd") -> dict:
+def profile_one(impl, inputs, case, reference, out: Path, device, dtype_name, env,
+                mode="fwd") -> dict:
     row = {"impl": impl.name, "description": impl.description, "seed_script": impl.seed_script,
-           "status": "ok", "reason": ""}
+           "status": "ok", "reason": "", "note": scenarios.note(impl, case, causal=True)}
     ok, reason = impl.available(torch.device(device))
     if not ok:
         return {**row, "status": "unavailable", "reason": reason}
+    cannot = scenarios.unsupported(impl, case)
+    if cannot:
+        return {**row, "status": "unsupported", "reason": cannot}
     try:
-        cap = capture(impl, q, k, v, out, mode)
+        cap = capture(impl, *inputs.qkv, out, mode, inputs.packing)
     except OSError as exc:
         if runs.cannot_write(exc, out):
             raise  # the out folder, not the implementation: the run cannot go on
@@ -136,7 +161,7 @@ def profile_one(impl, q, k, v, reference, out: Path, device, dtype_name, env, mo
         row["max_abs_error"] = max_abs_error(cap.output, reference)
     row["tflops"] = row["pct_of_peak"] = None
     if analysis["cuda_time_avg_us"]:
-        flops = attention_flops(*q.shape[:3], k.shape[2], q.shape[3], causal=True, mode=mode)
+        flops = scenarios.flops(case, causal=True, mode=mode)
         row["tflops"] = tflops(flops, analysis["cuda_time_avg_us"] * 1e-6)
         row["pct_of_peak"] = pct_of_peak(row["tflops"], dtype_name, env)
     return row
@@ -189,7 +214,7 @@ def run(args) -> int:
     try:
         impls, notes = resolve_impls(args.impl)
         device = resolve_device(args.device)
-        shape = resolve_shape(args, device)
+        case = resolve_case(args, device)
         if args.report:
             report.require_dependencies()  # now, not after minutes of profiling
     except (ValueError, report.ReportError) as e:
@@ -199,7 +224,7 @@ def run(args) -> int:
         _progress(note)
     try:
         with runs.Run(args.out) as run_:
-            return _run(args, run_, impls, device, shape)
+            return _run(args, run_, impls, device, case)
     except runs.RunError as e:
         print(f"attnscope compare: error: {e}", file=sys.stderr)
         return 2
@@ -210,24 +235,28 @@ def run(args) -> int:
         return 1
 
 
-def _run(args, run_, impls, device, shape) -> int:
+def _run(args, run_, impls, device, case) -> int:
     out, folder = Path(args.out), run_.folder
     dtype_name = args.dtype or DEFAULT_DTYPE[device]
+    shape = tuple(case.shape)
     results = {"command": "compare", "argv": run_.command, "complete": False,
                "shape": dict(zip(("batch", "heads", "seq", "head_dim"), shape)),
+               "scenario": case.scenario, "kv_len": case.keys, "kv_heads": case.kv_heads,
+               "seqlens": list(case.seqlens) if case.seqlens else None,
                "dtype": dtype_name, "device": device, "causal": True, "mode": args.mode,
-               "flops_per_forward": attention_flops(*shape[:3], shape[2], shape[3], causal=True,
-                                                    mode=args.mode),
+               "flops_per_forward": scenarios.flops(case, causal=True, mode=args.mode),
                "env": collect_env(), "rows": []}
     write_results(folder, results)
-    q, k, v = make_inputs(*shape, DTYPES[dtype_name], device)
-    reference = _reference(q, k, v)
-    _progress(f"attnscope compare: {len(impls)} implementations, shape {shape} "
-              f"[batch, heads, seq, head_dim], {dtype_name}, {device}, run folder {folder}")
+    inputs = scenarios.case_inputs(case, DTYPES[dtype_name], device, seed=0)
+    reference = _reference(inputs)
+    _progress(f"attnscope compare: {len(impls)} implementations, {case.scenario} shape {shape} "
+              f"[batch, heads, q_len, head_dim], {case.keys} keys, {case.kv_heads} K/V heads"
+              f"{', packed lengths ' + str(list(case.seqlens)) if case.seqlens else ''}, "
+              f"{dtype_name}, {device}, run folder {folder}")
     try:
         for i, impl in enumerate(impls, 1):
             _progress(f"[{i}/{len(impls)}] {impl.name} ...")
-            row = profile_one(impl, q, k, v, reference, folder, device, dtype_name,
+            row = profile_one(impl, inputs, case, reference, folder, device, dtype_name,
                               results["env"], args.mode)
             results["rows"].append(row)
             write_results(folder, results)
@@ -253,6 +282,9 @@ def _run(args, run_, impls, device, shape) -> int:
             status = 1
     latest = run_.complete()
     print(format_table(results["rows"], device))
+    for row in results["rows"]:
+        if row.get("note"):
+            print(f"note: {row['impl']}: {row['note']}")
     if device == "cpu":
         print(CPU_NOTE)
     print("CUDA us/fwd is busy GPU time (sum of the forward's GPU ops); TFLOP/s divides by it. "

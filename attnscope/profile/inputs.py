@@ -32,16 +32,18 @@ def resolve_device(requested: str | None) -> str:
 
 
 def make_inputs(batch, heads, seq, head_dim, dtype, device, seed=0, kv_heads=None,
-                draw_on="cpu"):
-    """q [batch, heads, seq, head_dim] and k, v [batch, kv_heads (default heads), seq, head_dim],
-    standard normal from a generator seeded with `seed`: never zeros or constants.
+                draw_on="cpu", kv_len=None):
+    """q [batch, heads, seq, head_dim] and k, v [batch, kv_heads (default heads), kv_len (default
+    seq), head_dim], standard normal from a generator seeded with `seed`: never zeros or
+    constants.
 
     Drawn on the CPU by default, so a seed gives the same numbers on every machine; bench draws
     on the device (`draw_on=device`) because it makes up to 16 sets of long sequences per shape.
     """
     gen = torch.Generator(device=draw_on).manual_seed(seed)
     kv_heads = heads if kv_heads is None else kv_heads
-    shapes = ((batch, heads, seq, head_dim), *((batch, kv_heads, seq, head_dim),) * 2)
+    kv_len = seq if kv_len is None else kv_len
+    shapes = ((batch, heads, seq, head_dim), *((batch, kv_heads, kv_len, head_dim),) * 2)
     return tuple(torch.randn(s, generator=gen, device=draw_on, dtype=torch.float32)
                  .to(device=device, dtype=dtype) for s in shapes)
 

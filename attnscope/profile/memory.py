@@ -8,7 +8,7 @@ import torch
 
 from attnscope.profile.sweeps import Case
 
-# Entries that materialize the [B, H, S, S] scores (the registry's `materializes_scores`).
+# Entries that materialize the [B, H, q_len, kv_len] scores (the registry's `materializes_scores`).
 # Budgeted at three live fp32 score tensors (scores, masked scores, probabilities; sdpa_math
 # upcasts bf16 to fp32, the eager ones hold fewer bytes, so it is an upper bound). Such an entry
 # is skipped when that exceeds half the free memory; the other half holds inputs, rotation sets,
@@ -26,7 +26,7 @@ def score_memory_skip(impl, case: Case, free_bytes: int | None,
     if not impl.materializes_scores or free_bytes is None:
         return None
     copies = 3 if mode == "fwd" else 3 * BACKWARD_SCORE_FACTOR
-    need = case.batch * case.heads * case.seq * case.seq * SCORE_BYTES // 3 * copies
+    need = case.score_elements * SCORE_BYTES // 3 * copies
     if need <= SCORE_MEMORY_FRACTION * free_bytes:
         return None
     return (f"materializes [B,H,S,S] scores: estimated {need / 2**30:.1f} GiB ({copies} fp32 "

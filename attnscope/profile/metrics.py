@@ -43,12 +43,13 @@ def reference_output(q, k, v, *, causal: bool, budget_bytes: float):
 
     Computed in chunks of (batch, head) pairs. When one head alone is over budget, only its last
     query rows are compared: they see every key, so the longest reductions are the ones checked;
-    "bottom_right" alignment keeps each sliced row's true causal window (lengths are equal).
+    "bottom_right" alignment keeps each sliced row's true causal window (the registry's alignment
+    for q_len <= kv_len, and the only one for which the last rows of a slice keep theirs).
     Returns (reference [B, H, rows, D] float64, region) where region records what was compared.
     """
     batch, heads, seq, head_dim = q.shape
     kv_heads = k.shape[1]
-    per_row = seq * REF_BYTES_PER_SCORE
+    per_row = k.shape[2] * REF_BYTES_PER_SCORE
     rows = int(min(seq, max(1, budget_bytes // per_row)))
     start = seq - rows
     chunk = int(min(batch * heads, max(1, budget_bytes // (rows * per_row))))

@@ -140,7 +140,11 @@ class _Page:
     def render(self) -> str:
         from pygments.formatters import HtmlFormatter
 
-        shape = self.results.get("shape", {})
+        shape = dict(self.results.get("shape", {}))
+        # (results written before scenarios have none: they were prefill)
+        if self.results.get("scenario", "prefill") != "prefill":
+            shape = {"scenario": self.results["scenario"], **shape,
+                     "keys": self.results.get("kv_len"), "kv_heads": self.results.get("kv_heads")}
         title = (f"attnscope: {', '.join(f'{k} {v}' for k, v in shape.items())}, "
                  f"{self.results.get('dtype')}, {self.device}"
                  # Files from before run folders carry no flag: they were complete.

@@ -1,10 +1,13 @@
 """The shapes `bench` sweeps: named sweeps of cases (batch, heads, seq, head_dim, K/V heads, and
-for the wide sweep a dtype of their own)."""
+for the wide sweep a dtype of their own; for the serving sweep keys that outnumber the queries,
+or packed sequences of different lengths)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 from attnscope.profile.inputs import SHAPES
 
@@ -17,14 +20,53 @@ class Case:
     head_dim: int
     kv_heads: int  # equal to heads unless GQA/MQA
     dtype: str | None = None  # "bf16"/"fp16"/"fp32"; None: bench's --dtype
+    # Keys per sequence when they outnumber the queries (`seq`): decode, chunked prefill; causal
+    # is then aligned bottom-right. None: self-attention, kv_len == seq.
+    kv_len: int | None = None
+    # Packed sequences of these lengths (queries = keys per sequence, causal within each); batch
+    # is their count and seq the longest. None: a padded-free rectangular batch.
+    seqlens: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> list[int]:
         return [self.batch, self.heads, self.seq, self.head_dim]
 
+    @property
+    def keys(self) -> int:
+        return self.seq if self.kv_len is None else self.kv_len
 
-def case(batch, heads, seq, head_dim, kv_heads=None, dtype=None) -> Case:
-    return Case(batch, heads, seq, head_dim, heads if kv_heads is None else kv_heads, dtype)
+    @property
+    def scenario(self) -> str:
+        """prefill (q_len == kv_len), decode (q_len <= 8 < kv_len), chunked (other q_len <
+        kv_len) or varlen."""
+        if self.seqlens is not None:
+            return "varlen"
+        if self.keys == self.seq:
+            return "prefill"
+        return "decode" if self.seq <= MAX_DECODE_Q_LEN else "chunked"
+
+    @property
+    def score_elements(self) -> int:
+        """Scores an implementation that materializes them holds: per head q_len x kv_len, or
+        total x total for packed sequences under one mask."""
+        if self.seqlens is not None:
+            return self.heads * sum(self.seqlens) ** 2
+        return self.batch * self.heads * self.seq * self.keys
+
+
+# Decode: one to this many new queries per sequence (speculative decoding's drafts).
+MAX_DECODE_Q_LEN = 8
+
+
+def case(batch, heads, seq, head_dim, kv_heads=None, dtype=None, kv_len=None) -> Case:
+    return Case(batch, heads, seq, head_dim, heads if kv_heads is None else kv_heads, dtype,
+                kv_len)
+
+
+def varlen_case(seqlens, heads, head_dim, kv_heads=None, dtype=None) -> Case:
+    seqlens = tuple(int(n) for n in seqlens)
+    return Case(len(seqlens), heads, max(seqlens), head_dim,
+                heads if kv_heads is None else kv_heads, dtype, None, seqlens)
 
 
 # The wide sweep (issue 19): every head_dim x every length once, 60 cases, with the other axes
@@ -58,6 +100,37 @@ def wide_sweep() -> tuple[Case, ...]:
     return tuple(cases)
 
 
+def varlen_lengths(count: int, longest: int, seed: int) -> tuple[int, ...]:
+    """`count` sequence lengths, uniform in [1, longest], from a generator seeded with `seed`:
+    the same list on every machine. Most are no multiple of a tile, on purpose."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(1, longest + 1, (count,), generator=gen).tolist())
+
+
+# The packed batches: 16 sequences of up to 4096 tokens on CUDA (a serving engine's prefill batch),
+# 4 of up to 64 on the CPU, where the Triton interpreter and the dense-mask peers are slow.
+VARLEN_LENGTHS = {"cuda": varlen_lengths(16, 4096, seed=20), "cpu": varlen_lengths(4, 64, seed=20)}
+
+
+def serving_sweep() -> tuple[Case, ...]:
+    """Issue 20's serving shapes, 32 query heads on 8 K/V heads at head_dim 128 (Llama-style):
+    decode (q_len 1 and 8; 4 at the issue's first measurement) at 1k-128k keys and batch 1-128,
+    two (keys, batch) pairs per length, one small and one filling the GPU, the K/V cache up to
+    4.3 GB; chunked prefill (512 and 2048 new queries on 4096 and 16384 keys); a packed batch."""
+    cases = []
+    for kv_len, batches in ((1024, (1, 128)), (8192, (8, 64)), (32768, (8, 32)),
+                            (131072, (1, 8))):
+        for batch in batches:
+            for q_len in (1, MAX_DECODE_Q_LEN):
+                cases.append(case(batch, 32, q_len, 128, kv_heads=8, kv_len=kv_len))
+    cases.append(case(64, 32, 4, 128, kv_heads=8, kv_len=8192))
+    cases += [case(1, 32, 512, 128, kv_heads=8, kv_len=4096),
+              case(4, 32, 512, 128, kv_heads=8, kv_len=4096),
+              case(1, 32, 2048, 128, kv_heads=8, kv_len=16384)]
+    cases.append(varlen_case(VARLEN_LENGTHS["cuda"], 32, 128, kv_heads=8))
+    return tuple(cases)
+
+
 SWEEPS: dict[str, tuple[Case, ...]] = {
     # Issue 5's sweep: the peers' table in ../shared/data/h200_peers.md, head_dim 128 at the seed
     # length, and GQA at 4 query heads per K/V head (Llama-style).
@@ -79,6 +152,7 @@ SWEEPS: dict[str, tuple[Case, ...]] = {
         case(1, 4, 96, 32, kv_heads=2),
     ),
     "wide": wide_sweep(),
+    "serving": serving_sweep(),
 }
 
 

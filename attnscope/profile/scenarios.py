@@ -1,0 +1,169 @@
+"""Serving scenarios: what one compared forward computes, and how each implementation is asked.
+
+`compare` and `bench` compare every implementation on one of:
+
+- prefill: causal self-attention, q_len == kv_len (the blog's case).
+- decode: 1 to 8 new queries per sequence against a long KV cache, GQA heads; causal aligned
+  bottom-right (flash-attn's KV-cache convention), which for one query is no mask at all.
+- chunked: a chunk of new queries (512) against the cache plus themselves (4096 keys),
+  bottom-right causal.
+- varlen: a packed batch of sequences of different lengths (sweeps.VARLEN_LENGTHS, drawn once
+  from a seeded generator), causal within each sequence.
+
+What an entry can express is read off its registry fields (`q_len_differs`, `prepare_varlen`,
+`gqa`, `explicit_mask`), never its name; one that cannot is a row with status 'unsupported'
+and the reason. The float64 reference and the FLOP count follow the scenario.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from attnscope.attention.reference import attention_reference_varlen
+from attnscope.profile.flops import attention_flops, varlen_flops
+from attnscope.profile.inputs import SHAPES, make_inputs
+from attnscope.profile.metrics import max_abs_error, reference_output
+from attnscope.profile.sweeps import (MAX_DECODE_Q_LEN, VARLEN_LENGTHS, Case, case,
+                                      varlen_case)
+
+SCENARIOS = ("prefill", "decode", "chunked", "varlen")
+
+
+# Each scenario's shape per device. CUDA: the issue's measurements (32 query heads on 8 K/V heads,
+# head_dim 128, bf16); CPU: small enough for the Triton interpreter, keeping GQA and lengths that
+# are no multiple of a tile.
+PRESETS: dict[str, dict[str, Case]] = {
+    "prefill": {dev: case(*shape) for dev, shape in SHAPES.items()},
+    "decode": {"cuda": case(64, 32, 1, 128, kv_heads=8, kv_len=8192),
+               "cpu": case(2, 4, 1, 32, kv_heads=2, kv_len=200)},
+    "chunked": {"cuda": case(1, 32, 512, 128, kv_heads=8, kv_len=4096),
+                "cpu": case(1, 4, 24, 32, kv_heads=2, kv_len=100)},
+    "varlen": {"cuda": varlen_case(VARLEN_LENGTHS["cuda"], 32, 128, kv_heads=8),
+               "cpu": varlen_case(VARLEN_LENGTHS["cpu"], 2, 32)},
+}
+
+
+def scenario_case(name: str | None, device: str, *, batch=None, heads=None, q_len=None,
+                  kv_len=None, head_dim=None, kv_heads=None) -> Case:
+    """The scenario's preset on `device`, with the values given replacing its own. No scenario:
+    prefill's shape, or with --q-len/--kv-len that differ the scenario those lengths name."""
+    name = name or "prefill"
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; valid: {', '.join(SCENARIOS)}")
+    preset = PRESETS[name][device]
+    if name == "varlen":
+        if q_len is not None or kv_len is not None or batch is not None:
+            raise ValueError("--scenario varlen takes its packed lengths from VARLEN_LENGTHS; "
+                             f"--batch, --q-len and --kv-len do not apply (got batch {batch}, "
+                             f"q_len {q_len}, kv_len {kv_len})")
+        heads = preset.heads if heads is None else heads
+        return varlen_case(preset.seqlens, heads, head_dim or preset.head_dim,
+                           kv_heads=_kv_heads(kv_heads, preset, heads))
+    given = {"batch": batch, "heads": heads, "seq": q_len, "head_dim": head_dim}
+    for flag, value in zip(("--batch", "--heads", "--q-len", "--head-dim"), given.values()):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    out = dataclasses.replace(preset, **{k: v for k, v in given.items() if v is not None})
+    if name == "prefill":
+        kv_len = out.seq if kv_len is None else kv_len
+    else:
+        kv_len = preset.keys if kv_len is None else kv_len
+    if kv_len < out.seq:
+        raise ValueError(f"--kv-len must be >= --q-len (new queries attend to the cache and to "
+                         f"themselves), got q_len {out.seq} and kv_len {kv_len}")
+    if name == "decode" and out.seq > MAX_DECODE_Q_LEN:
+        raise ValueError(f"--scenario decode takes q_len 1 to {MAX_DECODE_Q_LEN}, got {out.seq}; "
+                         f"use --scenario chunked for longer chunks")
+    return dataclasses.replace(out, kv_len=None if kv_len == out.seq else kv_len,
+                               kv_heads=_kv_heads(kv_heads, preset, out.heads))
+
+
+def _kv_heads(kv_heads, preset: Case, heads: int) -> int:
+    if kv_heads is None:
+        # The preset's grouping where it divides the heads asked for, else one K/V head each.
+        kv_heads = preset.kv_heads if heads % preset.kv_heads == 0 else heads
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"--kv-heads must divide the query heads ({heads}), got {kv_heads}")
+    return kv_heads
+
+
+# --- one case's inputs, preparation, reference and FLOPs -----------------------------------
+
+@dataclass
+class Inputs:
+    """One set of inputs: q/k/v ([batch, heads, seq, head_dim]; packed [total, heads, head_dim]
+    for varlen) and, for varlen, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+    qkv: tuple
+    packing: tuple | None = None
+
+
+def case_inputs(c: Case, dtype, device, seed: int, draw_on="cpu") -> Inputs:
+    """Standard normal inputs for `c`, seeded (make_inputs'); varlen: packed, with int32
+    cumulative lengths on the device."""
+    if c.seqlens is None:
+        return Inputs(make_inputs(*c.shape, dtype, device, seed=seed, kv_heads=c.kv_heads,
+                                  draw_on=draw_on, kv_len=c.keys))
+    total = sum(c.seqlens)
+    q, k, v = make_inputs(1, c.heads, total, c.head_dim, dtype, device, seed=seed,
+                          kv_heads=c.kv_heads, draw_on=draw_on)
+    cu = torch.tensor([0, *torch.tensor(c.seqlens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=device)
+    packed = tuple(t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [total, heads, dim]
+    return Inputs(packed, (cu, cu, c.seq, c.seq))
+
+
+def unsupported(impl, c: Case) -> str | None:
+    """Why `impl` cannot express case `c` (its registry fields), or None."""
+    if c.kv_heads != c.heads and not impl.gqa:
+        return "takes no K/V with fewer heads than q (the registry's gqa field)"
+    if c.seqlens is not None and impl.prepare_varlen is None:
+        return "has no packed variable-length sequence API (the registry's prepare_varlen)"
+    if c.seqlens is None and c.keys != c.seq and not impl.q_len_differs:
+        return (f"takes no q_len ({c.seq}) shorter than kv_len ({c.keys}) (the registry's "
+                f"q_len_differs field)")
+    return None
+
+
+def note(impl, c: Case, causal: bool) -> str:
+    """What the row's figures include that a reader should know: an explicit mask."""
+    if not (impl.explicit_mask and causal):
+        return ""
+    if c.seqlens is not None:
+        return "packed sequences under an explicit dense [total, total] boolean mask"
+    if 1 < c.seq < c.keys:
+        return "bottom-right causal as an explicit boolean mask (is_causal aligns top-left)"
+    return ""
+
+
+def prepare(impl, inputs: Inputs, causal: bool):
+    """The entry's zero-argument forward on these inputs."""
+    if inputs.packing is not None:
+        return impl.prepare_varlen(*inputs.qkv, *inputs.packing, causal=causal)
+    if causal:
+        return impl.prepare(*inputs.qkv)
+    return impl.prepare(*inputs.qkv, causal=False)
+
+
+def flops(c: Case, causal: bool, mode: str = "fwd") -> float:
+    if c.seqlens is not None:
+        return varlen_flops(c.seqlens, c.heads, c.head_dim, causal=causal, mode=mode)
+    return attention_flops(c.batch, c.heads, c.seq, c.keys, c.head_dim, causal=causal, mode=mode)
+
+
+def reference(inputs: Inputs, causal: bool, budget_bytes: float):
+    """(float64 reference, region): what `error` compares an output with."""
+    if inputs.packing is None:
+        return reference_output(*inputs.qkv, causal=causal, budget_bytes=budget_bytes)
+    cu_q, cu_k = inputs.packing[:2]
+    ref = attention_reference_varlen(*inputs.qkv, cu_q, cu_k, causal=causal)
+    return ref, {"packed_rows": [0, ref.shape[0]]}
+
+
+def error(out: torch.Tensor, ref: torch.Tensor, region: dict) -> float:
+    if "packed_rows" in region:
+        return max_abs_error(out, ref)
+    start, stop = region["query_rows"]
+    return max_abs_error(out[:, :, start:stop], ref)

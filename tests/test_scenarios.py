@@ -1,0 +1,258 @@
+"""The driver's serving scenarios (profile/scenarios.py): the masks each entry is given, the FLOP
+counts, every CPU entry against the float64 reference on decode, chunked prefill and packed
+sequences, and `bench`/`compare` end to end on them. GPU tests (marked cuda) check every peer,
+FA4 and flash-attn 2's varlen functions included, on the CUDA presets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from attnscope.attention import IMPLEMENTATIONS, fused
+from attnscope.attention.flex import _bottom_right_causal, _document_mask
+from attnscope.attention.reference import (attention_reference, attention_reference_varlen,
+                                           causal_mask, varlen_mask)
+from attnscope.profile import bench, metrics, runs, scenarios, sweeps
+from attnscope.profile.cli import main
+from attnscope.profile.flops import attention_flops, varlen_flops
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    """Every output buffer the fused op allocates starts as NaN: an unwritten row cannot pass."""
+    monkeypatch.setattr(fused, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+# --- masks and FLOPs ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_lens, k_lens", [
+    ((5, 3, 7), (5, 3, 7)),  # self-attention per sequence, as the varlen scenario
+    ((2, 0, 4), (6, 3, 4)),  # fewer queries than keys, and an empty sequence in the middle
+])
+def test_varlen_mask_is_each_sequences_bottom_right_mask(q_lens, k_lens):
+    mask = varlen_mask(_cu(q_lens), _cu(k_lens), causal=True)
+    expected = torch.block_diag(*(causal_mask(a, b, "bottom_right") for a, b in
+                                  zip(q_lens, k_lens))).bool()
+    assert torch.equal(mask, expected)
+    full = varlen_mask(_cu(q_lens), _cu(k_lens), causal=False)
+    assert torch.equal(full, torch.block_diag(*(torch.ones(a, b) for a, b in
+                                                zip(q_lens, k_lens))).bool())
+
+
+def test_flex_masks_are_the_references():
+    # The mask_mods flex compiles, evaluated eagerly on every (query, key) pair.
+    q_idx, kv_idx = torch.arange(6)[:, None], torch.arange(11)[None, :]
+    assert torch.equal(_bottom_right_causal(11 - 6)(0, 0, q_idx, kv_idx),
+                       causal_mask(6, 11, "bottom_right"))
+    cu = _cu((4, 1, 6))
+    q_idx, kv_idx = torch.arange(11)[:, None], torch.arange(11)[None, :]
+    for causal in (True, False):
+        assert torch.equal(_document_mask(cu, cu, causal)(0, 0, q_idx, kv_idx),
+                           varlen_mask(cu, cu, causal))
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(1, 8192), (8, 1000), (512, 4096), (5, 6)])
+def test_bottom_right_flops_count_the_visible_pairs(q_len, kv_len):
+    pairs = causal_mask(q_len, kv_len, "bottom_right").sum().item()
+    assert attention_flops(2, 3, q_len, kv_len, 64) == 4 * 2 * 3 * 64 * pairs
+    assert attention_flops(2, 3, q_len, kv_len, 64, mode="fwd_bwd") == 3.5 * 4 * 2 * 3 * 64 * pairs
+
+
+def test_equal_lengths_keep_the_half_convention_and_varlen_sums():
+    assert attention_flops(1, 1, 100, 100, 64) == 4 * 100 * 100 * 64 / 2
+    assert varlen_flops((100, 30), 2, 64) == (attention_flops(1, 2, 100, 100, 64)
+                                              + attention_flops(1, 2, 30, 30, 64))
+    varlen = sweeps.varlen_case((100, 30), 2, 64)
+    assert scenarios.flops(varlen, causal=True) == varlen_flops((100, 30), 2, 64)
+
+
+def test_reference_slices_keep_bottom_right_rows():
+    # A budget of 3 rows per head: the last 3 queries of 7 on 20 keys, with their true windows.
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen, dtype=torch.float64) for n in (7, 20, 20))
+    ref, region = metrics.reference_output(q, k, v, causal=True,
+                                           budget_bytes=3 * 20 * metrics.REF_BYTES_PER_SCORE)
+    assert region["query_rows"] == [4, 7]
+    full = attention_reference(q, k, v, causal_alignment="bottom_right")
+    torch.testing.assert_close(ref, full[:, :, 4:])
+
+
+# --- scenario shapes ---------------------------------------------------------------------------
+
+def test_presets_are_their_scenarios_and_lengths_are_seeded():
+    for name in scenarios.SCENARIOS:
+        for device in ("cpu", "cuda"):
+            assert scenarios.PRESETS[name][device].scenario == name
+    assert sweeps.VARLEN_LENGTHS["cpu"] == sweeps.varlen_lengths(4, 64, seed=20)
+    assert len(set(sweeps.VARLEN_LENGTHS["cuda"])) > 1  # lengths that differ, or no varlen
+    serving = {c.scenario for c in sweeps.SWEEPS["serving"]}
+    assert serving == {"decode", "chunked", "varlen"}
+    decode = [c for c in sweeps.SWEEPS["serving"] if c.scenario == "decode"]
+    assert {c.seq for c in decode} >= {1, 8} and min(c.keys for c in decode) == 1024
+    assert max(c.keys for c in decode) == 131072 and {1, 128} <= {c.batch for c in decode}
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"name": "decode", "q_len": 9}, "q_len 1 to 8"),
+    ({"name": "chunked", "q_len": 50, "kv_len": 40}, "--kv-len must be >= --q-len"),
+    ({"name": "varlen", "q_len": 4}, "do not apply"),
+    ({"name": "prefill", "heads": 4, "kv_heads": 3}, "must divide"),
+    ({"name": "paged"}, "valid: prefill, decode, chunked, varlen"),
+])
+def test_scenario_flags_are_checked(kwargs, says):
+    name = kwargs.pop("name")
+    with pytest.raises(ValueError, match=says):
+        scenarios.scenario_case(name, "cpu", **kwargs)
+
+
+def test_explicit_lengths_override_the_preset():
+    c = scenarios.scenario_case("chunked", "cpu", q_len=10, kv_len=33)
+    assert (c.seq, c.keys, c.scenario) == (10, 33, "chunked")
+    assert scenarios.scenario_case(None, "cpu", q_len=40, kv_len=40).scenario == "prefill"
+
+
+# --- every CPU entry on every scenario ---------------------------------------------------------
+
+CPU_ENTRIES = ["naive", "naive_inplace", "sdpa_auto", "sdpa_math", "sdpa_flash", "fused"]
+CASES = {
+    # one query on keys that are no multiple of a tile (the fused kernel's masked last block)
+    "decode": lambda kv: sweeps.case(2, 2, 1, 32, kv_heads=kv, kv_len=70),
+    # a few queries, several key blocks to their left
+    "decode8": lambda kv: sweeps.case(1, 2, 8, 32, kv_heads=kv, kv_len=45),
+    # a chunk spanning more than one query tile of the interpreter's kernel
+    "chunked": lambda kv: sweeps.case(1, 2, 20, 32, kv_heads=kv, kv_len=50),
+    # an empty sequence between odd lengths
+    "varlen": lambda kv: sweeps.Case(3, 2, 17, 32, kv, None, None, (9, 0, 17)),
+}
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
+@pytest.mark.parametrize("which", list(CASES))
+@pytest.mark.parametrize("name", CPU_ENTRIES)
+def test_cpu_entries_match_the_float64_reference(name, which, kv_heads):
+    impl = IMPLEMENTATIONS[name]
+    c = CASES[which](kv_heads)
+    inputs = scenarios.case_inputs(c, torch.float32, "cpu", seed=7)
+    cannot = scenarios.unsupported(impl, c)
+    if cannot:  # only the eager baselines refuse, and only GQA
+        assert name.startswith("naive") and kv_heads == 1 and "gqa" in cannot
+        return
+    with torch.no_grad():
+        out = scenarios.prepare(impl, inputs, causal=True)()
+    ref, region = scenarios.reference(inputs, causal=True, budget_bytes=2**30)
+    assert out.shape == inputs.qkv[0].shape
+    # fp32 sums over at most 70 keys: ~1e-7 per term; 1e-5 is ~10x what any entry shows here.
+    assert scenarios.error(out, ref, region) < 1e-5
+
+
+def test_sdpa_decode_uses_no_mask_and_chunked_an_explicit_one(monkeypatch):
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    for which in ("decode", "chunked"):
+        inputs = scenarios.case_inputs(CASES[which](2), torch.float32, "cpu", seed=1)
+        scenarios.prepare(IMPLEMENTATIONS["sdpa_auto"], inputs, causal=True)()
+    assert "attn_mask" not in calls[0] and calls[0]["is_causal"] is False
+    assert calls[1]["attn_mask"].shape == (20, 50) and "is_causal" not in calls[1]
+    assert scenarios.note(IMPLEMENTATIONS["sdpa_auto"], CASES["chunked"](2), True)
+    assert not scenarios.note(IMPLEMENTATIONS["sdpa_auto"], CASES["decode"](2), True)
+
+
+# --- the driver end to end ---------------------------------------------------------------------
+
+def _bench(*argv):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.run(parser.parse_args([*argv, "--device", "cpu", "--warmup-ms", "1",
+                                        "--rep-ms", "2"]))
+
+
+@pytest.mark.parametrize("scenario", ["chunked", "varlen"])
+def test_bench_scenario_rows(scenario, tmp_path):
+    path = tmp_path / "b.json"
+    assert _bench("--scenario", scenario, "--impl", "naive", "sdpa_math", "fused",
+                  "--json", str(path)) == 0
+    result = json.loads(path.read_text())
+    rows = {r["impl"]: r for r in result["rows"]}
+    c = scenarios.PRESETS[scenario]["cpu"]
+    assert result["sweep"] == f"scenario {scenario}"
+    for name in ("sdpa_math", "fused"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["scenario"] == scenario and row["error"] < 1e-5
+        assert row["tflops"] == pytest.approx(scenarios.flops(c, True) / row["median_ms"] / 1e9)
+    assert rows["sdpa_math"]["note"].startswith(("bottom-right", "packed"))
+    # the CPU chunked preset has GQA heads, which the eager baseline refuses
+    assert rows["naive"]["status"] == ("unsupported" if scenario == "chunked" else "ok")
+    assert (rows["fused"]["seqlens"] is not None) == (scenario == "varlen")
+
+
+def test_bench_refuses_a_sweep_with_a_scenario(capsys):
+    assert _bench("--sweep", "cpu", "--scenario", "decode") == 2
+    assert "give one" in capsys.readouterr().err
+
+
+def test_compare_decode_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    assert main(["compare", "--device", "cpu", "--scenario", "decode", "--impl", "naive",
+                 "sdpa_math", "--out", str(out)]) == 0
+    result = json.loads((out / runs.LATEST / runs.RESULTS).read_text())
+    c = scenarios.PRESETS["decode"]["cpu"]
+    assert (result["scenario"], result["kv_len"], result["kv_heads"]) == ("decode", c.keys,
+                                                                         c.kv_heads)
+    assert result["flops_per_forward"] == attention_flops(c.batch, c.heads, 1, c.keys, c.head_dim)
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert rows["naive"]["status"] == "unsupported" and "gqa" in rows["naive"]["reason"]
+    assert rows["sdpa_math"]["status"] == "ok" and rows["sdpa_math"]["max_abs_error"] < 1e-5
+
+
+def test_compare_refuses_seq_with_q_len(capsys):
+    assert main(["compare", "--device", "cpu", "--seq", "8", "--q-len", "4"]) == 2
+    assert "--seq sets both lengths" in capsys.readouterr().err
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scenario", ["decode", "chunked", "varlen"])
+@pytest.mark.parametrize("name", [n for n in IMPLEMENTATIONS if n != "hub_flash_attn"])
+def test_cuda_entries_match_the_reference(name, scenario):
+    impl = IMPLEMENTATIONS[name]
+    ok, why = impl.available(torch.device("cuda"))
+    if not ok:
+        pytest.skip(why)
+    c = scenarios.PRESETS[scenario]["cuda"]
+    if scenario == "varlen":  # a shorter packed batch: the float64 reference is per sequence
+        c = sweeps.varlen_case(sweeps.varlen_lengths(6, 700, seed=4), 32, 128, kv_heads=8)
+    elif scenario == "decode":
+        c = sweeps.case(8, 32, 1, 128, kv_heads=8, kv_len=5000)
+    cannot = scenarios.unsupported(impl, c)
+    if cannot:
+        pytest.skip(cannot)
+    inputs = scenarios.case_inputs(c, torch.bfloat16, "cuda", seed=11)
+    try:
+        with torch.no_grad():
+            out = scenarios.prepare(impl, inputs, causal=True)()
+    except RuntimeError as exc:
+        if not (impl.explicit_mask and scenarios.note(impl, c, True)):
+            raise
+        # SDPA backends that take no explicit mask (flash) refuse: an 'unsupported' row in bench
+        pytest.skip(f"{name} refuses the explicit mask: {str(exc).splitlines()[0]}")
+    ref, region = scenarios.reference(inputs, causal=True, budget_bytes=2**32)
+    q, k, v = inputs.qkv
+    if inputs.packing is None:
+        low = attention_reference(q, k, v, causal_alignment="bottom_right", dtype=q.dtype)
+        low = low[:, :, region["query_rows"][0]:]
+    else:
+        low = attention_reference_varlen(q, k, v, *inputs.packing[:2], dtype=q.dtype)
+    # Twice the error of torch's own bf16 path, plus half a bf16 step at values ~1 (4e-3).
+    bound = 2 * scenarios.error(low, ref, region) + 4e-3
+    assert scenarios.error(out, ref, region) <= bound
