@@ -102,5 +102,8 @@ for _name, _backend, _available, _description in _ENTRIES:
         explicit_mask=True,
         # The math backend builds the scores (fp32 for 16-bit inputs).
         materializes_scores=_backend is SDPBackend.MATH,
-        gqa=True,  # enable_gqa (torch >= 2.5); a backend that refuses it says so when called
+        # enable_gqa (torch >= 2.5); the memory-efficient kernel refuses fewer K/V heads ("both
+        # fused kernels require query, key and value to have the same num_heads", torch 2.11 on
+        # the H200), so its GQA rows are 'unsupported', not 'failed'.
+        gqa=_backend is not SDPBackend.EFFICIENT_ATTENTION,
     ))
