@@ -168,10 +168,11 @@ def test_chunked_prefill_takes_the_op_bottom_right(op_calls):
     assert not hf.fallbacks
 
 
-def _padding(ids, side):
-    """A padding mask over ids: row 0 padded by 3 on `side`, row 1 by 1, row 2 not at all."""
+def _padding(ids, side, pads=(3, 1)):
+    """A padding mask over ids: row r padded by pads[r] on `side` (by default row 0 by 3, row 1
+    by 1), the rows after them not at all."""
     mask = torch.ones_like(ids)
-    for row, pad in ((0, 3), (1, 1)):
+    for row, pad in enumerate(pads):
         if side == "left":
             mask[row, :pad] = 0
         else:
@@ -511,13 +512,7 @@ def test_gpu_bf16_gradients():
 
 def _gpu_padding(ids, side):
     """Row 0 padded by 40 on `side`, row 1 by 1 (one block boundary off), the rest not at all."""
-    mask = torch.ones_like(ids)
-    for row, pad in ((0, 40), (1, 1)):
-        if side == "left":
-            mask[row, :pad] = 0
-        else:
-            mask[row, mask.shape[1] - pad:] = 0
-    return mask
+    return _padding(ids, side, pads=(40, 1))
 
 
 @pytest.mark.cuda
