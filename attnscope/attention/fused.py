@@ -329,6 +329,8 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
                                       k, v [batch, kv_heads, kv_len, head_dim]
            (layout="bshd", as flash-attn): q [batch, q_len, heads, head_dim], k/v likewise.
     Any strides; nothing is copied. heads must be a multiple of kv_heads (GQA/MQA).
+    The layout is taken as given: bhsd tensors passed with layout="bshd" (or the reverse)
+    whose shapes fit both readings cannot be told apart and are computed as the layout says.
     dtypes float16, bfloat16, float32; head_dim 16..256; any lengths >= 1.
     scale defaults to 1/sqrt(head_dim).
 
