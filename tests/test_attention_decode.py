@@ -79,7 +79,8 @@ def page(k, v, page_size, seed=0):
     return pools[0], pools[1], table
 
 
-def reference(q, k, v, seqlens, causal, scale=None, dtype=torch.float64):
+def reference(q, k, v, seqlens, causal, scale=None, dtype=torch.float64, window=(-1, -1),
+              softcap=0.0):
     """Per sequence, attention_reference over its first seqlens[b] keys of a contiguous cache:
     out [batch, q_len, heads, d] in `dtype`, LSE [batch, heads, q_len] in float64."""
     outs, lses = [], []
@@ -92,16 +93,18 @@ def reference(q, k, v, seqlens, causal, scale=None, dtype=torch.float64):
             continue
         out, lse = attention_reference(qb, kb, vb, causal=causal, scale=scale, layout="bshd",
                                        causal_alignment="bottom_right", return_lse=True,
-                                       dtype=dtype)
+                                       dtype=dtype, window=window, softcap=softcap)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 
 
-def assert_close(out, lse, q, k, v, seqlens, floor, lse_tol, causal=True, scale=None):
+def assert_close(out, lse, q, k, v, seqlens, floor, lse_tol, causal=True, scale=None,
+                 window=(-1, -1), softcap=0.0):
     """The tolerance rule on out and LSE; k, v: the contiguous caches the call read."""
-    ref, ref_lse = reference(q, k, v, seqlens, causal, scale)
-    low, _ = reference(q, k, v, seqlens, causal, scale, dtype=q.dtype)
+    ref, ref_lse = reference(q, k, v, seqlens, causal, scale, window=window, softcap=softcap)
+    low, _ = reference(q, k, v, seqlens, causal, scale, dtype=q.dtype, window=window,
+                       softcap=softcap)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
     assert not out.isnan().any() and not lse.isnan().any(), "NaN: unwritten element or 0/0"
@@ -235,6 +238,99 @@ def test_bad_input_says_what_it_got(change, error, match):
     with pytest.raises(error, match=match):
         fused_attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
                                      args.pop("cache_seqlens"), **args)
+
+
+# Sliding windows, bottom-right (query i of q_len sees keys kv_len - q_len + i - left ..
+# kv_len - q_len + i + right). 16-key tiles in the interpreter: with 100 keys and 3 forced splits,
+# window 7 cuts inside one tile, 20 across a split's edge, 200 is wider than the cache.
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("window", [(0, 0), (1, 0), (7, -1), (20, 0), (200, 0)])
+def test_sliding_window(window, dtype, floor, lse_tol, splits):
+    splits(3)
+    q, k, v = make_cache(2, 3, 8, 2, 100, 32, dtype, seed=20)
+    out, lse = fused_attention_with_kvcache(q, k, v, 100, window=window, return_lse=True)
+    assert_close(out, lse, q, k, v, [100, 100], floor, lse_tol, window=window)
+
+
+@pytest.mark.parametrize("window,q_len", [((3, 2), 1), ((40, -1), 4), ((-1, 5), 4)])
+def test_non_causal_window(window, q_len, splits):
+    # A right size > 0 looks past the diagonal (keys past the cache's end stay hidden); a left
+    # edge alone keeps the whole cache's right side. fp32: one dtype is enough for the edges.
+    splits(4)
+    q, k, v = make_cache(2, q_len, 4, 2, 90, 16, torch.float32, seed=21)
+    seqlens = torch.tensor([90, 33], dtype=torch.int32)
+    out, lse = fused_attention_with_kvcache(q, k, v, seqlens, causal=False, window=window,
+                                            return_lse=True)
+    assert_close(out, lse, q, k, v, seqlens.tolist(), 1e-5, 1e-5, causal=False, window=window)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_window_and_softcap_on_a_paged_cache(page_size, dtype, floor, lse_tol, splits):
+    # Per-sequence lengths (empty, shorter than the window, longer): each sequence's window
+    # starts at its own key, inside a page or on a page's edge.
+    splits(3)
+    q, k, v = make_cache(4, 2, 8, 2, 64, 32, dtype, seed=22)
+    seqlens = torch.tensor([37, 0, 64, 5], dtype=torch.int32)
+    k_pool, v_pool, table = page(k, v, page_size, seed=23)
+    out, lse = fused_attention_with_kvcache(q, k_pool, v_pool, seqlens, block_table=table,
+                                            window=(9, 0), softcap=5.0, return_lse=True)
+    assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol, window=(9, 0),
+                 softcap=5.0)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_softcap(causal, dtype, floor, lse_tol, splits):
+    # scale 1.5 makes raw scores of ~+-10 that a softcap of 4 visibly bends.
+    splits(2)
+    q, k, v = make_cache(2, 4, 4, 1, 70, 48, dtype, seed=24)
+    out, lse = fused_attention_with_kvcache(q, k, v, 70, causal=causal, scale=1.5, softcap=4.0,
+                                            return_lse=True)
+    assert_close(out, lse, q, k, v, [70, 70], floor, lse_tol, causal=causal, scale=1.5,
+                 softcap=4.0)
+
+
+def test_window_rows_that_see_no_key():
+    # 8 queries, 3 keys, window 1: queries 0-4 see nothing (zeros, LSE -inf), the rest 1-2 keys.
+    q, k, v = make_cache(1, 8, 2, 1, 3, 16, torch.float32, seed=25)
+    out, lse = fused_attention_with_kvcache(q, k, v, 3, window=(1, 0), return_lse=True)
+    assert_close(out, lse, q, k, v, [3], 1e-5, 1e-5, window=(1, 0))
+    assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+
+
+def test_keys_left_of_the_window_are_never_read(splits):
+    # The window's first key is 200 - 2 - 30 = 168 (query 0); its tile starts at 160. NaN in
+    # every key and value before that would reach the output if any of them were loaded.
+    splits(2)
+    q, k, v = make_cache(1, 2, 4, 2, 200, 16, torch.float32, seed=26)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, :160] = float("nan")
+    v_nan[:, :160] = float("nan")
+    out, lse = fused_attention_with_kvcache(q, k_nan, v_nan, 200, window=(30, 0), return_lse=True)
+    assert_close(out, lse, q, k, v, [200], 1e-5, 1e-5, window=(30, 0))
+
+
+def test_window_shrinks_the_split_range():
+    # The split rule sees the window's keys, not the cache's: 100000 keys, a window of 40 and
+    # 16-key tiles are 4 tiles, too few to split (MIN_SPLIT_BLOCKS), so one split runs.
+    q, k, v = make_cache(1, 1, 2, 2, 1, 16, torch.float32, seed=27)
+    k, v = (t.expand(1, 100000, 2, 16) for t in (k, v))  # stride 0: no 100000-key allocation
+    out = torch.empty(1, 2, 1, 16)
+    lse = torch.empty(1, 2, 1)
+    assert kernels.attention_decode(_bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=True,
+                                    scale=0.25, window=(40, 0)) == 1
+
+
+@pytest.mark.parametrize("window,softcap,match", [
+    ((2, 1), 0.0, "right size must be 0 or -1"),
+    ((2,), 0.0, "window must be a \\(left, right\\) pair"),
+    ((-1, -1), -1.0, "softcap must be a finite float"),
+])
+def test_bad_window_or_softcap_says_what_it_got(window, softcap, match):
+    q, k, v = make_cache(1, 1, 2, 2, 8, 16, torch.float32)
+    with pytest.raises((TypeError, ValueError), match=match):
+        fused_attention_with_kvcache(q, k, v, 8, window=window, softcap=softcap)
 
 
 def test_split_rule_fills_the_gpu_without_tiny_chunks():

@@ -80,7 +80,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
 
 
 def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
-                                 causal=True, scale=None, return_lse=False):
+                                 causal=True, scale=None, window=(-1, -1), softcap=0.0,
+                                 return_lse=False):
     """Attention of q against the first cache_seqlens[b] keys of each sequence's KV cache
     (split-KV "flash-decoding" kernel; forward only, for inference: no autograd).
 
@@ -100,6 +101,11 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     j <= kv_len - q_len + i, so the last query sees the whole cache. For q_len=2, kv_len=5:
             1 1 1 1 0
             1 1 1 1 1
+    window=(left, right), flash-attn's window_size with the same bottom-right alignment: query i
+    sees key j when kv_len - q_len + i - left <= j <= kv_len - q_len + i + right, -1 leaving a
+    side unbounded; with causal=True right must be 0 or -1 (Mistral's sliding window: (w - 1, 0)).
+    Keys left of every query's window are not read. softcap > 0 caps each scaled score s to
+    softcap * tanh(s / softcap) before the softmax (Gemma 2; the LSE is the capped logits').
     Rows that see no key (a sequence with cache_seqlens 0, or q_len > kv_len) return zeros and
     LSE -inf.
 
@@ -109,6 +115,7 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     also the float32 log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
     """
     _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
+    window = fused._validate_window_softcap(causal, window, softcap)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     kernels = fused._decode_kernels()  # imported on first use, like the fused op's
@@ -127,5 +134,6 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
         k_cache, v_cache = (rearrange(t, "b s h d -> b h s d") for t in (k_cache, v_cache))
     with fused._on_device(q.device):
         kernels.attention_decode(q4, k_cache, v_cache, out4, lse, causal=causal,
-                                 scale=float(scale), seqlens=seqlens, block_table=block_table)
+                                 scale=float(scale), seqlens=seqlens, block_table=block_table,
+                                 window=window, softcap=float(softcap))
     return (out, lse) if return_lse else out

@@ -206,13 +206,14 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
         return out, lse
     # Eager CUDA inference with few queries: the split-KV decode kernel (all q heads of a KV head
     # in one program, keys split over programs) instead of one program per query block and head.
-    # It has no sliding window and no softcap: those calls take the prefill kernel.
+    # Its window is aligned bottom-right: a top-left window (or mask) takes the prefill kernel.
+    no_window = window_left == window_right == -1
     if (wrap is None and device.type == "cuda" and q_len <= _decode_kernels().MAX_Q_LEN
-            and (bottom_right or not causal) and window_left == window_right == -1
-            and not softcap
+            and (bottom_right or not causal and no_window)
             and not (q.requires_grad or k.requires_grad or v.requires_grad)):
         with _on_device(device):
-            _decode_kernels().attention_decode(q4, k4, v4, out4, lse, causal=causal, scale=scale)
+            _decode_kernels().attention_decode(q4, k4, v4, out4, lse, causal=causal, scale=scale,
+                                               window=(window_left, window_right), softcap=softcap)
         return out, lse
     with _on_device(device):
         kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,

@@ -51,7 +51,16 @@ no tile and write L_s = -inf.
 Any head_dim 16..256 (tiles BLOCK_D = next power of two wide, extra columns masked to zero);
 fp16/bf16/fp32 (fp32 dots in IEEE, not tf32). Forward only: decode is inference.
 
-This module imports only torch and triton (no other attnscope.kernels module).
+Sliding window and softcap (constexprs WINDOW, SOFTCAP: without them the code is the plain
+path's). A window (left, right) in flash-attn's convention, bottom-right: query i sees key j when
+i + off - left <= j <= i + off + right, off = kv_len - q_len (causal: right = 0). Its right edge
+is the causal bound moved right by `right` (a non-causal window with right >= 0 runs the CAUSAL
+code); its left edge starts the key range: each row block splits only the keys from its first
+query's first visible key (rounded down to a tile), so keys left of the window are never loaded
+and the split rule counts only the window's keys. Tiles that cut the left edge run masked. The
+softcap caps the scaled scores, softcap * tanh(s / softcap), before the softmax (common._logits).
+
+This module imports only torch, triton and attnscope.kernels.common (shared jit helpers).
 """
 
 import functools
@@ -61,7 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.44269504  # 1/ln(2): exp(x) == exp2(x * LOG2E)
+from attnscope.kernels.common import _logits, score_scales, visibility
+
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts log2-domain LSEs back to natural log
 
 # Calls of the fused op with at most this many queries take this kernel (attention/fused.py).
@@ -77,6 +87,8 @@ MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 256
 MAX_RESIDENT = 4
 MERGE_TILE = 16  # partial rows the merge reads per step
+# A window unbounded on the left: a left offset no row's key index reaches (int32 arithmetic).
+NO_LEFT_EDGE = -(1 << 30)
 
 
 @triton.jit
@@ -114,23 +126,28 @@ def _kv_tile(base, BlockTable, start_n, offs_d, kv_len, stride_n, stride_page, s
 
 @triton.jit
 def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query, lo, hi, kv_len,
-                  causal_offset, qk_scale,  #
+                  causal_offset, left_offset, qk_scale, softcap_log2,  #
                   stride_kn, stride_kp, stride_kd, stride_vn, stride_vp, stride_vd,  #
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    # K/V tiles [lo, hi) of this program's chunk. MASKED tiles hide keys past kv_len and, when
-    # CAUSAL, keys right of a row's diagonal; a row may then see no key of a tile yet.
+    # K/V tiles [lo, hi) of this program's chunk. MASKED tiles hide keys past kv_len, when
+    # CAUSAL keys right of a row's diagonal (plus a window's right size), and with a WINDOW keys
+    # left of a row's window; a row may then see no key of a tile yet.
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _kv_tile(k_base, BlockTable, start_n, offs_d, kv_len, stride_kn, stride_kp, stride_kd,
                      MASKED, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        qk, _ = _logits(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
+                        softcap_log2, SOFTCAP)
         if MASKED:
             visible = (offs_n < kv_len)[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= query[:, None] + causal_offset)
+            if WINDOW:
+                visible = visible & (offs_n[None, :] >= query[:, None] + left_offset)
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row with no visible key so far keeps m == -inf; subtracting 0 instead keeps
@@ -159,12 +176,15 @@ def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
                   stride_oz, stride_oh, stride_om, stride_od,  #
                   stride_btz,  #
                   KV_HEADS, GROUP, Q_LEN, KV_LEN, CHUNK, NUM_SPLITS, qk_scale,  #
+                  softcap_log2, right_shift, left_shift,  #
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, FINAL: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr):
     # Grid: (split, batch * kv head, row block). stride_kz/stride_vz step a batch entry, or a
     # cache block when PAGED. FINAL (one split): write the output and LSE, not partials.
+    # WINDOW: the diagonal moves right by right_shift and keys j < i + off + left_shift are hidden.
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     split = tl.program_id(0)
     off_zh = tl.program_id(1)
@@ -196,33 +216,54 @@ def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
         v_base = V + off_z * stride_vz + off_hkv * stride_vh
 
     # Key range: this split's chunk, cut at the cache's end and, when causal, at what the block's
-    # last query sees. Keys [lo, mid) are seen whole by every row of the block: no masks there.
-    lo = split * CHUNK
-    hi = tl.minimum(lo + CHUNK, kv_len)
+    # last query sees. Keys [full_lo, mid) are seen whole by every row of the block: no masks
+    # there. With a WINDOW the chunks start at the block's first visible key (rounded down to a
+    # tile), and keys [lo, full_lo), left of the last query's window edge, run masked.
     causal_offset = kv_len - Q_LEN  # bottom-right: query i sees keys j <= i + causal_offset
+    last_query = tl.minimum((row_start + BLOCK_M - 1) // GROUP, Q_LEN - 1)
+    lo = split * CHUNK
+    if WINDOW:
+        left_offset = causal_offset + left_shift  # query i sees keys j >= i + left_offset
+        causal_offset += right_shift
+        lo += tl.maximum(row_start // GROUP + left_offset, 0) // BLOCK_N * BLOCK_N
+    else:
+        left_offset = 0  # unused
+    hi = tl.minimum(lo + CHUNK, kv_len)
     if CAUSAL:
-        last_query = tl.minimum((row_start + BLOCK_M - 1) // GROUP, Q_LEN - 1)
         hi = tl.minimum(hi, last_query + causal_offset + 1)
         seen_by_all = row_start // GROUP + causal_offset + 1
     else:
         seen_by_all = kv_len
-    mid = lo + tl.maximum(tl.minimum(seen_by_all, hi) - lo, 0) // BLOCK_N * BLOCK_N
+    full_lo = lo
+    if WINDOW:
+        seen_from = tl.maximum(last_query + left_offset, lo)
+        full_lo = tl.maximum(tl.minimum((seen_from + BLOCK_N - 1) // BLOCK_N * BLOCK_N, hi), lo)
+    mid = full_lo + tl.maximum(tl.minimum(seen_by_all, hi) - full_lo, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if WINDOW:  # stage 0: tiles that cut the window's left edge, masked
+        acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query,
+                                      lo, full_lo, kv_len, causal_offset, left_offset, qk_scale,
+                                      softcap_log2,  #
+                                      stride_kn, stride_kz, stride_kd, stride_vn, stride_vz,
+                                      stride_vd, True, CAUSAL, WINDOW, SOFTCAP, PAGED, PAGE_SIZE,
+                                      HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION)
     # stage 1: tiles every row sees whole, no masking
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query,
-                                  lo, mid, kv_len, causal_offset, qk_scale,  #
+                                  full_lo, mid, kv_len, causal_offset, left_offset, qk_scale,
+                                  softcap_log2,  #
                                   stride_kn, stride_kz, stride_kd, stride_vn, stride_vz, stride_vd,
-                                  False, CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                  INPUT_PRECISION)
+                                  False, CAUSAL, WINDOW, SOFTCAP, PAGED, PAGE_SIZE, HEAD_DIM,
+                                  BLOCK_D, BLOCK_N, INPUT_PRECISION)
     # stage 2: the diagonal and the ragged end of the cache, masked
     acc, l_i, m_i = _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query,
-                                  mid, hi, kv_len, causal_offset, qk_scale,  #
+                                  mid, hi, kv_len, causal_offset, left_offset, qk_scale,
+                                  softcap_log2,  #
                                   stride_kn, stride_kz, stride_kd, stride_vn, stride_vz, stride_vd,
-                                  True, CAUSAL, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                  INPUT_PRECISION)
+                                  True, CAUSAL, WINDOW, SOFTCAP, PAGED, PAGE_SIZE, HEAD_DIM,
+                                  BLOCK_D, BLOCK_N, INPUT_PRECISION)
 
     # epilogue: rows that saw no key have l_i == 0: output 0, LSE -inf (log2(0))
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -335,7 +376,7 @@ def _empty(shape, dtype, device):
 
 
 def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_table=None,
-                     num_splits=None, config=None):
+                     window=(-1, -1), softcap=0.0, num_splits=None, config=None):
     """Launch split-KV decode attention.
 
     q, out: [batch, heads, q_len, head_dim] views with any strides; lse: contiguous fp32
@@ -343,7 +384,9 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
       contiguous (block_table None): [batch, kv_heads, kv_len, head_dim], or
       paged: [num_blocks, page_size, kv_heads, head_dim] with block_table int32 [batch, max_blocks].
     seqlens: int32 [batch], each sequence's key count (None: every sequence has kv_len keys; a
-    paged cache then holds max_blocks * page_size). causal: bottom-right aligned. num_splits:
+    paged cache then holds max_blocks * page_size). causal: bottom-right aligned. window:
+    (left, right), flash-attn's, bottom-right, -1 unbounded (causal makes right 0); softcap: 0
+    off, else scores become softcap * tanh(s / softcap). num_splits:
     None for `num_splits_for`'s rule, else that many (clamped to 1..MAX_SPLITS and to one tile a
     split). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `config_for`'s (the lab's
     sweeps; BLOCK_M, BLOCK_N powers of two >= 16). Call with q's device current. Returns the
@@ -361,20 +404,30 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
         block_m, block_n, num_warps, num_stages = config
     row_blocks = -(-q_len * group // block_m)
     programs = batch * kv_heads * row_blocks
-    tiles = max(1, -(-kv_len // block_n))
+    window = tuple(window)
+    causal, right_shift, has_left, left_shift = visibility(causal, 0, window)
+    if not has_left:
+        left_shift = NO_LEFT_EDGE
+    # Keys a row block's chunks cover: from its first query's window edge (rounded down to a
+    # tile) to its last query's diagonal, or the whole cache without a left edge or a diagonal.
+    span = kv_len
+    if has_left and causal:
+        span = min(kv_len, q_len + window[0] + right_shift + block_n - 1)
+    tiles = max(1, -(-span // block_n))
     if num_splits is None:
-        num_splits = num_splits_for(programs, kv_len, block_n,
+        num_splits = num_splits_for(programs, span, block_n,
                                     slots(q.device, block_m, block_n, block_d, q.dtype,
                                           num_stages))
     num_splits = max(1, min(num_splits, MAX_SPLITS, tiles))
     chunk = -(-tiles // num_splits) * block_n
-    num_splits = -(-max(kv_len, 1) // chunk)  # no split left without keys by rounding
+    num_splits = -(-max(span, 1) // chunk)  # no split left without keys by rounding
     final = num_splits == 1
     if final:
         out_part, lse_part = out, lse  # unused: the split kernel writes out and lse itself
     else:
         out_part = _empty((batch, heads, q_len, num_splits, head_dim), torch.float32, q.device)
         lse_part = _empty((batch, heads, q_len, num_splits), torch.float32, q.device)
+    qk_scale, softcap_log2, use_softcap = score_scales(scale, softcap)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 unused on 16-bit inputs
     seqlens_arg = seqlens if seqlens is not None else lse  # unused when not VARLEN
     table_arg = block_table if paged else lse  # unused when not PAGED
@@ -387,8 +440,10 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
         q, k, v, out, lse, out_part, lse_part, seqlens_arg, table_arg,  #
         *q.stride(), *k_strides, *v_strides, *out.stride(),  #
         block_table.stride(0) if paged else 0,  #
-        kv_heads, group, q_len, kv_len, chunk, num_splits, scale * LOG2E,  #
+        kv_heads, group, q_len, kv_len, chunk, num_splits, qk_scale,  #
+        softcap_log2, right_shift, left_shift,  #
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        WINDOW=window != (-1, -1), SOFTCAP=use_softcap,
         PAGED=paged, PAGE_SIZE=page_size, VARLEN=seqlens is not None, FINAL=final,
         INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     if not final:
