@@ -423,3 +423,51 @@ def test_gpu_merge_matches_one_split_on_the_lse():
     # (fp16 in the interpreter, 2048 keys, 1 vs 16 splits: 6e-5), while a wrongly weighted merge
     # is off by the size of the output itself.
     torch.testing.assert_close(results[0][0], results[1][0], atol=2e-3, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("window,softcap", [((4095, 0), 0.0), ((0, 0), 0.0), ((1000, 0), 50.0),
+                                            ((-1, -1), 30.0), ((20000, 0), 0.0)])
+@pytest.mark.parametrize("q_len", [1, 8])
+def test_gpu_window_and_softcap_through_the_op(window, softcap, q_len, dtype, floor, lse_tol,
+                                               monkeypatch):
+    # Mistral's 4096-key window and Gemma 2's softcap 50 / 30 on an 8192-key cache; a window
+    # wider than the cache; windowed and softcapped decode calls take the decode kernel.
+    launches = []
+    launch = kernels.attention_decode
+    monkeypatch.setattr(kernels, "attention_decode",
+                        lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    q, k, v = make_cache(8, q_len, 32, 8, 8192, 128, dtype, "cuda", seed=30)
+    out, lse = fused_attention(_bhsd(q), _bhsd(k), _bhsd(v), causal_alignment="bottom_right",
+                               window=window, softcap=softcap, return_lse=True)
+    assert launches == [1], "short bottom-right windowed/softcapped calls take the decode kernel"
+    assert_close(_bhsd(out), lse, q, k, v, [8192] * 8, floor, lse_tol, window=window,
+                 softcap=softcap)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("window,causal", [((511, 0), True), ((100, 7), False)])
+def test_gpu_paged_cache_with_window_and_softcap(window, causal, page_size, dtype, floor,
+                                                 lse_tol):
+    batch, capacity = 16, 4096
+    q, k, v = make_cache(batch, 4, 32, 8, capacity, 128, dtype, "cuda", seed=31)
+    g = torch.Generator().manual_seed(32)
+    seqlens = torch.randint(0, capacity + 1, (batch,), generator=g, dtype=torch.int32)
+    seqlens[0], seqlens[1], seqlens[2] = 0, capacity, 2  # empty, full, fewer keys than queries
+    k_pool, v_pool, table = page(k, v, page_size, seed=33)
+    out, lse = fused_attention_with_kvcache(q, k_pool, v_pool, seqlens.cuda(), block_table=table,
+                                            causal=causal, window=window, softcap=20.0,
+                                            return_lse=True)
+    assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol, causal=causal,
+                 window=window, softcap=20.0)
+
+
+@pytest.mark.cuda
+def test_gpu_top_left_window_keeps_the_prefill_kernel(monkeypatch):
+    # The decode kernel's window is bottom-right; a top-left one is the prefill kernel's.
+    monkeypatch.setattr(kernels, "attention_decode", lambda *a, **kw: pytest.fail("decode ran"))
+    q, k, v = (_bhsd(t) for t in make_cache(2, 1, 8, 2, 300, 64, torch.bfloat16, "cuda"))
+    fused_attention(q, k, v, causal=False, window=(5, 5), causal_alignment="top_left")

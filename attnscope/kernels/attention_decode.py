@@ -169,6 +169,12 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query, l
 
 
 @triton.jit
+def _last_query(row_start, GROUP, Q_LEN, BLOCK_M: tl.constexpr):
+    # The last query with a row in the row block that starts at row_start.
+    return tl.minimum((row_start + BLOCK_M - 1) // GROUP, Q_LEN - 1)
+
+
+@triton.jit
 def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
                   stride_qz, stride_qh, stride_qm, stride_qd,  #
                   stride_kz, stride_kh, stride_kn, stride_kd,  #
@@ -219,24 +225,25 @@ def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
     # last query sees. Keys [full_lo, mid) are seen whole by every row of the block: no masks
     # there. With a WINDOW the chunks start at the block's first visible key (rounded down to a
     # tile), and keys [lo, full_lo), left of the last query's window edge, run masked.
-    causal_offset = kv_len - Q_LEN  # bottom-right: query i sees keys j <= i + causal_offset
-    last_query = tl.minimum((row_start + BLOCK_M - 1) // GROUP, Q_LEN - 1)
+    # (Statements in the plain path's order: its code stays what it was before windows.)
     lo = split * CHUNK
     if WINDOW:
-        left_offset = causal_offset + left_shift  # query i sees keys j >= i + left_offset
-        causal_offset += right_shift
+        left_offset = kv_len - Q_LEN + left_shift  # query i sees keys j >= i + left_offset
         lo += tl.maximum(row_start // GROUP + left_offset, 0) // BLOCK_N * BLOCK_N
     else:
         left_offset = 0  # unused
     hi = tl.minimum(lo + CHUNK, kv_len)
+    causal_offset = kv_len - Q_LEN  # bottom-right: query i sees keys j <= i + causal_offset
+    if WINDOW:
+        causal_offset += right_shift
     if CAUSAL:
-        hi = tl.minimum(hi, last_query + causal_offset + 1)
+        hi = tl.minimum(hi, _last_query(row_start, GROUP, Q_LEN, BLOCK_M) + causal_offset + 1)
         seen_by_all = row_start // GROUP + causal_offset + 1
     else:
         seen_by_all = kv_len
     full_lo = lo
     if WINDOW:
-        seen_from = tl.maximum(last_query + left_offset, lo)
+        seen_from = tl.maximum(_last_query(row_start, GROUP, Q_LEN, BLOCK_M) + left_offset, lo)
         full_lo = tl.maximum(tl.minimum((seen_from + BLOCK_N - 1) // BLOCK_N * BLOCK_N, hi), lo)
     mid = full_lo + tl.maximum(tl.minimum(seen_by_all, hi) - full_lo, 0) // BLOCK_N * BLOCK_N
 
