@@ -111,13 +111,15 @@ def _chunked_prefill(model, ids, split):
         return model(ids[:, split:], use_cache=True, **{_CACHE: cache}).logits
 
 
-def _gradients(models, ids):
-    """All parameter gradients of each model's language-model loss, flattened into one vector."""
+def _gradients(models, ids, mask=None):
+    """All parameter gradients of each model's language-model loss, flattened into one vector.
+    With a padding `mask`, the padding tokens carry no loss (label -100)."""
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
     grads = []
     for model in models:
         model.train()  # attention_dropout is 0.0: training mode changes nothing in attention
         model.zero_grad()
-        model(ids, labels=ids).loss.backward()
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
         grads.append(torch.cat([p.grad.double().flatten() for p in model.parameters()]))
     return grads
 
@@ -221,13 +223,7 @@ def test_padded_gradients_match_sdpa(varlen_calls, no_fallback):
     # Right padding: SDPA's padding rows then see real keys and stay finite (left-padded ones see
     # none); no loss on them, and no real token attends to them, so the gradients must agree.
     mask = _padding(ids, "right")
-    labels = ids.masked_fill(mask == 0, -100)
-    grads = []
-    for model in (ours, sdpa, reference):
-        model.train()
-        model.zero_grad()
-        model(ids, attention_mask=mask, labels=labels).loss.backward()
-        grads.append(torch.cat([p.grad.double().flatten() for p in model.parameters()]))
+    grads = _gradients((ours, sdpa, reference), ids, mask)
     _assert_within(*grads, floor=1e-6)  # floor as in test_gradients_match_sdpa
     assert varlen_calls and not hf.fallbacks
 
@@ -539,13 +535,7 @@ def test_gpu_bf16_padded_generation_and_gradients(varlen_calls, no_fallback):
     # test_gpu_bf16_gradients.
     ids = _tokens(2, 256).cuda()
     mask = _gpu_padding(ids, "right")
-    labels = ids.masked_fill(mask == 0, -100)
-    grads = []
-    for model in (ours, sdpa, reference):
-        model.train()
-        model.zero_grad()
-        model(ids, attention_mask=mask, labels=labels).loss.backward()
-        grads.append(torch.cat([p.grad.double().flatten() for p in model.parameters()]))
+    grads = _gradients((ours, sdpa, reference), ids, mask)
     _assert_within(*grads, floor=1e-3)
     assert varlen_calls and not hf.fallbacks
 
