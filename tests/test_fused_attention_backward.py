@@ -145,8 +145,8 @@ def test_broadcast_gradient_of_a_sum():
 
 
 @pytest.mark.parametrize("config", [
-    (16, 16, 16, 16, 4, 1),  # square tiles: the band is exactly the diagonal blocks
-    (32, 16, 16, 32, 4, 1),  # dK/dV with more query rows than keys per tile, dQ the reverse
+    (16, 16, 4, 1, 16, 16, 4, 1),  # square tiles: the band is exactly the diagonal blocks
+    (32, 16, 4, 1, 16, 32, 2, 1),  # dK/dV with more query rows than keys per tile, dQ the reverse
 ])
 def test_other_tile_shapes(config):
     # The backward kernels launched directly with `config`, on the forward's output and LSE.

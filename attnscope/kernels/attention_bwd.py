@@ -384,22 +384,22 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K,  #
              dq.to(DQ.dtype.element_ty), mask=md_ok)
 
 
-# Launch configs: (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) per head-dim
-# class; M1/N1 tile the dK/dV kernel (few query rows streamed past many resident keys), M2/N2 the
-# dQ kernel (many resident query rows, few streamed keys), as in Triton's tutorial. Resident tiles
+# Launch configs per head-dim class: (BLOCK_M1, BLOCK_N1, warps1, stages1) tile and launch the
+# dK/dV kernel (few query rows streamed past many resident keys), (BLOCK_M2, BLOCK_N2, warps2,
+# stages2) the dQ kernel (many resident query rows, few streamed keys), as in Triton's tutorial;
+# the preprocess takes the dQ kernel's row blocks and Triton's default warps. Resident tiles
 # hold two fp32 accumulators (dK, dV or dQ) plus two input tiles, so wider heads get fewer
-# resident rows or more warps to keep them in registers. A first guess from the tutorial's
-# values, not yet swept on the H200 (notes/backward.md); a fixed table for the forward's reason:
-# no autotuner cost per call.
-CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
+# resident rows or more warps to keep them in registers. A fixed table for the forward's reason: no autotuner cost per call.
+CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "warps1", "stages1",
+                 "BLOCK_M2", "BLOCK_N2", "warps2", "stages2")
 CONFIGS = {
-    64: (32, 128, 128, 32, 4, 3),
-    128: (32, 128, 128, 32, 8, 2),
-    256: (32, 64, 64, 32, 8, 1),
+    64: (32, 128, 4, 3, 128, 32, 4, 3),
+    128: (32, 128, 8, 2, 128, 32, 8, 2),
+    256: (32, 64, 8, 1, 64, 32, 8, 1),
 }
 # The interpreter runs one config; BLOCK_M != BLOCK_N both ways so that CPU tests cross a diagonal
 # band spanning several query blocks (dK/dV) and several key blocks (dQ).
-INTERPRETER_CONFIG = (16, 32, 32, 16, 4, 1)
+INTERPRETER_CONFIG = (16, 32, 4, 1, 32, 16, 4, 1)
 
 
 def config_for(head_dim):
@@ -425,13 +425,12 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         config = config_for(head_dim)
     elif len(config) != len(CONFIG_FIELDS):
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
-    block_m1, block_n1, block_m2, block_n2, num_warps, num_stages = config
+    block_m1, block_n1, warps1, stages1, block_m2, block_n2, warps2, stages2 = config
     block_d, precision = tile_constants(head_dim, q.dtype)
     bounded, offset, has_window, left_offset = visibility(causal, causal_offset, window)
     qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=bounded, HAS_WINDOW=has_window,
-                  SOFTCAP=has_softcap, VARLEN=varlen is not None, INPUT_PRECISION=precision,
-                  num_warps=num_warps, num_stages=num_stages)
+                  SOFTCAP=has_softcap, VARLEN=varlen is not None, INPUT_PRECISION=precision)
     if varlen is None:
         cu_q = cu_k = None
         max_q, max_k = q_len, kv_len
@@ -454,13 +453,15 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
           *sq, *sk, *sv, *sdo, *sdk, *sdv,  #
           kv_heads, heads // kv_heads, q_len, kv_len, offset, left_offset, qk_scale,
           softcap_log2, scale),
-         dict(BLOCK_M=block_m1, BLOCK_N=block_n1, **common)),
+         dict(BLOCK_M=block_m1, BLOCK_N=block_n1, num_warps=warps1, num_stages=stages1,
+              **common)),
         (_launch_dq, (batch * heads * num_m,),
          (q, k, v, do, dq, lse, delta, cu_q, cu_k,  #
           *sq, *sk, *sv, *sdo, *sdq,  #
           heads, heads // kv_heads, q_len, kv_len, offset, left_offset, qk_scale, softcap_log2,
           scale, num_m, head_group(q, k)),
-         dict(BLOCK_M=block_m2, BLOCK_N=block_n2, **common)),
+         dict(BLOCK_M=block_m2, BLOCK_N=block_n2, num_warps=warps2, num_stages=stages2,
+              **common)),
     ]
     if wrap is not None:
         for launch, grid, args, kwargs in launches:

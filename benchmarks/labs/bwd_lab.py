@@ -1,0 +1,149 @@
+"""Lab of the Triton backward (attnscope/kernels/attention_bwd.py): its three launches timed under
+the configs given on the command line next to its table's, and (--peers) cuDNN's backward, on
+one GPU.
+
+For kernel work on the backward (notes/backward.md), not the benchmark of record (that is
+`attnscope bench --mode bwd`). A config is attention_bwd.CONFIG_FIELDS: the dK/dV kernel's
+BLOCK_M1,BLOCK_N1,warps1,stages1 then the dQ kernel's BLOCK_M2,BLOCK_N2,warps2,stages2. Per
+(shape, config): median ms of the three launches (do_bench, L2 cleared, interleaved --repeat
+rounds), TFLOP/s (2.5x the forward's FLOPs), registers and spills of the dK/dV and dQ kernels,
+and the largest gradient error against SDPA's fp32 backward (memory-efficient kernel) on the same
+bf16 inputs. One line per row; JSON lines to --out.
+
+    python benchmarks/labs/bwd_lab.py --shapes 4,32,4096,128 4,32,4096,128,8 \\
+        --configs 64,128,8,2,128,32,8,2 32,128,8,2,128,64,8,2 --peers --out lab.jsonl
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import attnscope
+from attnscope.kernels import attention_bwd as bwd
+from attnscope.kernels import launch
+from attnscope.profile.flops import attention_flops
+
+
+def parse_config(text):
+    values = tuple(int(x) for x in text.split(","))
+    if len(values) != len(bwd.CONFIG_FIELDS):
+        raise argparse.ArgumentTypeError(
+            f"a config is {','.join(bwd.CONFIG_FIELDS)}, got {text!r}")
+    return values
+
+
+def parse_shape(text):
+    values = tuple(int(x) for x in text.split(","))
+    if len(values) not in (4, 5):
+        raise argparse.ArgumentTypeError(f"a shape is B,H,S,D[,KV_HEADS], got {text!r}")
+    return values if len(values) == 5 else (*values, values[1])
+
+
+def problem(shape, seed=0):
+    """bf16 q, k, v, dO on the GPU (seeded) and the op's forward output and LSE."""
+    b, h, s, d, hk = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, n, s, d, generator=g, device="cuda", dtype=torch.bfloat16)
+               for n in (h, hk, hk))
+    do = torch.randn(b, h, s, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    out, lse = attnscope.fused_attention(q, k, v, return_lse=True)
+    return q, k, v, do, out, lse
+
+
+def reference_grads(q, k, v, do):
+    """SDPA's fp32 backward (memory-efficient kernel, GQA by repeating K/V) of the bf16 inputs."""
+    rep = q.shape[1] // k.shape[1]
+    q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        out = F.scaled_dot_product_attention(q32, k32.repeat_interleave(rep, 1),
+                                             v32.repeat_interleave(rep, 1), is_causal=True)
+    return torch.autograd.grad(out, (q32, k32, v32), do.float())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", nargs="+", type=parse_shape, default=[(8, 16, 1024, 64, 16)],
+                   help="B,H,S,D[,KV_HEADS] (bf16, causal); default 8,16,1024,64")
+    p.add_argument("--configs", nargs="*", type=parse_config, default=[],
+                   help=f"{','.join(bwd.CONFIG_FIELDS)} configs to time next to the table's")
+    p.add_argument("--peers", action="store_true", help="also time cuDNN's backward")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms (default 25)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms (default 100)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timing rounds over all candidates; the median is reported (default 3)")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    args = p.parse_args()
+    out_file = open(args.out, "a") if args.out else None
+    for shape in args.shapes:
+        b, h, s, d, hk = shape
+        flops = 2.5 * attention_flops(b, h, s, s, d, causal=True)
+        q, k, v, do, out, lse = problem(shape)
+        refs = reference_grads(q, k, v, do)
+        table = bwd.config_for(d)
+        configs = [table] + [c for c in args.configs if c != table]
+        timers, rows = {}, {}
+        for config in configs:
+            name = "table" if config == table else ",".join(map(str, config))
+            grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+            delta = torch.empty_like(lse)
+
+            def run(config=config, grads=grads, delta=delta):
+                bwd.attention_bwd(do, q, k, v, out, lse, *grads, delta, causal=True,
+                                  scale=d ** -0.5, causal_offset=0, config=config)
+            launch.forget_launches()
+            try:
+                run()
+                torch.cuda.synchronize()
+            except Exception as e:  # one config that does not fit must not end the sweep
+                print(f"{shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            kernels = {kname: (getattr(c, "n_regs", None), getattr(c, "n_spills", None))
+                       for kname, c, _ in launch.launched()}
+            errors = [(g.float() - r).abs().max().item() for g, r in zip(grads, refs)]
+            timers[name] = run
+            rows[name] = {"shape": shape, "impl": name, "config": config,
+                          "err_dq_dk_dv": errors, "regs_spills": kernels}
+        if args.peers:
+            rep = h // hk
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True,
+                                                       enable_gqa=rep > 1)
+
+                def cudnn():
+                    torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+                cudnn()
+                timers["cudnn"] = cudnn
+                rows["cudnn"] = {"shape": shape, "impl": "cudnn"}
+            except RuntimeError as e:  # e.g. a cuDNN without this GQA shape
+                print(f"{shape} cudnn: FAILED {str(e)[:200]}", flush=True)
+        times = {name: [] for name in timers}
+        for _ in range(args.repeat):  # rounds: drift of the machine hits every candidate alike
+            for name, fn in timers.items():
+                times[name].append(triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep,
+                                                           return_mode="median"))
+        for name, row in rows.items():
+            if name not in times:
+                continue
+            row["ms"] = statistics.median(times[name])
+            row["tflops"] = flops / row["ms"] / 1e9
+            row["rounds_ms"] = times[name]
+            extra = (f" err {max(row['err_dq_dk_dv']):.3g} regs/spills {row['regs_spills']}"
+                     if "err_dq_dk_dv" in row else "")
+            print(f"{shape} {name:>24}: {row['ms']:.4f} ms {row['tflops']:.0f} TFLOP/s{extra}",
+                  flush=True)
+            if out_file:
+                out_file.write(json.dumps(row) + "\n")
+                out_file.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
