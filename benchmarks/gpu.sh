@@ -23,6 +23,9 @@
 # peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; STEP_TIMEOUT (seconds per command,
 # default 280).
 set -uo pipefail
+# The scripts under benchmarks/ import this tree's attnscope even where `pip install -e` cannot
+# build (no network for an isolated build): the repository root goes on the path.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -33,7 +36,9 @@ BENCH_SWEEP=${BENCH_SWEEP:-default}
 SUMMARY=()
 
 step_setup() {
-  python -m pip install -e . --no-deps --no-build-isolation || return
+  python -m pip install -e . --no-deps --no-build-isolation > "$OUT/pip.log" 2>&1 \
+    || echo "pip install -e failed (pip.log); this tree is imported through PYTHONPATH"
+  python -c "import attnscope; print('attnscope from', attnscope.__file__)" || return
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv \
     | tee "$OUT/gpu.txt"
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
