@@ -87,6 +87,8 @@ def rows(d, stubbed):
          lambda: attnscope.fused_attention(qg, kg, vg)),
         ("backward: torch.autograd.grad", lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout,
                                                                       retain_graph=True)),
+        ("training step (forward + autograd.grad)", lambda: torch.autograd.grad(
+            attnscope.fused_attention(qg, kg, vg), (qg, kg, vg), dout)),
         ("public op fused_attention", public),
         ("_forward (no validation)", lambda: fused._forward(q, k, v, True, d ** -0.5, False,
                                                             "bhsd")),
@@ -98,7 +100,7 @@ def rows(d, stubbed):
     ]
     if stubbed:  # no launch to time, and CPU SDPA says nothing about the GPU path's host cost
         timed = [row for row in timed if not row[0].startswith(("dispatch.", "sdpa"))]
-    return kernel, public, timed
+    return kernel, public, timed[2][1], timed
 
 
 def main():
@@ -107,7 +109,8 @@ def main():
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128],
                    help="head_dims to measure (default: 64 128)")
     p.add_argument("--profile", action="store_true",
-                   help="also print cProfile's top functions of the public op")
+                   help="also print cProfile's top functions of the public op and of the "
+                        "training step")
     p.add_argument("--stub-launches", action="store_true",
                    help="CPU fp16 tensors and no-op kernel launches: the Python layers alone, "
                         "on a machine without a GPU")
@@ -119,13 +122,14 @@ def main():
     elif not torch.cuda.is_available():
         p.error("no CUDA device: use --stub-launches to time the Python layers on the CPU")
     for d in args.head_dim:
-        kernel, public, timed = rows(d, args.stub_launches)
+        kernel, public, step, timed = rows(d, args.stub_launches)
         print(f"head_dim {d}: " + (f"the op runs the {kernel} kernel" if kernel else
                                     "kernel launches stubbed out"), flush=True)
         for name, fn in timed:
             print(f"  {name:42s} {per_call_us(fn, rounds=args.rounds):7.1f} us/call", flush=True)
         if args.profile:
-            print(profile(public), flush=True)
+            print("cProfile of the public op:\n" + profile(public), flush=True)
+            print("cProfile of the training step:\n" + profile(step), flush=True)
     return 0
 
 
