@@ -29,12 +29,13 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU,
 Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, heads, seq,
-head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), a key length
-that is a multiple of BLOCK_N, a positive scale, and a launch that is not being traced (under
-torch.compile the Triton kernel runs). Query tiles that run past a head's end read the next
-head's rows or the copy engine's zeros; those rows are never stored. Output blocks go to memory
-through shared memory and the copy engine (TMA store), except blocks that run past a head's end
-and any block of an `out` that is not contiguous and 16-byte aligned (register stores).
+head_dim], a positive scale, and a launch that is not being traced (under torch.compile the
+Triton kernel runs). Any query and key length: the TMA descriptors see each tensor as
+[batch * heads, seq, head_dim], so a block that runs past a head's end reads the copy engine's
+zeros (never the next head's rows), keys past the end are masked to -inf in the last K/V block
+only, and the copy engine drops the rows of an output block past the end. Output blocks go to
+memory through shared memory and the copy engine (TMA store), except those of an `out` that is
+not contiguous and 16-byte aligned (register stores).
 """
 
 import functools
@@ -74,40 +75,44 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
             STAGES: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, sched, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET) = args
-    # The copy engine's descriptors, made here on the device: each of q, k, v seen as one
-    # [rows, HEAD_DIM] matrix. (Host-made descriptors cost ~50 us of Triton's launch per call.)
-    q_desc = tma.make_tensor_descriptor(Q, [n_hz * N_CTX_Q, HEAD_DIM], [HEAD_DIM, 1],
-                                        [ROWS, HEAD_DIM], q_smem.layout)
-    kv_rows = n_hz // GROUP * N_CTX_K
-    k_desc = tma.make_tensor_descriptor(K, [kv_rows, HEAD_DIM], [HEAD_DIM, 1],
-                                        [BLOCK_N, HEAD_DIM], k_smem.layout)
-    v_desc = tma.make_tensor_descriptor(V, [kv_rows, HEAD_DIM], [HEAD_DIM, 1],
-                                        [BLOCK_N, HEAD_DIM], v_smem.layout)
+    q_layout: gl.constexpr = q_smem.index(0).reshape([1, ROWS, HEAD_DIM]).layout
+    kv_layout: gl.constexpr = k_smem.index(0).reshape([1, BLOCK_N, HEAD_DIM]).layout
+    # The copy engine's descriptors, made here on the device once per program: each of q, k, v
+    # seen as [heads, seq, HEAD_DIM], so a block that runs past a head's end reads the copy
+    # engine's zeros, never the next head's rows. (Host-made descriptors cost ~50 us of
+    # Triton's launch per call.)
+    q_desc = tma.make_tensor_descriptor(Q, [n_hz, N_CTX_Q, HEAD_DIM], [N_CTX_Q * HEAD_DIM,
+                                        HEAD_DIM, 1], [1, ROWS, HEAD_DIM], q_layout)
+    kv_hz = n_hz // GROUP
+    k_desc = tma.make_tensor_descriptor(K, [kv_hz, N_CTX_K, HEAD_DIM], [N_CTX_K * HEAD_DIM,
+                                        HEAD_DIM, 1], [1, BLOCK_N, HEAD_DIM], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V, [kv_hz, N_CTX_K, HEAD_DIM], [N_CTX_K * HEAD_DIM,
+                                        HEAD_DIM, 1], [1, BLOCK_N, HEAD_DIM], kv_layout)
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
     for r in range(gl.load(sched)):
         t = gl.load(sched + 1 + r)
         off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET,
                                             CAUSAL, NUM_WG * ROWS, BLOCK_N)
-        kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N_CTX_K
+        kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
         # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
         # loads into each buffer wait for nobody.
         for wg in gl.static_range(NUM_WG):
             mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
             mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-            tma_load(q_desc, [off_hz * N_CTX_Q + first_row + wg * ROWS, 0], q_ready.index(wg),
-                     q_smem.index(wg))
+            tma_load(q_desc, [off_hz, first_row + wg * ROWS, 0], q_ready.index(wg),
+                     q_smem.index(wg).reshape([1, ROWS, HEAD_DIM]))
         for j in range(n_blocks):
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(slot),
-                     k_smem.index(slot))
+            tma_load(k_desc, [kv_head, j * BLOCK_N, 0], k_ready.index(slot),
+                     k_smem.index(slot).reshape([1, BLOCK_N, HEAD_DIM]))
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(slot),
-                     v_smem.index(slot))
+            tma_load(v_desc, [kv_head, j * BLOCK_N, 0], v_ready.index(slot),
+                     v_smem.index(slot).reshape([1, BLOCK_N, HEAD_DIM]))
         it += n_blocks
         ti += 1
 
@@ -164,9 +169,12 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    if TMA_STORE:  # out is one contiguous [rows, HEAD_DIM] matrix (the launch checked)
-        o_desc = tma.make_tensor_descriptor(Out, [n_hz * N_CTX_Q, HEAD_DIM], [HEAD_DIM, 1],
-                                            [ROWS, HEAD_DIM], o_smem.layout)
+    if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM] (the launch checked); the copy
+        # engine drops the rows of a block that run past the head's end
+        o_layout_3d: gl.constexpr = o_smem.index(0).reshape([1, ROWS, HEAD_DIM]).layout
+        o_desc = tma.make_tensor_descriptor(Out, [n_hz, N_CTX_Q, HEAD_DIM],
+                                            [N_CTX_Q * HEAD_DIM, HEAD_DIM, 1],
+                                            [1, ROWS, HEAD_DIM], o_layout_3d)
 
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
@@ -237,14 +245,14 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         gl.store(Lse + off_hz.to(gl.int64) * N_CTX_Q + rows, lse, mask=rows < N_CTX_Q)
         l_safe = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
         out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
-        if TMA_STORE and m0 + ROWS <= N_CTX_Q:
+        if TMA_STORE:
             # The copy engine stores the block from shared memory while this warpgroup moves on
             # to its next tile; only the next tile's epilogue waits for it (the buffer is reused).
             tma.store_wait(0)
             o_smem.index(WG).store(out)
             fence_async_shared()
-            tma_store(o_desc, [off_hz * N_CTX_Q + m0, 0], o_smem.index(WG))
-        else:  # rows past this head's end (a 2-D copy would write the next head's rows)
+            tma_store(o_desc, [off_hz, m0, 0], o_smem.index(WG).reshape([1, ROWS, HEAD_DIM]))
+        else:  # an out the copy engine cannot address: register stores
             o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
             o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
             o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
@@ -331,13 +339,10 @@ _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 def supports(q, k, v, out):
     """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
     CONFIGS, non-empty q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned
-    addresses (the TMA descriptors view each as one [rows, head_dim] matrix), out with unit last
-    stride, and a key length that is a multiple of BLOCK_N: a ragged last K/V block would read
-    the next head's rows, and although those keys are masked, p = 0 times a non-finite value
-    there is NaN (the Triton kernel loads such rows as zeros)."""
-    config = CONFIGS.get(q.shape[-1])  # cheapest refusals first: this runs on every eager call
-    return (config is not None and str(q.dtype) in _GL_DTYPES and q.is_cuda
-            and k.shape[2] % config[0] == 0
+    addresses (the TMA descriptors view each as [batch * heads, seq, head_dim]) and out with
+    unit last stride. Any query and key length."""
+    # cheapest refusals first: this runs on every eager call
+    return (q.shape[-1] in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
             and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
