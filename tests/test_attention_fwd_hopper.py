@@ -63,6 +63,33 @@ def test_hopper_kernel(shape, dtype, floor, lse_tol):
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
+PADDED_SHAPES = [
+    # (batch, heads, kv_heads, q_len, kv_len, causal, alignment) for the head dims whose tiles
+    # are padded to 128 columns: the columns past head_dim must read as zeros and never be
+    # written, whatever the lengths
+    (2, 3, 3, 1000, 1000, True, "top_left"),      # ragged query and key tiles
+    (1, 8, 2, 3000, 3000, True, "top_left"),      # GQA, ragged last block
+    (2, 2, 2, 129, 129, True, "top_left"),        # a 1-key last block
+    (1, 2, 2, 1, 1000, True, "bottom_right"),     # decoding over a ragged cache
+    (1, 2, 2, 300, 77, True, "bottom_right"),     # rows that see no key
+    (1, 3, 3, 200, 77, False, "top_left"),        # non-causal, more queries than keys
+    (2, 2, 1, 700, 1536, False, "top_left"),      # non-causal, aligned keys
+    (3, 16, 16, 2048, 2048, True, "top_left"),    # more tiles than SMs: the persistent loop
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [80, 96, 112])
+@pytest.mark.parametrize("shape", PADDED_SHAPES)
+def test_hopper_kernel_padded_head_dims(shape, head_dim, dtype, floor, lse_tol):
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("causal", [True, False])
@@ -81,16 +108,18 @@ def test_hopper_kernel_never_reads_the_next_heads_keys(causal):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-def test_hopper_kernel_strided_out_takes_register_stores():
+@pytest.mark.parametrize("head_dim", [128, 96])  # 96: the padding columns are not stored
+def test_hopper_kernel_strided_out_takes_register_stores(head_dim):
     # An `out` that is not one contiguous matrix cannot take the TMA store; the register stores
     # write the same values.
-    q, k, v = make_qkv(1, 2, 2, 320, 384, 128, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(1, 2, 2, 320, 300, head_dim, torch.bfloat16, "cuda")
     wide = torch.full((1, 2, 320, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out, lse = wide[..., :128], torch.empty(1, 2, 320, device="cuda")
-    assert dispatch.uses_hopper_kernel(q, k, v, out, 128 ** -0.5)
-    dispatch.attention_fwd(q, k, v, out, lse, causal=True, scale=128 ** -0.5, causal_offset=0)
+    out, lse = wide[..., :head_dim], torch.empty(1, 2, 320, device="cuda")
+    scale = head_dim ** -0.5
+    assert dispatch.uses_hopper_kernel(q, k, v, out, scale)
+    dispatch.attention_fwd(q, k, v, out, lse, causal=True, scale=scale, causal_offset=0)
     assert torch.equal(out, fused_attention(q, k, v))
-    assert wide[..., 128:].isnan().all()  # nothing written outside the view
+    assert wide[..., head_dim:].isnan().all()  # nothing written outside the view
 
 
 @pytest.mark.cuda
@@ -119,6 +148,8 @@ def test_hopper_kernel_only_takes_what_it_supports():
     assert not dispatch.uses_hopper_kernel(q, k[:, :, :200], v[:, :, :200], out, scale)  # strided
     assert not dispatch.uses_hopper_kernel(q[..., :64], k[..., :64], v[..., :64], out[..., :64],
                                           scale)
+    q96, k96, v96 = make_qkv(1, 2, 2, 256, 200, 96, torch.bfloat16, "cuda")
+    assert dispatch.uses_hopper_kernel(q96, k96, v96, torch.empty_like(q96), scale)  # padded
     assert not dispatch.uses_hopper_kernel(q.float(), k.float(), v.float(), out.float(), scale)
     bshd = rearrange(torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16),
                      "b s h d -> b h s d")
