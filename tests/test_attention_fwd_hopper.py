@@ -63,10 +63,10 @@ def test_hopper_kernel(shape, dtype, floor, lse_tol):
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
-PADDED_SHAPES = [
-    # (batch, heads, kv_heads, q_len, kv_len, causal, alignment) for the head dims whose tiles
-    # are padded to 128 columns: the columns past head_dim must read as zeros and never be
-    # written, whatever the lengths
+OTHER_HEAD_DIM_SHAPES = [
+    # (batch, heads, kv_heads, q_len, kv_len, causal, alignment) for the head dims other than
+    # 128: tiles padded to 128 (80, 96, 112) or 256 columns (192), whose padding columns must
+    # read as zeros and never be written; 64-key blocks and register stores (192, 256)
     (2, 3, 3, 1000, 1000, True, "top_left"),      # ragged query and key tiles
     (1, 8, 2, 3000, 3000, True, "top_left"),      # GQA, ragged last block
     (2, 2, 2, 129, 129, True, "top_left"),        # a 1-key last block
@@ -81,9 +81,9 @@ PADDED_SHAPES = [
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
-@pytest.mark.parametrize("head_dim", [80, 96, 112])
-@pytest.mark.parametrize("shape", PADDED_SHAPES)
-def test_hopper_kernel_padded_head_dims(shape, head_dim, dtype, floor, lse_tol):
+@pytest.mark.parametrize("head_dim", [80, 96, 112, 192, 256])
+@pytest.mark.parametrize("shape", OTHER_HEAD_DIM_SHAPES)
+def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol):
     batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
     assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
@@ -108,7 +108,7 @@ def test_hopper_kernel_never_reads_the_next_heads_keys(causal):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("head_dim", [128, 96])  # 96: the padding columns are not stored
+@pytest.mark.parametrize("head_dim", [128, 96, 192])  # 96, 192: padding columns not stored
 def test_hopper_kernel_strided_out_takes_register_stores(head_dim):
     # An `out` that is not one contiguous matrix cannot take the TMA store; the register stores
     # write the same values.

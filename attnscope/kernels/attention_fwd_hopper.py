@@ -28,17 +28,18 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   while the other's matrix multiplies do.
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU,
-Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128), q/k/v contiguous [batch,
-heads, seq, head_dim], a positive scale, and a launch that is not being traced (under
-torch.compile the Triton kernel runs). A head_dim below 128 runs on tiles padded to 128 columns
-(BLOCK_D): the descriptors' boxes are BLOCK_D wide over rows of head_dim, so the copy engine
-fills the padding columns with zeros (they add nothing to Q K^T, and P V's padding columns are
-zeros) and drops them on the store. Any query and key length: the TMA descriptors see each
+Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256), q/k/v contiguous
+[batch, heads, seq, head_dim], a positive scale, and a launch that is not being traced (under
+torch.compile the Triton kernel runs). A head_dim that is not a power of two runs on tiles
+padded to the next one (BLOCK_D: 128, or 256 for 192): the descriptors' boxes are BLOCK_D wide
+over rows of head_dim, so the copy engine fills the padding columns with zeros (they add nothing
+to Q K^T, and P V's padding columns are zeros) and drops them on the store. Any query and key length: the TMA descriptors see each
 tensor as [batch * heads, seq, head_dim], so a block that runs past a head's end reads the copy
 engine's zeros (never the next head's rows), keys past the end are masked to -inf in the last
 K/V block only, and the copy engine drops the rows of an output block past the end. Output
 blocks go to memory through shared memory and the copy engine (TMA store), except those of an
-`out` that is not contiguous and 16-byte aligned (register stores).
+`out` that is not contiguous and 16-byte aligned, and at BLOCK_D 256, whose staging buffers do
+not fit in shared memory (register stores).
 """
 
 import functools
@@ -342,10 +343,18 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
 # against 0.6842 ms at (4,32,4096,64); three warpgroups measured slower).
 # head_dim 80, 96 and 112 run the head_dim-128 schedule on tiles padded to 128 columns (the
 # copy engine fills the columns past head_dim with zeros and drops them on the store): the
-# head_dim-128 config, not timed on its own.
+# head_dim-128 config, not timed on its own. At 256 (and 192, padded to 256) a consumer's fp32
+# O accumulator takes 128 registers a thread, so K/V blocks are 64 keys (S: 32 registers); two
+# ring stages of 64 keys and Q take 192 KB of shared memory, which leaves no room for the
+# output's staging buffers (outputs leave by register stores). No spills offline
+# (benchmarks/sass_offline.py --gluon --head-dim 256, Triton 3.6 and 3.9); not timed yet.
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs")
-CONFIGS = {80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2, 240), 128: (128, 2, 240)}
+CONFIGS = {80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2, 240), 128: (128, 2, 240),
+           192: (64, 2, 240), 256: (64, 2, 240)}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
+# Shared memory one program may take on sm_90 (227 KB), less 1 KB for the mbarriers and what
+# the compiler adds (504 B at head_dim 128).
+SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 
 
 def supports(q, k, v, out):
@@ -386,15 +395,18 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     args = (q, k, v, out, lse, sched, out.stride(0), out.stride(1), out.stride(2),
             batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
             group, sched.shape[1])
-    # Output blocks by TMA store where out is one contiguous [rows, head_dim] matrix: 0.1004
-    # against 0.1088 ms with register stores at (8,16,1024,128) (notes/forward.md, "TMA, both
-    # directions").
+    # Output blocks by TMA store where out is contiguous and its staging buffers fit in shared
+    # memory next to Q and the K/V ring: 0.1004 against 0.1088 ms with register stores at
+    # (8,16,1024,128) (notes/forward.md, "TMA, both directions").
     block_d = padded_head_dim(head_dim)
+    tile_bytes = ROWS.value * block_d * q.element_size()  # one consumer's Q or O block
+    smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * block_d * q.element_size()
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, STAGES=stages,
                   CAUSAL=causal, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, block_d, dtype),
                   KV_LAYOUT=_smem_layout(block_n, block_d, dtype),
-                  TMA_STORE=out.is_contiguous() and out.data_ptr() % 16 == 0,
+                  TMA_STORE=(out.is_contiguous() and out.data_ptr() % 16 == 0
+                             and smem + NUM_WG.value * tile_bytes <= SHARED_MEMORY_BYTES),
                   num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are contiguous and 16-byte aligned (supports): shapes say the rest

@@ -45,6 +45,11 @@ CHECK_CASES = [  # (batch, heads, kv_heads, q_len, kv_len, head_dim, causal, bot
     (1, 8, 2, 3000, 3000, 96, True, False, torch.float16),
     (1, 2, 2, 300, 77, 96, True, True, torch.bfloat16),       # rows that see no key
     (2, 2, 1, 700, 1536, 112, False, False, torch.bfloat16),
+    (2, 3, 3, 1000, 1000, 256, True, False, torch.bfloat16),  # 64-key blocks, register stores
+    (1, 8, 2, 3000, 3000, 256, True, False, torch.float16),
+    (1, 2, 2, 300, 77, 256, True, True, torch.bfloat16),
+    (2, 2, 1, 700, 1500, 192, False, False, torch.bfloat16),  # padded to 256 columns
+    (1, 4, 4, 2048, 2048, 192, True, False, torch.float16),
 ]
 
 
