@@ -33,13 +33,13 @@ Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256), q/
 torch.compile the Triton kernel runs). A head_dim that is not a power of two runs on tiles
 padded to the next one (BLOCK_D: 128, or 256 for 192): the descriptors' boxes are BLOCK_D wide
 over rows of head_dim, so the copy engine fills the padding columns with zeros (they add nothing
-to Q K^T, and P V's padding columns are zeros) and drops them on the store. Any query and key length: the TMA descriptors see each
-tensor as [batch * heads, seq, head_dim], so a block that runs past a head's end reads the copy
-engine's zeros (never the next head's rows), keys past the end are masked to -inf in the last
-K/V block only, and the copy engine drops the rows of an output block past the end. Output
-blocks go to memory through shared memory and the copy engine (TMA store), except those of an
-`out` that is not contiguous and 16-byte aligned, and at BLOCK_D 256, whose staging buffers do
-not fit in shared memory (register stores).
+to Q K^T, and P V's padding columns are zeros) and drops them on the store. Any query and key
+length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a block that
+runs past a head's end reads the copy engine's zeros (never the next head's rows), keys past
+the end are masked to -inf in the last K/V block only, and the copy engine drops the rows of an
+output block past the end. Output blocks go to memory through shared memory and the copy engine
+(TMA store), except those of an `out` that is not contiguous and 16-byte aligned, and at
+BLOCK_D 256, whose staging buffers do not fit in shared memory (register stores).
 """
 
 import functools
