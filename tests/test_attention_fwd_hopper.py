@@ -27,8 +27,8 @@ def fresh_launches():
 
 HOPPER_SHAPES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment): the kernel's 128-row tiles,
-    # the diagonal, ragged query tiles and rows past a head's end (key lengths are multiples of
-    # its 128-key blocks: other lengths run the Triton kernel)
+    # the diagonal, ragged query tiles and rows past a head's end, ragged last K/V blocks (the
+    # copy engine's zeros past a head's end, masked to -inf)
     (2, 3, 3, 1000, 1024, True, "top_left"),
     (1, 4, 1, 333, 384, True, "top_left"),        # MQA, one ragged query tile
     (1, 2, 2, 77, 256, True, "bottom_right"),     # diagonal off the tile grid
@@ -36,6 +36,19 @@ HOPPER_SHAPES = [
     (2, 2, 1, 257, 512, False, "top_left"),       # non-causal
     (3, 1, 1, 1, 128, True, "bottom_right"),      # single-token decoding
     (3, 16, 16, 2048, 2048, True, "top_left"),    # more tiles than SMs: the persistent loop
+    (2, 3, 3, 1000, 1000, True, "top_left"),      # ragged query and key tiles, same length
+    (1, 8, 2, 3000, 3000, True, "top_left"),      # GQA, 3000 = 23 blocks + 56 keys
+    (2, 2, 2, 129, 129, True, "top_left"),        # one key past a block: a 1-key last block
+    (2, 2, 2, 1, 1, True, "top_left"),            # one query, one key
+    (1, 2, 2, 1, 1000, True, "bottom_right"),     # decoding over a ragged cache
+    (1, 3, 3, 200, 77, False, "top_left"),        # non-causal, more queries than keys: every
+                                                  # row sees the ragged block
+    (1, 3, 3, 300, 77, True, "top_left"),         # top-left, more queries than keys: rows past
+                                                  # 77 see every key, the ragged block included
+    (1, 2, 2, 300, 77, True, "bottom_right"),     # rows that see no key, ragged block
+    (2, 2, 1, 700, 1500, False, "top_left"),      # non-causal, q_len < kv_len, both ragged
+    (1, 2, 2, 640, 1000, True, "bottom_right"),   # aligned queries, ragged keys
+    (1, 2, 2, 1000, 640, True, "top_left"),       # ragged queries, aligned keys
 ]
 
 
@@ -50,18 +63,63 @@ def test_hopper_kernel(shape, dtype, floor, lse_tol):
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
+OTHER_HEAD_DIM_SHAPES = [
+    # (batch, heads, kv_heads, q_len, kv_len, causal, alignment) for the head dims other than
+    # 128: tiles padded to 128 (80, 96, 112) or 256 columns (192), whose padding columns must
+    # read as zeros and never be written; 64-key blocks and register stores (192, 256)
+    (2, 3, 3, 1000, 1000, True, "top_left"),      # ragged query and key tiles
+    (1, 8, 2, 3000, 3000, True, "top_left"),      # GQA, ragged last block
+    (2, 2, 2, 129, 129, True, "top_left"),        # a 1-key last block
+    (1, 2, 2, 1, 1000, True, "bottom_right"),     # decoding over a ragged cache
+    (1, 2, 2, 300, 77, True, "bottom_right"),     # rows that see no key
+    (1, 3, 3, 200, 77, False, "top_left"),        # non-causal, more queries than keys
+    (2, 2, 1, 700, 1536, False, "top_left"),      # non-causal, aligned keys
+    (3, 16, 16, 2048, 2048, True, "top_left"),    # more tiles than SMs: the persistent loop
+]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-def test_hopper_kernel_strided_out_takes_register_stores():
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [80, 96, 112, 192, 256])
+@pytest.mark.parametrize("shape", OTHER_HEAD_DIM_SHAPES)
+def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol):
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("causal", [True, False])
+def test_hopper_kernel_never_reads_the_next_heads_keys(causal):
+    # The last K/V block of head 0 runs past its 200 keys into the memory of head 1, whose keys
+    # and values are infinite: a block that read them would turn head 0's rows into NaN (a
+    # masked p = 0 times inf) or inf. Head 0 must match the reference computed on it alone.
+    q, k, v = make_qkv(1, 2, 2, 300, 200, 128, torch.bfloat16, "cuda")
+    k[:, 1], v[:, 1] = float("inf"), float("inf")
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), 128 ** -0.5)
+    out, lse = fused_attention(q, k, v, causal=causal, return_lse=True)
+    head0 = lambda t: t[:, :1]  # noqa: E731
+    check(head0(q), head0(k), head0(v), 4e-3, 1e-3, causal=causal,
+          forward=lambda *_, **__: (head0(out), head0(lse)))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("head_dim", [128, 96, 192])  # 96, 192: padding columns not stored
+def test_hopper_kernel_strided_out_takes_register_stores(head_dim):
     # An `out` that is not one contiguous matrix cannot take the TMA store; the register stores
     # write the same values.
-    q, k, v = make_qkv(1, 2, 2, 320, 384, 128, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(1, 2, 2, 320, 300, head_dim, torch.bfloat16, "cuda")
     wide = torch.full((1, 2, 320, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out, lse = wide[..., :128], torch.empty(1, 2, 320, device="cuda")
-    assert dispatch.uses_hopper_kernel(q, k, v, out, 128 ** -0.5)
-    dispatch.attention_fwd(q, k, v, out, lse, causal=True, scale=128 ** -0.5, causal_offset=0)
+    out, lse = wide[..., :head_dim], torch.empty(1, 2, 320, device="cuda")
+    scale = head_dim ** -0.5
+    assert dispatch.uses_hopper_kernel(q, k, v, out, scale)
+    dispatch.attention_fwd(q, k, v, out, lse, causal=True, scale=scale, causal_offset=0)
     assert torch.equal(out, fused_attention(q, k, v))
-    assert wide[..., 128:].isnan().all()  # nothing written outside the view
+    assert wide[..., head_dim:].isnan().all()  # nothing written outside the view
 
 
 @pytest.mark.cuda
@@ -85,9 +143,13 @@ def test_hopper_kernel_only_takes_what_it_supports():
     scale = 128 ** -0.5
     assert dispatch.uses_hopper_kernel(q, k, v, out, scale)
     assert not dispatch.uses_hopper_kernel(q, k, v, out, 0.0)  # it masks before scaling
-    assert not dispatch.uses_hopper_kernel(q, k[:, :, :200], v[:, :, :200], out, scale)  # ragged K
+    k2, v2 = k[:, :, :200].contiguous(), v[:, :, :200].contiguous()
+    assert dispatch.uses_hopper_kernel(q, k2, v2, out, scale)  # a ragged last K/V block
+    assert not dispatch.uses_hopper_kernel(q, k[:, :, :200], v[:, :, :200], out, scale)  # strided
     assert not dispatch.uses_hopper_kernel(q[..., :64], k[..., :64], v[..., :64], out[..., :64],
                                           scale)
+    q96, k96, v96 = make_qkv(1, 2, 2, 256, 200, 96, torch.bfloat16, "cuda")
+    assert dispatch.uses_hopper_kernel(q96, k96, v96, torch.empty_like(q96), scale)  # padded
     assert not dispatch.uses_hopper_kernel(q.float(), k.float(), v.float(), out.float(), scale)
     bshd = rearrange(torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16),
                      "b s h d -> b h s d")

@@ -127,7 +127,8 @@ def test_gpu_repeated_launches_are_right(head_dim):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("head_dim", [64, 128, 256])  # Triton; Gluon on sm_90; Triton with TMA
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # Triton; Gluon on sm_90 (Triton with TMA
+#                                                       at 256 elsewhere)
 def test_gpu_kept_launches_follow_the_call(head_dim):
     # A kept launch fixes every argument but the five tensors: another scale or alignment is
     # another key; a repeat from a new thread (its own scratch allocator, for the kernels that

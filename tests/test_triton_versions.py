@@ -26,27 +26,39 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Runs in a fresh interpreter with TRITON_INTERPRET=0 (this process has the interpreter on, and
 # Triton reads that once, at import): compile the Gluon kernel as a launch would, through
-# benchmarks/sass_offline.py's offline driver, and count what the PTX and SASS hold.
+# benchmarks/sass_offline.py's offline driver, at each head_dim given, and count what the PTX
+# and SASS hold.
 _COMPILE = r"""
 import json, re, sys
 sys.path.insert(0, sys.argv[1])
 import sass_offline
-compiled = sass_offline.compile_gluon(128, None, "bf16")
-ptx = compiled.asm["ptx"]
-counts = {"ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
-    ("wgmma", r"wgmma\.mma_async"), ("tma_load", r"cp\.async\.bulk\.tensor\.\dd\.shared"),
-    ("tma_store", r"cp\.async\.bulk\.tensor\.\dd\.global"), ("mbarrier", r"mbarrier\."),
-    ("setmaxnreg", r"setmaxnreg"))}}
-try:
-    sass = sass_offline.cuobjdump(compiled, "-sass")
-except (OSError, sass_offline.subprocess.CalledProcessError) as e:
-    counts["sass_error"] = str(e)
-else:
+result = {}
+for head_dim in map(int, sys.argv[2:]):
+    compiled = sass_offline.compile_gluon(head_dim, None, "bf16")
+    ptx = compiled.asm["ptx"]
+    counts = result[head_dim] = {"ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
+        ("wgmma", r"wgmma\.mma_async"), ("tma_load", r"cp\.async\.bulk\.tensor\.\dd\.shared"),
+        ("tma_store", r"cp\.async\.bulk\.tensor\.\dd\.global"), ("mbarrier", r"mbarrier\."),
+        ("setmaxnreg", r"setmaxnreg"))}}
+    try:
+        sass = sass_offline.cuobjdump(compiled, "-sass")
+        usage = sass_offline.cuobjdump(compiled, "-res-usage")
+    except (OSError, sass_offline.subprocess.CalledProcessError) as e:
+        counts["sass_error"] = str(e)
+        continue
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
     counts["sass"] = {name: sum(op.startswith(name) for op in ops)
                       for name in ("HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG")}
-print(json.dumps(counts))
+    counts["sass"]["LOCAL"] = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+print(json.dumps(result))
 """
+
+
+# The Gluon kernel's head_dim classes: 128 (tiles as wide as the rows), 96 (tiles padded to 128
+# columns: descriptors whose box is wider than the rows; 80 and 112 compile to its code but for
+# constants) and 256 (64-key blocks, register stores: the output's staging buffers do not fit
+# in shared memory; 192 is 256 padded).
+COMPILED_HEAD_DIMS = (128, 96, 256)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +67,8 @@ def hopper_compile():
         pytest.fail(f"Triton {triton.__version__}'s Gluon lacks {gluon_compat.missing()}: the "
                     "Hopper kernel would fall back to the Triton kernel on every H200")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "benchmarks")],
+    run = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "benchmarks"),
+                          *map(str, COMPILED_HEAD_DIMS)],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -68,20 +81,26 @@ def test_gluon_api_is_all_there():
 
 
 def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
-    # Per consumer warpgroup and K/V block: Q K^T and P V as asynchronous wgmma; the loader's
-    # Q, K and V copies and the epilogue's O store through the copy engine; mbarriers between
-    # them; a register split between the partitions (setmaxnreg). Counts of 3.6's SASS for
-    # this config (benchmarks/sass_offline.py --gluon --head-dim 128): HGMMA 64, UTMALDG 8,
-    # UTMASTG 2; 3.7.1 and 3.9.0 give the same.
-    ptx = hopper_compile["ptx"]
-    assert ptx["wgmma"] > 0 and ptx["tma_load"] > 0 and ptx["tma_store"] > 0, ptx
-    assert ptx["mbarrier"] > 0 and ptx["setmaxnreg"] > 0, ptx
-    if "sass" not in hopper_compile:
-        pytest.skip(f"PTX checked; the wheel's cuobjdump did not run here: "
-                    f"{hopper_compile['sass_error']}")
-    sass = hopper_compile["sass"]
-    assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["UTMASTG"] > 0, sass
-    assert sass["SYNCS"] > 0 and sass["USETMAXREG"] > 0, sass
+    # At each of COMPILED_HEAD_DIMS, per consumer warpgroup and K/V block: Q K^T and P V as
+    # asynchronous wgmma; the loader's Q, K and V copies through the copy engine, and the
+    # epilogue's O store where its staging buffers fit in shared memory (head_dim <= 128);
+    # mbarriers between them; a register split between the partitions (setmaxnreg); no register
+    # spills to local memory. Counts of 3.6's SASS at head_dim 128 (benchmarks/sass_offline.py
+    # --gluon --head-dim 128): HGMMA 64, UTMALDG 8, UTMASTG 2; 3.7.1 and 3.9.0 give the same.
+    for head_dim, counts in hopper_compile.items():
+        ptx = counts["ptx"]
+        tma_store = int(head_dim) <= 128  # 256: register stores
+        assert ptx["wgmma"] > 0 and ptx["tma_load"] > 0, (head_dim, ptx)
+        assert (ptx["tma_store"] > 0) == tma_store, (head_dim, ptx)
+        assert ptx["mbarrier"] > 0 and ptx["setmaxnreg"] > 0, (head_dim, ptx)
+        if "sass" not in counts:
+            pytest.skip(f"PTX checked; the wheel's cuobjdump did not run here: "
+                        f"{counts['sass_error']}")
+        sass = counts["sass"]
+        assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0, (head_dim, sass)
+        assert (sass["UTMASTG"] > 0) == tma_store, (head_dim, sass)
+        assert sass["SYNCS"] > 0 and sass["USETMAXREG"] > 0, (head_dim, sass)
+        assert sass["LOCAL"] == 0, f"head_dim {head_dim} spills registers: {sass}"
 
 
 class _Recorder:

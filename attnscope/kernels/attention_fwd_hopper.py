@@ -28,13 +28,18 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   while the other's matrix multiplies do.
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU,
-Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (128), q/k/v contiguous [batch, heads, seq,
-head_dim] (the TMA descriptors see each tensor as one [rows, head_dim] matrix), a key length
-that is a multiple of BLOCK_N, a positive scale, and a launch that is not being traced (under
-torch.compile the Triton kernel runs). Query tiles that run past a head's end read the next
-head's rows or the copy engine's zeros; those rows are never stored. Output blocks go to memory
-through shared memory and the copy engine (TMA store), except blocks that run past a head's end
-and any block of an `out` that is not contiguous and 16-byte aligned (register stores).
+Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256), q/k/v contiguous
+[batch, heads, seq, head_dim], a positive scale, and a launch that is not being traced (under
+torch.compile the Triton kernel runs). A head_dim that is not a power of two runs on tiles
+padded to the next one (BLOCK_D: 128, or 256 for 192): the descriptors' boxes are BLOCK_D wide
+over rows of head_dim, so the copy engine fills the padding columns with zeros (they add nothing
+to Q K^T, and P V's padding columns are zeros) and drops them on the store. Any query and key
+length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a block that
+runs past a head's end reads the copy engine's zeros (never the next head's rows), keys past
+the end are masked to -inf in the last K/V block only, and the copy engine drops the rows of an
+output block past the end. Output blocks go to memory through shared memory and the copy engine
+(TMA store), except those of an `out` that is not contiguous and 16-byte aligned, and at
+BLOCK_D 256, whose staging buffers do not fit in shared memory (register stores).
 """
 
 import functools
@@ -74,40 +79,45 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
             STAGES: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, sched, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET) = args
-    # The copy engine's descriptors, made here on the device: each of q, k, v seen as one
-    # [rows, HEAD_DIM] matrix. (Host-made descriptors cost ~50 us of Triton's launch per call.)
-    q_desc = tma.make_tensor_descriptor(Q, [n_hz * N_CTX_Q, HEAD_DIM], [HEAD_DIM, 1],
-                                        [ROWS, HEAD_DIM], q_smem.layout)
-    kv_rows = n_hz // GROUP * N_CTX_K
-    k_desc = tma.make_tensor_descriptor(K, [kv_rows, HEAD_DIM], [HEAD_DIM, 1],
-                                        [BLOCK_N, HEAD_DIM], k_smem.layout)
-    v_desc = tma.make_tensor_descriptor(V, [kv_rows, HEAD_DIM], [HEAD_DIM, 1],
-                                        [BLOCK_N, HEAD_DIM], v_smem.layout)
+    BLOCK_D: gl.constexpr = q_smem.shape[2]  # HEAD_DIM padded to a power of two
+    q_layout: gl.constexpr = q_smem.index(0).reshape([1, ROWS, BLOCK_D]).layout
+    kv_layout: gl.constexpr = k_smem.index(0).reshape([1, BLOCK_N, BLOCK_D]).layout
+    # The copy engine's descriptors, made here on the device once per program: each of q, k, v
+    # seen as [heads, seq, HEAD_DIM], so a block that runs past a head's end reads the copy
+    # engine's zeros, never the next head's rows. (Host-made descriptors cost ~50 us of
+    # Triton's launch per call.)
+    q_desc = tma.make_tensor_descriptor(Q, [n_hz, N_CTX_Q, HEAD_DIM], [N_CTX_Q * HEAD_DIM,
+                                        HEAD_DIM, 1], [1, ROWS, BLOCK_D], q_layout)
+    kv_hz = n_hz // GROUP
+    k_desc = tma.make_tensor_descriptor(K, [kv_hz, N_CTX_K, HEAD_DIM], [N_CTX_K * HEAD_DIM,
+                                        HEAD_DIM, 1], [1, BLOCK_N, BLOCK_D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V, [kv_hz, N_CTX_K, HEAD_DIM], [N_CTX_K * HEAD_DIM,
+                                        HEAD_DIM, 1], [1, BLOCK_N, BLOCK_D], kv_layout)
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
     for r in range(gl.load(sched)):
         t = gl.load(sched + 1 + r)
         off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET,
                                             CAUSAL, NUM_WG * ROWS, BLOCK_N)
-        kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N_CTX_K
+        kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
         # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
         # loads into each buffer wait for nobody.
         for wg in gl.static_range(NUM_WG):
             mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
             mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-            tma_load(q_desc, [off_hz * N_CTX_Q + first_row + wg * ROWS, 0], q_ready.index(wg),
-                     q_smem.index(wg))
+            tma_load(q_desc, [off_hz, first_row + wg * ROWS, 0], q_ready.index(wg),
+                     q_smem.index(wg).reshape([1, ROWS, BLOCK_D]))
         for j in range(n_blocks):
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(slot),
-                     k_smem.index(slot))
+            tma_load(k_desc, [kv_head, j * BLOCK_N, 0], k_ready.index(slot),
+                     k_smem.index(slot).reshape([1, BLOCK_N, BLOCK_D]))
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(slot),
-                     v_smem.index(slot))
+            tma_load(v_desc, [kv_head, j * BLOCK_N, 0], v_ready.index(slot),
+                     v_smem.index(slot).reshape([1, BLOCK_N, BLOCK_D]))
         it += n_blocks
         ti += 1
 
@@ -155,18 +165,22 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
      Out, Lse, stride_oz, stride_oh, stride_om, sched, n_hz, num_m, head_group, H, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
+    BLOCK_D: gl.constexpr = q_smem.shape[2]  # HEAD_DIM padded to a power of two
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, BLOCK_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    if TMA_STORE:  # out is one contiguous [rows, HEAD_DIM] matrix (the launch checked)
-        o_desc = tma.make_tensor_descriptor(Out, [n_hz * N_CTX_Q, HEAD_DIM], [HEAD_DIM, 1],
-                                            [ROWS, HEAD_DIM], o_smem.layout)
+    if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM] (the launch checked); the copy
+        # engine drops the rows of a block that run past the head's end
+        o_layout_3d: gl.constexpr = o_smem.index(0).reshape([1, ROWS, BLOCK_D]).layout
+        o_desc = tma.make_tensor_descriptor(Out, [n_hz, N_CTX_Q, HEAD_DIM],
+                                            [N_CTX_Q * HEAD_DIM, HEAD_DIM, 1],
+                                            [1, ROWS, BLOCK_D], o_layout_3d)
 
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
@@ -185,7 +199,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
         p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
 
         mbarrier.wait(q_ready.index(WG), ti & 1)
@@ -237,21 +251,24 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         gl.store(Lse + off_hz.to(gl.int64) * N_CTX_Q + rows, lse, mask=rows < N_CTX_Q)
         l_safe = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
         out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
-        if TMA_STORE and m0 + ROWS <= N_CTX_Q:
+        if TMA_STORE:
             # The copy engine stores the block from shared memory while this warpgroup moves on
             # to its next tile; only the next tile's epilogue waits for it (the buffer is reused).
             tma.store_wait(0)
             o_smem.index(WG).store(out)
             fence_async_shared()
-            tma_store(o_desc, [off_hz * N_CTX_Q + m0, 0], o_smem.index(WG))
-        else:  # rows past this head's end (a 2-D copy would write the next head's rows)
+            tma_store(o_desc, [off_hz, m0, 0], o_smem.index(WG).reshape([1, ROWS, BLOCK_D]))
+        else:  # an out the copy engine cannot address: register stores
             o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            o_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
             o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
                       + (off_hz % H).to(gl.int64) * stride_oh)
             o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
                       + gl.expand_dims(o_cols, 0))
-            gl.store(o_ptrs, out, mask=gl.expand_dims(o_rows < N_CTX_Q, 1))
+            o_mask = gl.expand_dims(o_rows < N_CTX_Q, 1)
+            if BLOCK_D != HEAD_DIM:  # the padding columns are not out's
+                o_mask = o_mask & gl.expand_dims(o_cols < HEAD_DIM, 0)
+            gl.store(o_ptrs, out, mask=o_mask)
         it += n_blocks
         ti += 1
     if TMA_STORE:
@@ -262,7 +279,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
                      SCHED_STRIDE,
-                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, TMA_STORE: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
@@ -273,9 +291,9 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
     num_m = gl.cdiv(N_CTX_Q, NUM_WG * ROWS)
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], Q_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], KV_LAYOUT)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
@@ -298,7 +316,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
     fence_async_shared()
 
     if TMA_STORE:  # one output block per consumer for the copy engine's stores
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, HEAD_DIM], Q_LAYOUT)
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D], Q_LAYOUT)
     else:
         o_smem = q_smem  # unused
     shared = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -323,21 +341,29 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
 # rounds' spread). The schedule's other choices are constants of the kernel: persistent (one
 # program per SM), NUM_WG = 2 consumer warpgroups, and their ping-pong (without it 0.6913
 # against 0.6842 ms at (4,32,4096,64); three warpgroups measured slower).
+# head_dim 80, 96 and 112 run the head_dim-128 schedule on tiles padded to 128 columns (the
+# copy engine fills the columns past head_dim with zeros and drops them on the store): the
+# head_dim-128 config, not timed on its own. At 256 (and 192, padded to 256) a consumer's fp32
+# O accumulator takes 128 registers a thread, so K/V blocks are 64 keys (S: 32 registers); two
+# ring stages of 64 keys and Q take 192 KB of shared memory, which leaves no room for the
+# output's staging buffers (outputs leave by register stores). No spills offline
+# (benchmarks/sass_offline.py --gluon --head-dim 256, Triton 3.6 and 3.9); not timed yet.
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs")
-CONFIGS = {128: (128, 2, 240)}
+CONFIGS = {80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2, 240), 128: (128, 2, 240),
+           192: (64, 2, 240), 256: (64, 2, 240)}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
+# Shared memory one program may take on sm_90 (227 KB), less 1 KB for the mbarriers and what
+# the compiler adds (504 B at head_dim 128).
+SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 
 
 def supports(q, k, v, out):
     """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
     CONFIGS, non-empty q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned
-    addresses (the TMA descriptors view each as one [rows, head_dim] matrix), out with unit last
-    stride, and a key length that is a multiple of BLOCK_N: a ragged last K/V block would read
-    the next head's rows, and although those keys are masked, p = 0 times a non-finite value
-    there is NaN (the Triton kernel loads such rows as zeros)."""
-    config = CONFIGS.get(q.shape[-1])  # cheapest refusals first: this runs on every eager call
-    return (config is not None and str(q.dtype) in _GL_DTYPES and q.is_cuda
-            and k.shape[2] % config[0] == 0
+    addresses (the TMA descriptors view each as [batch * heads, seq, head_dim]) and out with
+    unit last stride. Any query and key length."""
+    # cheapest refusals first: this runs on every eager call
+    return (q.shape[-1] in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
             and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
@@ -369,14 +395,18 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     args = (q, k, v, out, lse, sched, out.stride(0), out.stride(1), out.stride(2),
             batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
             group, sched.shape[1])
-    # Output blocks by TMA store where out is one contiguous [rows, head_dim] matrix: 0.1004
-    # against 0.1088 ms with register stores at (8,16,1024,128) (notes/forward.md, "TMA, both
-    # directions").
-    kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
-                  CONSUMER_REGS=regs,
-                  Q_LAYOUT=_smem_layout(ROWS.value, head_dim, dtype),
-                  KV_LAYOUT=_smem_layout(block_n, head_dim, dtype),
-                  TMA_STORE=out.is_contiguous() and out.data_ptr() % 16 == 0,
+    # Output blocks by TMA store where out is contiguous and its staging buffers fit in shared
+    # memory next to Q and the K/V ring: 0.1004 against 0.1088 ms with register stores at
+    # (8,16,1024,128) (notes/forward.md, "TMA, both directions").
+    block_d = padded_head_dim(head_dim)
+    tile_bytes = ROWS.value * block_d * q.element_size()  # one consumer's Q or O block
+    smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * block_d * q.element_size()
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, STAGES=stages,
+                  CAUSAL=causal, CONSUMER_REGS=regs,
+                  Q_LAYOUT=_smem_layout(ROWS.value, block_d, dtype),
+                  KV_LAYOUT=_smem_layout(block_n, block_d, dtype),
+                  TMA_STORE=(out.is_contiguous() and out.data_ptr() % 16 == 0
+                             and smem + NUM_WG.value * tile_bytes <= SHARED_MEMORY_BYTES),
                   num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are contiguous and 16-byte aligned (supports): shapes say the rest
@@ -387,11 +417,17 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
                    config=dict(zip(CONFIG_FIELDS, config)))
 
 
+def padded_head_dim(head_dim):
+    """The width of the kernel's shared-memory tiles and wgmma for `head_dim`: the next power
+    of two (Gluon's tensors have power-of-two shapes)."""
+    return 1 << (head_dim - 1).bit_length()
+
+
 # Host cost matters at small shapes (notes/launch.md): what does not change
 # between calls is computed once (here, in device_properties, tile_schedule and FastLaunch).
 @functools.cache
-def _smem_layout(rows, head_dim, dtype):
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
+def _smem_layout(rows, block_d, dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, block_d], _GL_DTYPES[dtype])
 
 
 _launch = FastLaunch(_attn_fwd_hopper, FORWARD_LAUNCHES)  # shared with the Triton forward's

@@ -37,6 +37,19 @@ CHECK_CASES = [  # (batch, heads, kv_heads, q_len, kv_len, head_dim, causal, bot
     (1, 1, 1, 1, 1, 64, True, False, torch.bfloat16),
     (1, 2, 2, 4096, 4096, 128, True, False, torch.bfloat16),
     (1, 2, 2, 128, 128, 64, True, False, torch.bfloat16),
+    (1, 8, 2, 3000, 3000, 128, True, False, torch.bfloat16),  # GQA, ragged last K/V block
+    (2, 2, 2, 129, 129, 128, True, False, torch.float16),     # a 1-key last block
+    (1, 3, 3, 200, 77, 128, False, False, torch.bfloat16),    # non-causal, ragged keys
+    (1, 2, 2, 1, 1000, 128, True, True, torch.bfloat16),      # decoding, ragged cache
+    (2, 3, 3, 1000, 1000, 80, True, False, torch.bfloat16),   # tiles padded to 128 columns
+    (1, 8, 2, 3000, 3000, 96, True, False, torch.float16),
+    (1, 2, 2, 300, 77, 96, True, True, torch.bfloat16),       # rows that see no key
+    (2, 2, 1, 700, 1536, 112, False, False, torch.bfloat16),
+    (2, 3, 3, 1000, 1000, 256, True, False, torch.bfloat16),  # 64-key blocks, register stores
+    (1, 8, 2, 3000, 3000, 256, True, False, torch.float16),
+    (1, 2, 2, 300, 77, 256, True, True, torch.bfloat16),
+    (2, 2, 1, 700, 1500, 192, False, False, torch.bfloat16),  # padded to 256 columns
+    (1, 4, 4, 2048, 2048, 192, True, False, torch.float16),
 ]
 
 
