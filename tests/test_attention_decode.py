@@ -599,3 +599,58 @@ def test_gpu_top_left_window_keeps_the_prefill_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "attention_decode", lambda *a, **kw: pytest.fail("decode ran"))
     q, k, v = (_bhsd(t) for t in make_cache(2, 1, 8, 2, 300, 64, torch.bfloat16, "cuda"))
     fused_attention(q, k, v, causal=False, window=(5, 5), causal_alignment="top_left")
+
+
+def _kept():
+    # How many launches the decode kernels keep (none where the direct launcher does not fit).
+    return len(kernels._split_launch.bound), len(kernels._merge_launch.bound)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+def test_gpu_decode_loop_through_the_op_keeps_its_launches(dtype, floor, lse_tol):
+    # A plain decode loop through fused_attention: K/V made anew with one key more each step
+    # (torch.cat's layout: new strides and length), then a new scale, then q at an odd address.
+    # Every step is right; the steps that change only what a kept launch takes per call keep
+    # no new launch (1000..1007 keys: one split count, no multiple of 16).
+    q, k, v = make_cache(1, 8, 32, 8, 1007, 128, dtype, "cuda", seed=50)
+    kept = []
+    for n, scale in ((1000, None), (1001, None), (1002, None), (1007, 0.05)):
+        k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
+        out, lse = fused_attention(_bhsd(q), k_n, v_n, causal_alignment="bottom_right",
+                                   scale=scale, return_lse=True)
+        assert_close(_bhsd(out), lse, q, k, v, [n], floor, lse_tol, scale=scale)
+        kept.append(_kept())
+    if launch.direct_launch_ok():
+        assert kept[0][0] == 1 and kept[1:] == kept[:1] * 3
+    shifted = torch.empty(q.numel() + 1, dtype=dtype, device="cuda")[1:].view(q.shape).copy_(q)
+    out, lse = fused_attention(_bhsd(shifted), k_n, v_n, causal_alignment="bottom_right",
+                               return_lse=True)
+    assert_close(_bhsd(out), lse, q, k, v, [1007], floor, lse_tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+def test_gpu_kv_cache_loop_keeps_its_launches(page_size, dtype, floor, lse_tol):
+    # fused_attention_with_kvcache on a fixed-capacity cache: new lengths (an empty sequence and
+    # a full one among them), a new block table and block pool, a new scale at each step, all
+    # on the first step's kept launches.
+    batch, capacity = 8, 4096
+    q, k, v = make_cache(batch, 4, 32, 8, capacity, 128, dtype, "cuda", seed=51)
+    g = torch.Generator().manual_seed(52)
+    kept = []
+    for step, scale in enumerate((None, 0.05, 0.1)):
+        seqlens = torch.randint(0, capacity + 1, (batch,), generator=g, dtype=torch.int32)
+        seqlens[step] = 0
+        seqlens[step + 1] = capacity
+        if page_size is None:
+            k_cache, v_cache, table = k, v, None
+        else:
+            k_cache, v_cache, table = page(k, v, page_size, seed=53 + step)
+        out, lse = fused_attention_with_kvcache(q, k_cache, v_cache, seqlens.cuda(),
+                                                block_table=table, scale=scale, return_lse=True)
+        assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol, scale=scale)
+        kept.append(_kept())
+    if launch.direct_launch_ok():
+        assert kept[0][0] == 1 and kept[1:] == kept[:1] * 2

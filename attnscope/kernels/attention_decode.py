@@ -178,7 +178,7 @@ def _last_query(row_start, GROUP, Q_LEN, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
+def _decode_split(Q, K, V, Out, Lse, Part, SeqLens, BlockTable,  #
                   stride_kz, stride_kh, stride_kn, stride_kd,  #
                   stride_vz, stride_vh, stride_vn, stride_vd,  #
                   stride_btz, KV_LEN, CHUNK, qk_scale, softcap_log2,  #
@@ -286,20 +286,24 @@ def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
                   + query[:, None] * stride_om + offs_d[None, :] * stride_od)
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     else:
-        part = row * NUM_SPLITS + split  # partials: [batch, heads, q_len, NUM_SPLITS, HEAD_DIM]
-        tl.store(LsePart + part, lse2, mask=m_ok)
-        tl.store(OutPart + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+        part = row * NUM_SPLITS + split
+        # Part: the output partials [batch, heads, q_len, NUM_SPLITS, HEAD_DIM], then the LSEs
+        # [batch, heads, q_len, NUM_SPLITS] (one buffer: one allocation a call)
+        rows = tl.num_programs(1).to(tl.int64) * (GROUP * Q_LEN)  # batch * heads * q_len
+        tl.store(Part + rows * NUM_SPLITS * HEAD_DIM + part, lse2, mask=m_ok)
+        tl.store(Part + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _decode_merge(OutPart, LsePart, Out, Lse,  #
+def _decode_merge(Part, Out, Lse,  #
                   stride_oz, stride_oh, stride_om, stride_od,  #
                   HEADS, Q_LEN, NUM_SPLITS,  #
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   MERGE_TILE: tl.constexpr):
     # One program per output row (batch, head, query): the LSE-weighted mean of its partials.
     row = tl.program_id(0).to(tl.int64)
+    LsePart = Part + tl.num_programs(0).to(tl.int64) * NUM_SPLITS * HEAD_DIM  # after O's
     off_z = row // (HEADS * Q_LEN)
     off_h = row // Q_LEN % HEADS
     query = row % Q_LEN
@@ -318,7 +322,7 @@ def _decode_merge(OutPart, LsePart, Out, Lse,  #
         t_ok = offs_t < NUM_SPLITS
         w = tl.math.exp2(tl.load(LsePart + row * NUM_SPLITS + offs_t, mask=t_ok,
                                  other=float("-inf")) - m_sub)
-        o = tl.load(OutPart + (row * NUM_SPLITS + offs_t)[:, None] * HEAD_DIM + offs_d[None, :],
+        o = tl.load(Part + (row * NUM_SPLITS + offs_t)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(o * w[:, None], 0)
     acc = acc / tl.where(total == 0.0, 1.0, total)
@@ -389,11 +393,11 @@ def _empty(shape, dtype, device):
 # Eager launches (launch.FastLaunch): Triton's dispatch once per key, a direct launch after.
 _split_launch = FastLaunch(_decode_split)
 _merge_launch = FastLaunch(_decode_merge)
-# Per-call arguments of the split kernel: the nine tensors, then the ints and floats a kept
+# Per-call arguments of the split kernel: the eight tensors, then the ints and floats a kept
 # launch takes anew each call (K/V and block-table strides, KV_LEN, CHUNK, qk_scale,
 # softcap_log2).
-SPLIT_PER_CALL = 22
-MERGE_PER_CALL = 4  # OutPart, LsePart, Out, Lse
+SPLIT_PER_CALL = 21
+MERGE_PER_CALL = 3  # Part, Out, Lse
 
 
 class _Plan:
@@ -518,13 +522,12 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     num_splits, chunk, split_key, merge_key = plan.for_length(kv_len)
     final = num_splits == 1
     if final:
-        out_part, lse_part = out, lse  # unused: the split kernel writes out and lse itself
-    else:
-        batch, heads, q_len, head_dim = q.shape
-        out_part = _empty((batch, heads, q_len, num_splits, head_dim), torch.float32, q.device)
-        lse_part = _empty((batch, heads, q_len, num_splits), torch.float32, q.device)
+        part = out  # unused: the split kernel writes out and lse itself
+    else:  # the partial outputs, then their LSEs (a fresh allocation: 16-byte aligned)
+        part = _empty((plan.merge_grid[0] * num_splits * (q.shape[3] + 1),), torch.float32,
+                      q.device)
     qk_scale, softcap_log2, _ = score_scales(scale, softcap)
-    per_call = (q, k, v, out, lse, out_part, lse_part, seqlens_arg, table_arg,  #
+    per_call = (q, k, v, out, lse, part, seqlens_arg, table_arg,  #
                 *k_strides, *v_strides, table_stride, kv_len, chunk, qk_scale, softcap_log2)
     bound = _split_launch.bound.get(split_key)
     if bound is not None:
@@ -536,7 +539,7 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
                       dict(plan.constexprs, VARLEN=seqlens is not None, FINAL=final),
                       per_call=SPLIT_PER_CALL, config=plan.config)
     if not final:
-        per_call = (out_part, lse_part, out, lse)
+        per_call = (part, out, lse)
         bound = _merge_launch.bound.get(merge_key)
         if bound is not None:
             bound(per_call)
