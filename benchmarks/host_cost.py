@@ -5,12 +5,16 @@ long before the next is enqueued and the launch queue never fills: the loop meas
 alone. head_dim 64 takes the Triton kernel,
 128 the Gluon one on sm_90 with Triton 3.6. --profile adds cProfile's top functions (by own time)
 of the public op, so a layer's cost can be traced to the function that spends it.
+--decode measures a decode step instead: one sequence, 32 query heads on 8 K/V heads, 1024 keys,
+8 queries, bottom-right (the shape at which the op was host-bound), through the fused op's
+decode route, fused_attention_with_kvcache on a fixed-capacity cache, and the split-KV launch.
 --stub-launches measures the Python layers alone on a machine without a GPU: fp16 CPU tensors,
-the forward and backward launches replaced by no-ops (best of --rounds loops; a CPU machine's
-timings are noisy).
+the kernel launches replaced by no-ops (best of --rounds loops; a CPU machine's timings are
+noisy).
 
-    python benchmarks/host_cost.py [--head-dim 64 128] [--profile]
+    python benchmarks/host_cost.py [--head-dim 64 128] [--profile] [--decode]
     python benchmarks/host_cost.py --stub-launches --rounds 5 --head-dim 64
+    python benchmarks/host_cost.py --stub-launches --rounds 5 --decode --head-dim 128
 """
 import argparse
 import cProfile
@@ -23,7 +27,7 @@ import torch
 
 import attnscope
 from attnscope.attention import fused
-from attnscope.kernels import dispatch
+from attnscope.kernels import attention_decode, dispatch, launch
 
 
 def sync():
@@ -66,6 +70,25 @@ def stub_launches():
     dispatch module)."""
     dispatch.attention_fwd = lambda *args, **kwargs: None
     dispatch.attention_bwd = lambda *args, **kwargs: None
+    stub_decode_launches()
+
+
+class _NoLaunch:
+    """Stands in for a JIT kernel and for its compiled kernel: a launch launches nothing."""
+
+    def __init__(self, arg_names):
+        self.arg_names = arg_names
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self
+
+
+def stub_decode_launches():
+    """The decode kernels' launches become no-ops that FastLaunch keeps, so repeats take the
+    kept launch's path (launch._Bound, minus Triton's C launcher) as on the GPU."""
+    launch.direct_launch_ok = lambda: True
+    for fast in (attention_decode._split_launch, attention_decode._merge_launch):
+        fast.kernel, fast.jit = _NoLaunch(fast.kernel.arg_names), True
 
 
 def rows(d, stubbed):
@@ -103,6 +126,39 @@ def rows(d, stubbed):
     return kernel, public, timed[2][1], timed
 
 
+def decode_rows(d, stubbed, kv_len=1024, q_len=8):
+    """A decode step of (1 sequence, 32/8 heads, kv_len keys, q_len queries, head_dim d)."""
+    b, h, h_kv = 1, 32, 8
+    device, dtype = ("cpu", torch.float16) if stubbed else ("cuda", torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, h, q_len, d, dtype=dtype, device=device, generator=g)
+    k, v = (torch.randn(b, h_kv, kv_len, d, dtype=dtype, device=device, generator=g)
+            for _ in range(2))
+    # the same keys as a flash-attn style cache [batch, capacity, kv_heads, d], full
+    k_cache, v_cache = (t.transpose(1, 2).contiguous() for t in (k, v))
+    q_bshd = q.transpose(1, 2).contiguous()
+    seqlens = torch.full((b,), kv_len, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, q_len, dtype=torch.float32, device=device)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=False, enable_gqa=True)
+    public = lambda: attnscope.fused_attention(  # noqa: E731
+        q, k, v, causal_alignment="bottom_right")
+    timed = [
+        ("public op fused_attention (decode route)", public),
+        ("fused_attention_with_kvcache (cache_seqlens)",
+         lambda: attnscope.fused_attention_with_kvcache(q_bshd, k_cache, v_cache, seqlens)),
+        ("attention_decode (split + merge launch)",
+         lambda: attention_decode.attention_decode(q, k, v, out, lse, causal=True,
+                                                   scale=d ** -0.5)),
+        ("_validate", lambda: fused._validate(q, k, v, True, None, "bhsd", "bottom_right")),
+        ("sdpa flash, no mask (for scale)", sdpa),
+    ]
+    if stubbed:  # the op routes CPU tensors to the prefill kernel; CPU SDPA is no GPU figure
+        timed = [row for row in timed if not row[0].startswith(("public", "sdpa"))]
+    return public, timed
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,6 +170,9 @@ def main():
     p.add_argument("--stub-launches", action="store_true",
                    help="CPU fp16 tensors and no-op kernel launches: the Python layers alone, "
                         "on a machine without a GPU")
+    p.add_argument("--decode", action="store_true",
+                   help="time a decode step (1 x 32/8 heads x 1024 keys x 8 queries) instead of "
+                        "the (1, 1, 128) prefill call")
     p.add_argument("--rounds", type=int, default=1,
                    help="timing loops per row, the best one reported (default 1)")
     args = p.parse_args()
@@ -122,14 +181,21 @@ def main():
     elif not torch.cuda.is_available():
         p.error("no CUDA device: use --stub-launches to time the Python layers on the CPU")
     for d in args.head_dim:
-        kernel, public, step, timed = rows(d, args.stub_launches)
-        print(f"head_dim {d}: " + (f"the op runs the {kernel} kernel" if kernel else
-                                    "kernel launches stubbed out"), flush=True)
+        step = None
+        if args.decode:
+            public, timed = decode_rows(d, args.stub_launches)
+            print(f"decode, head_dim {d}: " + ("kernel launches stubbed out" if args.stub_launches
+                                                else "the split-KV kernel"), flush=True)
+        else:
+            kernel, public, step, timed = rows(d, args.stub_launches)
+            print(f"head_dim {d}: " + (f"the op runs the {kernel} kernel" if kernel else
+                                        "kernel launches stubbed out"), flush=True)
         for name, fn in timed:
             print(f"  {name:42s} {per_call_us(fn, rounds=args.rounds):7.1f} us/call", flush=True)
         if args.profile:
             print("cProfile of the public op:\n" + profile(public), flush=True)
-            print("cProfile of the training step:\n" + profile(step), flush=True)
+            if step is not None:
+                print("cProfile of the training step:\n" + profile(step), flush=True)
     return 0
 
 

@@ -13,6 +13,7 @@ cross several tiles, row blocks and splits; the `cuda` tests run bf16/fp16 at se
 including issue 20's two decode shapes.
 """
 
+import collections
 import math
 
 import pytest
@@ -23,6 +24,7 @@ from attnscope import fused_attention, fused_attention_with_kvcache
 from attnscope.attention import fused
 from attnscope.attention.reference import attention_reference
 from attnscope.kernels import attention_decode as kernels
+from attnscope.kernels import launch
 
 # (dtype, absolute error floor, LSE relative tolerance) and the NaN fill of the op's outputs
 from test_fused_attention import CPU_DTYPES, GPU_DTYPES, nan_outputs  # noqa: F401
@@ -35,6 +37,15 @@ def nan_scratch(monkeypatch):
     """The kernel's partial results start as NaN too: the merge must read only written ones."""
     monkeypatch.setattr(kernels, "_empty", lambda shape, dtype, device: torch.full(
         shape, float("nan"), dtype=dtype, device=device))
+
+
+@pytest.fixture(autouse=True)
+def fresh_launches():
+    """Each test starts with no kept launch or plan: plans remember the split rule's answers,
+    which the `splits` fixture changes."""
+    launch.forget_launches()
+    yield
+    launch.forget_launches()
 
 
 @pytest.fixture
@@ -344,6 +355,123 @@ def test_split_rule_fills_the_gpu_without_tiny_chunks():
     assert kernels.num_splits_for(300, 8192, 64, 396) == 5
 
 
+# ---- kept launches: the launch keys, in the interpreter ----------------------------------------
+
+class _KeepingKernel:
+    """Stands in for a JIT kernel so that FastLaunch keeps launches in the interpreter too: its
+    launch runs the interpreted kernel and returns a compiled-kernel stand-in whose launch runs
+    it again with what a kept launch passes (the call's arguments, then those kept from the
+    key's first call). A key that misses an argument then gives a wrong result, as on the GPU."""
+
+    def __init__(self, kernel, name, counts):
+        self.kernel, self.name, self.counts = kernel, name, counts
+        self.arg_names = kernel.arg_names
+
+    def __getitem__(self, grid):
+        def launch_through_triton(*args, **kwargs):
+            self.counts[self.name, "triton"] += 1
+            self.kernel[grid](*args, **kwargs)
+            return _KeptKernel(self)
+        return launch_through_triton
+
+
+class _KeptKernel:
+    def __init__(self, keeping):
+        self.keeping = keeping
+
+    def __getitem__(self, grid):
+        def kept_launch(*args):  # every parameter in order, constexprs included
+            self.keeping.counts[self.keeping.name, "kept"] += 1
+            self.keeping.kernel[grid](*args)
+        return kept_launch
+
+
+@pytest.fixture
+def kept_launches(monkeypatch):
+    """The decode kernels' launches are kept as on the GPU; returns a Counter of launches by
+    (kernel, "triton" | "kept")."""
+    counts = collections.Counter()
+    monkeypatch.setattr(launch, "direct_launch_ok", lambda: True)
+    for fast, name in ((kernels._split_launch, "split"), (kernels._merge_launch, "merge")):
+        monkeypatch.setattr(fast, "jit", True)
+        monkeypatch.setattr(fast, "kernel", _KeepingKernel(fast.kernel, name, counts))
+    return counts
+
+
+def _decode(q, k, v, **kwargs):
+    # attention_decode on bshd q and contiguous [batch, kv_heads, kv_len, d] K/V (the op's own
+    # decode route takes only CUDA tensors); returns bshd out and LSE.
+    batch, q_len, heads, d = q.shape
+    out = torch.full((batch, heads, q_len, d), float("nan"), dtype=q.dtype)
+    lse = torch.full((batch, heads, q_len), float("nan"))
+    kernels.attention_decode(_bhsd(q), k, v, out, lse, causal=True, **kwargs)
+    return _bhsd(out), lse
+
+
+def test_a_growing_cache_keeps_its_launches(kept_launches, splits):
+    # A plain decode loop: K/V made anew each step with one key more (torch.cat's layout: every
+    # stride but the last changes). Within one split count the key holds only what Triton
+    # specializes the length on: 33..37 keys share launches, 48 (a multiple of 16) takes its own
+    # split kernel and keeps the merge. 2 splits of 32 keys at every length.
+    splits(2)
+    q, k, v = make_cache(1, 2, 8, 2, 48, 32, torch.float16, seed=40)
+    for n in (33, 34, 35, 36, 37, 48):
+        k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
+        out, lse = _decode(q, k_n, v_n, scale=32 ** -0.5)
+        assert_close(out, lse, q, k, v, [n], 1e-3, 1e-3)
+    assert kept_launches == {("split", "triton"): 2, ("split", "kept"): 4,
+                             ("merge", "triton"): 1, ("merge", "kept"): 5}
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_a_kv_cache_loop_keeps_its_launches(page_size, kept_launches, splits):
+    # fused_attention_with_kvcache on a fixed-capacity cache: new lengths, a new block table
+    # (and block pool), a new scale at each step, all on the first step's launches.
+    splits(3)
+    q, k, v = make_cache(2, 2, 8, 2, 64, 32, torch.float16, seed=41)
+    steps = [([37, 0], None), ([38, 1], 0.3), ([64, 17], 0.5)]
+    for step, (lengths, scale) in enumerate(steps):
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        if page_size is None:
+            k_cache, v_cache, table = k, v, None
+        else:
+            k_cache, v_cache, table = page(k, v, page_size, seed=42 + step)
+        out, lse = fused_attention_with_kvcache(q, k_cache, v_cache, seqlens, block_table=table,
+                                                scale=scale, return_lse=True)
+        assert_close(out, lse, q, k, v, lengths, 1e-3, 1e-3, scale=scale)
+    assert kept_launches == {("split", "triton"): 1, ("split", "kept"): 2,
+                             ("merge", "triton"): 1, ("merge", "kept"): 2}
+
+
+def test_what_the_key_fixes_is_a_new_launch(kept_launches):
+    # q 2 bytes past a 16-byte boundary (Triton specializes pointers on it), then a window, then
+    # the first call again: three launches through Triton, one kept.
+    q, k, v = make_cache(1, 1, 4, 2, 40, 32, torch.float16, seed=43)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    k4, v4 = _bhsd(k), _bhsd(v)
+    for q_in, window in ((q, (-1, -1)), (shifted, (-1, -1)), (q, (9, 0)), (q, (-1, -1))):
+        out, lse = _decode(q_in, k4, v4, scale=32 ** -0.5, window=window)
+        assert_close(out, lse, q, k, v, [40], 1e-3, 1e-3, window=window)
+    assert kept_launches == {("split", "triton"): 3, ("split", "kept"): 1}
+
+
+def test_int_specializations_are_triton_s():
+    # Two ints with the same int_specializations must get the same specialization from Triton
+    # (the compiled kernel a kept launch reuses), and the reverse.
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    from triton.backends.compiler import BaseBackend
+    native = getattr(libtriton, "native_specialize_impl", None)
+    if native is None:
+        pytest.skip("this Triton specializes arguments elsewhere")
+    values = [0, 1, 2, 15, 16, 17, 48, -1, -16, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16,
+              -2 ** 31, -2 ** 31 - 1]
+    ours = {x: launch.int_specializations(x) for x in values}
+    triton_s = {x: native(BaseBackend, x, False, True, True) for x in values}
+    for a in values:
+        for b in values:
+            assert (ours[a] == ours[b]) == (triton_s[a] == triton_s[b]), (a, b)
+
+
 # ---- GPU ------------------------------------------------------------------------------------
 
 def _bhsd(t):
@@ -471,3 +599,58 @@ def test_gpu_top_left_window_keeps_the_prefill_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "attention_decode", lambda *a, **kw: pytest.fail("decode ran"))
     q, k, v = (_bhsd(t) for t in make_cache(2, 1, 8, 2, 300, 64, torch.bfloat16, "cuda"))
     fused_attention(q, k, v, causal=False, window=(5, 5), causal_alignment="top_left")
+
+
+def _kept():
+    # How many launches the decode kernels keep (none where the direct launcher does not fit).
+    return len(kernels._split_launch.bound), len(kernels._merge_launch.bound)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+def test_gpu_decode_loop_through_the_op_keeps_its_launches(dtype, floor, lse_tol):
+    # A plain decode loop through fused_attention: K/V made anew with one key more each step
+    # (torch.cat's layout: new strides and length), then a new scale, then q at an odd address.
+    # Every step is right; the steps that change only what a kept launch takes per call keep
+    # no new launch (1000..1007 keys: one split count, no multiple of 16).
+    q, k, v = make_cache(1, 8, 32, 8, 1007, 128, dtype, "cuda", seed=50)
+    kept = []
+    for n, scale in ((1000, None), (1001, None), (1002, None), (1007, 0.05)):
+        k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
+        out, lse = fused_attention(_bhsd(q), k_n, v_n, causal_alignment="bottom_right",
+                                   scale=scale, return_lse=True)
+        assert_close(_bhsd(out), lse, q, k, v, [n], floor, lse_tol, scale=scale)
+        kept.append(_kept())
+    if launch.direct_launch_ok():
+        assert kept[0][0] == 1 and kept[1:] == kept[:1] * 3
+    shifted = torch.empty(q.numel() + 1, dtype=dtype, device="cuda")[1:].view(q.shape).copy_(q)
+    out, lse = fused_attention(_bhsd(shifted), k_n, v_n, causal_alignment="bottom_right",
+                               return_lse=True)
+    assert_close(_bhsd(out), lse, q, k, v, [1007], floor, lse_tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+def test_gpu_kv_cache_loop_keeps_its_launches(page_size, dtype, floor, lse_tol):
+    # fused_attention_with_kvcache on a fixed-capacity cache: new lengths (an empty sequence and
+    # a full one among them), a new block table and block pool, a new scale at each step, all
+    # on the first step's kept launches.
+    batch, capacity = 8, 4096
+    q, k, v = make_cache(batch, 4, 32, 8, capacity, 128, dtype, "cuda", seed=51)
+    g = torch.Generator().manual_seed(52)
+    kept = []
+    for step, scale in enumerate((None, 0.05, 0.1)):
+        seqlens = torch.randint(0, capacity + 1, (batch,), generator=g, dtype=torch.int32)
+        seqlens[step] = 0
+        seqlens[step + 1] = capacity
+        if page_size is None:
+            k_cache, v_cache, table = k, v, None
+        else:
+            k_cache, v_cache, table = page(k, v, page_size, seed=53 + step)
+        out, lse = fused_attention_with_kvcache(q, k_cache, v_cache, seqlens.cuda(),
+                                                block_table=table, scale=scale, return_lse=True)
+        assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol, scale=scale)
+        kept.append(_kept())
+    if launch.direct_launch_ok():
+        assert kept[0][0] == 1 and kept[1:] == kept[:1] * 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import rearrange
 
 from attnscope.attention import fused
 
@@ -115,24 +114,27 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     also the float32 log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
     """
     _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
-    window = fused._validate_window_softcap(causal, window, softcap)
+    # (the defaults skip the checks, as the fused op's do: decode steps are bound by host time)
+    window = ((-1, -1) if window == (-1, -1) and softcap == 0
+              else fused._validate_window_softcap(causal, window, softcap))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     kernels = fused._decode_kernels()  # imported on first use, like the fused op's
-    if q.device.type == "cpu":
+    device = q.device  # (read once: each read builds a torch.device)
+    if device.type == "cpu":
         fused._check_interpreter(fused._kernels(), q)
     seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     if seqlens is None and block_table is None:
         k_cache, v_cache = k_cache[:, :cache_seqlens], v_cache[:, :cache_seqlens]  # views
     elif seqlens is None:  # one length for every sequence of a paged cache
-        seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    out = fused._empty(q.shape, q.dtype, q.device)
+        seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=device)
+    out = fused._empty(q.shape, q.dtype, device)
     batch, q_len, heads, _ = q.shape
-    lse = fused._empty((batch, heads, q_len), torch.float32, q.device)
-    q4, out4 = (rearrange(t, "b s h d -> b h s d") for t in (q, out))
+    lse = fused._empty((batch, heads, q_len), torch.float32, device)
+    q4, out4 = q.transpose(1, 2), out.transpose(1, 2)  # b s h d -> b h s d views
     if block_table is None:
-        k_cache, v_cache = (rearrange(t, "b s h d -> b h s d") for t in (k_cache, v_cache))
-    with fused._on_device(q.device):
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    with fused._on_device(device):
         kernels.attention_decode(q4, k_cache, v_cache, out4, lse, causal=causal,
                                  scale=float(scale), seqlens=seqlens, block_table=block_table,
                                  window=window, softcap=float(softcap))

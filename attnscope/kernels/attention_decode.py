@@ -60,7 +60,9 @@ query's first visible key (rounded down to a tile), so keys left of the window a
 and the split rule counts only the window's keys. Tiles that cut the left edge run masked. The
 softcap caps the scaled scores, softcap * tanh(s / softcap), before the softmax (common._logits).
 
-This module imports only torch, triton and attnscope.kernels.common (shared jit helpers).
+Eager launches go through launch.FastLaunch under a key that leaves out the key length, so a
+decode loop launches directly at every step (`_Plan`). This module imports only torch, triton,
+attnscope.kernels.common (shared jit helpers) and attnscope.kernels.launch.
 """
 
 import functools
@@ -70,7 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attnscope.kernels.common import _logits, score_scales, visibility
+from attnscope.kernels.common import _logits, aligned, score_scales, visibility
+from attnscope.kernels.launch import FastLaunch, int_specializations, launch_table
 
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts log2-domain LSEs back to natural log
 
@@ -175,14 +178,13 @@ def _last_query(row_start, GROUP, Q_LEN, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
-                  stride_qz, stride_qh, stride_qm, stride_qd,  #
+def _decode_split(Q, K, V, Out, Lse, Part, SeqLens, BlockTable,  #
                   stride_kz, stride_kh, stride_kn, stride_kd,  #
                   stride_vz, stride_vh, stride_vn, stride_vd,  #
+                  stride_btz, KV_LEN, CHUNK, qk_scale, softcap_log2,  #
+                  stride_qz, stride_qh, stride_qm, stride_qd,  #
                   stride_oz, stride_oh, stride_om, stride_od,  #
-                  stride_btz,  #
-                  KV_HEADS, GROUP, Q_LEN, KV_LEN, CHUNK, NUM_SPLITS, qk_scale,  #
-                  softcap_log2, right_shift, left_shift,  #
+                  KV_HEADS, GROUP, Q_LEN, NUM_SPLITS, right_shift, left_shift,  #
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
@@ -190,6 +192,8 @@ def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
                   INPUT_PRECISION: tl.constexpr):
     # Grid: (split, batch * kv head, row block). stride_kz/stride_vz step a batch entry, or a
     # cache block when PAGED. FINAL (one split): write the output and LSE, not partials.
+    # The arguments up to softcap_log2 are the ones a kept launch takes per call (the tensors,
+    # what depends on the cache's length and layout, the scale); the rest its key fixes.
     # WINDOW: the diagonal moves right by right_shift and keys j < i + off + left_shift are hidden.
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     split = tl.program_id(0)
@@ -282,20 +286,24 @@ def _decode_split(Q, K, V, Out, Lse, OutPart, LsePart, SeqLens, BlockTable,  #
                   + query[:, None] * stride_om + offs_d[None, :] * stride_od)
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     else:
-        part = row * NUM_SPLITS + split  # partials: [batch, heads, q_len, NUM_SPLITS, HEAD_DIM]
-        tl.store(LsePart + part, lse2, mask=m_ok)
-        tl.store(OutPart + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+        part = row * NUM_SPLITS + split
+        # Part: the output partials [batch, heads, q_len, NUM_SPLITS, HEAD_DIM], then the LSEs
+        # [batch, heads, q_len, NUM_SPLITS] (one buffer: one allocation a call)
+        rows = tl.num_programs(1).to(tl.int64) * (GROUP * Q_LEN)  # batch * heads * q_len
+        tl.store(Part + rows * NUM_SPLITS * HEAD_DIM + part, lse2, mask=m_ok)
+        tl.store(Part + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _decode_merge(OutPart, LsePart, Out, Lse,  #
+def _decode_merge(Part, Out, Lse,  #
                   stride_oz, stride_oh, stride_om, stride_od,  #
                   HEADS, Q_LEN, NUM_SPLITS,  #
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   MERGE_TILE: tl.constexpr):
     # One program per output row (batch, head, query): the LSE-weighted mean of its partials.
     row = tl.program_id(0).to(tl.int64)
+    LsePart = Part + tl.num_programs(0).to(tl.int64) * NUM_SPLITS * HEAD_DIM  # after O's
     off_z = row // (HEADS * Q_LEN)
     off_h = row // Q_LEN % HEADS
     query = row % Q_LEN
@@ -314,7 +322,7 @@ def _decode_merge(OutPart, LsePart, Out, Lse,  #
         t_ok = offs_t < NUM_SPLITS
         w = tl.math.exp2(tl.load(LsePart + row * NUM_SPLITS + offs_t, mask=t_ok,
                                  other=float("-inf")) - m_sub)
-        o = tl.load(OutPart + (row * NUM_SPLITS + offs_t)[:, None] * HEAD_DIM + offs_d[None, :],
+        o = tl.load(Part + (row * NUM_SPLITS + offs_t)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(o * w[:, None], 0)
     acc = acc / tl.where(total == 0.0, 1.0, total)
@@ -382,6 +390,90 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# Eager launches (launch.FastLaunch): Triton's dispatch once per key, a direct launch after.
+_split_launch = FastLaunch(_decode_split)
+_merge_launch = FastLaunch(_decode_merge)
+# Per-call arguments of the split kernel: the eight tensors, then the ints and floats a kept
+# launch takes anew each call (K/V and block-table strides, KV_LEN, CHUNK, qk_scale,
+# softcap_log2).
+SPLIT_PER_CALL = 21
+MERGE_PER_CALL = 3  # Part, Out, Lse
+
+
+class _Plan:
+    """What a decode call's key fixes, worked out once: the config, the grid but its split axis,
+    the visibility arguments and the split rule's inputs; and, per key length met, the split
+    count, chunk and the two launches' keys.
+
+    The key leaves out what a decode loop changes every step, which the kernel takes per call:
+    the key length, the chunk (both in K/V tiles, so within one split count a call's grid and
+    constexprs do not depend on them), the K/V strides (a cache grown by torch.cat has new
+    ones each step) and the scale. Of those ints the launch keys hold only what Triton
+    specializes on (launch.int_specializations)."""
+
+    MAX_LENGTHS = 4096  # key lengths remembered per plan
+
+    def __init__(self, q, out, kv_heads, page_size, causal, window, softcap, config, num_splits):
+        batch, heads, q_len, head_dim = q.shape
+        self.group = heads // kv_heads
+        block_m, block_n, block_d, num_warps, num_stages = config_for(
+            head_dim, q_len * self.group, q.dtype)
+        if config is not None:
+            block_m, block_n, num_warps, num_stages = config
+        self.block_n, self.forced_splits = block_n, num_splits
+        self.row_blocks = -(-q_len * self.group // block_m)
+        self.programs = batch * kv_heads * self.row_blocks
+        self.slots = slots(q.device, block_m, block_n, block_d, q.dtype, num_stages)
+        causal, right_shift, has_left, left_shift = visibility(causal, 0, window)
+        if not has_left:
+            left_shift = NO_LEFT_EDGE
+        # A row block's chunks cover the keys from its first query's window edge (rounded down
+        # to a tile) to its last query's diagonal: `window_span` of them when bounded both ways.
+        self.window_span = (q_len + window[0] + right_shift + block_n - 1 if has_left and causal
+                            else None)
+        self.out_strides = out.stride()
+        self.fixed = (*q.stride(), *self.out_strides, kv_heads, self.group, q_len)
+        self.shifts = (right_shift, left_shift)
+        self.constexprs = dict(
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+            WINDOW=window != (-1, -1), SOFTCAP=softcap > 0, PAGED=page_size is not None,
+            PAGE_SIZE=page_size or 1, INPUT_PRECISION="ieee" if q.dtype == torch.float32
+            else "tf32",  # tf32 unused on 16-bit inputs
+            num_warps=num_warps, num_stages=num_stages)
+        self.config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                           num_stages=num_stages)
+        self.merge_grid = (batch * heads * q_len,)
+        self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_TILE=MERGE_TILE,
+                                     num_warps=4 if block_d <= 128 else 8)
+        self.lengths = {}
+
+    def for_length(self, kv_len):
+        """(num_splits, chunk, split kernel's key, merge kernel's key) for kv_len keys a
+        sequence may hold."""
+        got = self.lengths.get(kv_len)
+        if got is None:
+            if len(self.lengths) >= self.MAX_LENGTHS:
+                self.lengths.clear()
+            got = self.lengths[kv_len] = self._split(kv_len)
+        return got
+
+    def _split(self, kv_len):
+        span = kv_len if self.window_span is None else min(kv_len, self.window_span)
+        tiles = max(1, -(-span // self.block_n))
+        num_splits = self.forced_splits
+        if num_splits is None:
+            num_splits = num_splits_for(self.programs, span, self.block_n, self.slots)
+        num_splits = max(1, min(num_splits, MAX_SPLITS, tiles))
+        chunk = -(-tiles // num_splits) * self.block_n
+        num_splits = -(-max(span, 1) // chunk)  # no split left without keys by rounding
+        return (num_splits, chunk, (self, num_splits, int_specializations(kv_len, chunk)),
+                (self, num_splits))
+
+
+_plans = launch_table()  # _Plan by decode key; forget_launches clears it
+MAX_PLANS = 256
+
+
 def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_table=None,
                      window=(-1, -1), softcap=0.0, num_splits=None, config=None):
     """Launch split-KV decode attention.
@@ -398,65 +490,63 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     split). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `config_for`'s (the lab's
     sweeps; BLOCK_M, BLOCK_N powers of two >= 16). Call with q's device current. Returns the
     number of splits launched.
+
+    An eager call is looked up by what fixes its kernels and their fixed arguments (_Plan says
+    what is left out); a repeat launches both kernels directly (launch._Bound). Module state the
+    key does not hold (num_splits_for, config_for) is forgotten by launch.forget_launches().
     """
-    batch, heads, q_len, head_dim = q.shape
     paged = block_table is not None
-    kv_heads = k.shape[2] if paged else k.shape[1]
-    page_size = k.shape[1] if paged else 1
-    kv_len = block_table.shape[1] * page_size if paged else k.shape[2]  # keys a sequence may hold
-    group = heads // kv_heads
-    block_m, block_n, block_d, num_warps, num_stages = config_for(head_dim, q_len * group,
-                                                                  q.dtype)
-    if config is not None:
-        block_m, block_n, num_warps, num_stages = config
-    row_blocks = -(-q_len * group // block_m)
-    programs = batch * kv_heads * row_blocks
-    window = tuple(window)
-    causal, right_shift, has_left, left_shift = visibility(causal, 0, window)
-    if not has_left:
-        left_shift = NO_LEFT_EDGE
-    # Keys a row block's chunks cover: from its first query's window edge (rounded down to a
-    # tile) to its last query's diagonal, or the whole cache without a left edge or a diagonal.
-    span = kv_len
-    if has_left and causal:
-        span = min(kv_len, q_len + window[0] + right_shift + block_n - 1)
-    tiles = max(1, -(-span // block_n))
-    if num_splits is None:
-        num_splits = num_splits_for(programs, span, block_n,
-                                    slots(q.device, block_m, block_n, block_d, q.dtype,
-                                          num_stages))
-    num_splits = max(1, min(num_splits, MAX_SPLITS, tiles))
-    chunk = -(-tiles // num_splits) * block_n
-    num_splits = -(-max(span, 1) // chunk)  # no split left without keys by rounding
-    final = num_splits == 1
-    if final:
-        out_part, lse_part = out, lse  # unused: the split kernel writes out and lse itself
-    else:
-        out_part = _empty((batch, heads, q_len, num_splits, head_dim), torch.float32, q.device)
-        lse_part = _empty((batch, heads, q_len, num_splits), torch.float32, q.device)
-    qk_scale, softcap_log2, use_softcap = score_scales(scale, softcap)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 unused on 16-bit inputs
-    seqlens_arg = seqlens if seqlens is not None else lse  # unused when not VARLEN
-    table_arg = block_table if paged else lse  # unused when not PAGED
     if paged:  # [num_blocks, page_size, kv_heads, d]: block, head, row, column strides
+        page_size, kv_heads = k.shape[1], k.shape[2]
+        kv_len = block_table.shape[1] * page_size  # keys a sequence may hold
         k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))
         v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+        table_stride = block_table.stride(0)
+        table_arg = block_table
     else:
-        k_strides, v_strides = k.stride(), v.stride()
-    _decode_split[(num_splits, batch * kv_heads, row_blocks)](
-        q, k, v, out, lse, out_part, lse_part, seqlens_arg, table_arg,  #
-        *q.stride(), *k_strides, *v_strides, *out.stride(),  #
-        block_table.stride(0) if paged else 0,  #
-        kv_heads, group, q_len, kv_len, chunk, num_splits, qk_scale,  #
-        softcap_log2, right_shift, left_shift,  #
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        WINDOW=window != (-1, -1), SOFTCAP=use_softcap,
-        PAGED=paged, PAGE_SIZE=page_size, VARLEN=seqlens is not None, FINAL=final,
-        INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+        page_size, kv_heads, kv_len = None, k.shape[1], k.shape[2]
+        k_strides, v_strides, table_stride = k.stride(), v.stride(), 0
+        table_arg = lse  # unused when not PAGED
+    seqlens_arg = seqlens if seqlens is not None else lse  # unused when not VARLEN
+    window = tuple(window)
+    key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, q.shape, kv_heads, page_size,
+           q.stride(), out.stride(), aligned(q, k, v, out, lse, seqlens_arg, table_arg),
+           int_specializations(*k_strides, *v_strides, table_stride), seqlens is not None,
+           causal, window, softcap > 0, config, num_splits)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = _Plan(q, out, kv_heads, page_size, causal, window, softcap, config,
+                                   num_splits)
+    num_splits, chunk, split_key, merge_key = plan.for_length(kv_len)
+    final = num_splits == 1
+    if final:
+        part = out  # unused: the split kernel writes out and lse itself
+    else:  # the partial outputs, then their LSEs (a fresh allocation: 16-byte aligned)
+        part = _empty((plan.merge_grid[0] * num_splits * (q.shape[3] + 1),), torch.float32,
+                      q.device)
+    qk_scale, softcap_log2, _ = score_scales(scale, softcap)
+    per_call = (q, k, v, out, lse, part, seqlens_arg, table_arg,  #
+                *k_strides, *v_strides, table_stride, kv_len, chunk, qk_scale, softcap_log2)
+    bound = _split_launch.bound.get(split_key)
+    if bound is not None:
+        bound(per_call)
+    else:
+        grid = (num_splits, plan.programs // plan.row_blocks, plan.row_blocks)
+        args = (*per_call, *plan.fixed, num_splits, *plan.shifts)
+        _split_launch(split_key, grid, args,
+                      dict(plan.constexprs, VARLEN=seqlens is not None, FINAL=final),
+                      per_call=SPLIT_PER_CALL, config=plan.config)
     if not final:
-        block_s = max(MERGE_TILE, triton.next_power_of_2(num_splits))
-        _decode_merge[(batch * heads * q_len,)](
-            out_part, lse_part, out, lse, *out.stride(), heads, q_len, num_splits,  #
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, MERGE_TILE=MERGE_TILE,
-            num_warps=4 if block_d <= 128 else 8)
+        per_call = (part, out, lse)
+        bound = _merge_launch.bound.get(merge_key)
+        if bound is not None:
+            bound(per_call)
+        else:
+            heads, q_len = q.shape[1], q.shape[2]
+            block_s = max(MERGE_TILE, triton.next_power_of_2(num_splits))
+            _merge_launch(merge_key, plan.merge_grid,
+                          (*per_call, *plan.out_strides, heads, q_len, num_splits),
+                          dict(plan.merge_constexprs, BLOCK_S=block_s), per_call=MERGE_PER_CALL)
     return num_splits

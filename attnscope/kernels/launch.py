@@ -12,8 +12,8 @@ the calling thread's scratch allocator. It is used only where the installed Trit
 the shapes it was written for (`direct_layout`);
 elsewhere every call takes Triton's public launch, after one warning saying what that costs.
 
-Every FastLaunch registers itself here, so `forget_launches()` drops every kept launch without
-importing a kernel module; `launched()` lists the compiled kernels the launches ran.
+Every FastLaunch (and every `launch_table`) registers itself here, so `forget_launches()` drops
+every kept launch without importing a kernel module; `launched()` lists the compiled kernels the launches ran.
 """
 
 import functools
@@ -127,6 +127,25 @@ _launched = {}
 # Eager launches of either forward kernel, by the dispatch's key: the dispatch looks a call up
 # before it knows which kernel runs it, so the two forward FastLaunches share this dict.
 FORWARD_LAUNCHES = {}
+
+
+def int_specializations(*values):
+    """What Triton specializes each of these int arguments on, for keys of launches that pass
+    them per call: 1 becomes a constant, a multiple of 16 (0 included) gets a divisibility hint,
+    and a value outside int32 a 64-bit parameter. Two values with the same specialization run the
+    same compiled kernel."""
+    return tuple(1 if x == 1 else (x % 16 == 0, -0x80000000 <= x <= 0x7FFFFFFF) for x in values)
+
+
+_tables = []  # per-key tables kept beside the launches (decode's plans), for forget_launches
+
+
+def launch_table():
+    """A dict of what a module keeps per launch key besides the launch itself: forget_launches
+    clears it with the kept launches."""
+    table = {}
+    _tables.append(table)
+    return table
 
 
 def _note(name, compiled, config):
@@ -254,4 +273,6 @@ def forget_launches():
     tests and labs call it to start from a process that has launched nothing."""
     for launch in _instances:
         launch.bound.clear()
+    for table in _tables:
+        table.clear()
     _launched.clear()
