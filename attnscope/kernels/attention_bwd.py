@@ -456,7 +456,7 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K,  #
 CONFIG_FIELDS = ("BLOCK_M1", "BLOCK_N1", "warps1", "stages1",
                  "BLOCK_M2", "BLOCK_N2", "warps2", "stages2")
 CONFIGS = {
-    64: (32, 128, 4, 3, 64, 64, 4, 3),
+    64: (32, 64, 4, 3, 64, 64, 4, 3),
     128: (64, 128, 8, 3, 128, 64, 8, 3),
     256: (32, 64, 8, 1, 64, 32, 8, 1),
 }
