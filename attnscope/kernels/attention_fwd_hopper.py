@@ -349,8 +349,14 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
 # output's staging buffers (outputs leave by register stores). No spills offline
 # (benchmarks/sass_offline.py --gluon --head-dim 256, Triton 3.6 and 3.9); not timed yet.
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs")
-CONFIGS = {80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2, 240), 128: (128, 2, 240),
-           192: (64, 2, 240), 256: (64, 2, 240)}
+CONFIGS = {64: (128, 3, 240), 80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2, 240),
+           128: (128, 2, 240), 192: (64, 2, 240), 256: (64, 2, 240)}
+# head_dim 64 takes this kernel from MIN_QUERIES queries on: below, the Triton kernel is faster
+# (0.0604 against 0.0745 ms at (8,16,1024,64), Triton 3.6); above, the two are within 1 % on
+# Triton 3.6 (0.6816 against 0.6878 ms at (4,32,4096,64)), but the Triton kernel's code is
+# the compiler's and lost 4.6 % there under Triton 3.9 (0.714 against 0.683 ms), where this
+# kernel's schedule is its own (notes/forward.md, "Triton releases").
+MIN_QUERIES = {64: 2049}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 # Shared memory one program may take on sm_90 (227 KB), less 1 KB for the mbarriers and what
 # the compiler adds (504 B at head_dim 128).
@@ -363,7 +369,9 @@ def supports(q, k, v, out):
     addresses (the TMA descriptors view each as [batch * heads, seq, head_dim]) and out with
     unit last stride. Any query and key length."""
     # cheapest refusals first: this runs on every eager call
-    return (q.shape[-1] in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
+    head_dim = q.shape[-1]
+    return (head_dim in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
+            and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
             and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
