@@ -32,16 +32,14 @@ def _grads(fn, inputs, dout):
     return (out, lse, *torch.autograd.grad(out, leaves, dout)) if out.numel() else (out, lse)
 
 
-def check_varlen(lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, device,
-                 deterministic=True, **kwargs):
+def check_varlen(lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, device, **kwargs):
     """Output, LSE and gradients of one packed call against the float64 reference."""
     floor, lse_tol = {d: (f, t) for d, f, t in CPU_DTYPES + GPU_DTYPES}[dtype]
     grad_floor = dict(GRAD_CPU_DTYPES + GRAD_GPU_DTYPES)[dtype]
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, heads, kv_heads, head_dim, dtype, device)
     dout = torch.randn_like(q)
     ours = _grads(lambda *t: fused_attention_varlen(*t, cu_q, cu_k, max(lengths_q),
-                                                    max(lengths_k), return_lse=True,
-                                                    deterministic=deterministic, **kwargs),
+                                                    max(lengths_k), return_lse=True, **kwargs),
                   (q, k, v), dout)
     ref = _grads(lambda *t: attention_reference_varlen(*t, cu_q, cu_k, return_lse=True,
                                                        **kwargs),
@@ -81,14 +79,6 @@ def test_causal_gqa_with_empty_sequences():
     assert torch.isneginf(lse[:, 42:62]).all()
     assert torch.equal(dk[9:13], torch.zeros_like(dk[9:13]))
     assert torch.equal(dv[9:13], torch.zeros_like(dv[9:13]))
-
-
-def test_atomic_dq():
-    # deterministic=False: dq summed with atomics into [heads, total_q] rows; the empty sequences
-    # and rows without keys of test_causal_gqa_with_empty_sequences, and a window
-    (_, _, dq, _, _), _, _ = check_varlen([5, 0, 37, 20, 1], [9, 4, 30, 0, 1], 4, 2, 16,
-                                          torch.float32, CPU, deterministic=False, window=(20, -1))
-    assert torch.equal(dq[42:62], torch.zeros_like(dq[42:62]))  # sequence 3 has no key
 
 
 def test_window_softcap_non_causal():
@@ -165,16 +155,3 @@ def test_gpu_realistic(causal, window, softcap, head_dim, dtype):
     lengths = [0, 1, 127, 128, 1000, 4096]
     check_varlen(lengths, lengths[1:] + lengths[:1], 8, 2, head_dim, dtype, "cuda",
                  causal=causal, window=window, softcap=softcap)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [d for d, _, _ in GPU_DTYPES])
-@pytest.mark.parametrize("causal,window,softcap", [
-    (True, (-1, -1), 0.0),
-    (False, (300, 77), 30.0),
-])
-def test_gpu_atomic_dq(causal, window, softcap, dtype):
-    # deterministic=False on test_gpu_realistic's lengths, head_dim 128
-    lengths = [0, 1, 127, 128, 1000, 4096]
-    check_varlen(lengths, lengths[1:] + lengths[:1], 8, 2, 128, dtype, "cuda",
-                 deterministic=False, causal=causal, window=window, softcap=softcap)

@@ -49,11 +49,10 @@ def assert_grads_close(grads, refs, lows, inputs, floor):
         assert err <= bound, f"{name}: error {err:.3g} > 2 x torch's {torch_err:.3g} + floor"
 
 
-def check_grads(q, k, v, floor, dout=None, deterministic=True, **kwargs):
+def check_grads(q, k, v, floor, dout=None, **kwargs):
     """Backward of the op against float64 autograd; returns (dq, dk, dv)."""
     dout = torch.randn_like(q) if dout is None else dout
-    grads = _grads(lambda *t: fused_attention(*t, deterministic=deterministic, **kwargs), q, k, v,
-                   dout)
+    grads = _grads(lambda *t: fused_attention(*t, **kwargs), q, k, v, dout)
     refs = _grads(lambda *t: attention_reference(*t, **kwargs), q.double(), k.double(),
                   v.double(), dout.double())
     lows = _grads(lambda *t: attention_reference(*t, dtype=q.dtype, **kwargs), q, k, v, dout)
@@ -149,8 +148,7 @@ def test_broadcast_gradient_of_a_sum():
     (16, 16, 4, 1, 16, 16, 4, 1),  # square tiles: the band is exactly the diagonal blocks
     (32, 16, 4, 1, 16, 32, 2, 1),  # dK/dV with more query rows than keys per tile, dQ the reverse
 ])
-@pytest.mark.parametrize("atomic", [False, True])  # dq from its own kernel, or atomics
-def test_other_tile_shapes(config, atomic):
+def test_other_tile_shapes(config):
     # The backward kernels launched directly with `config`, on the forward's output and LSE.
     q, k, v = make_qkv(1, 2, 1, 50, 61, 24, torch.float32, CPU)
     dout = torch.randn_like(q)
@@ -158,9 +156,8 @@ def test_other_tile_shapes(config, atomic):
         out, lse = fused_attention(q, k, v, causal_alignment=alignment, return_lse=True)
         dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
         delta = torch.full_like(lse, float("nan"))
-        dq_accum = torch.full(q.shape, float("nan")) if atomic else None
         attention_bwd.attention_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, causal=True,
-                                    scale=24 ** -0.5, config=config, dq_accum=dq_accum,
+                                    scale=24 ** -0.5, config=config,
                                     causal_offset=11 if alignment == "bottom_right" else 0)
         refs = _grads(lambda *t: attention_reference(*t, causal_alignment=alignment),
                       q.double(), k.double(), v.double(), dout.double())
@@ -183,83 +180,6 @@ def test_gradients_are_deterministic():
     first = _grads(fused_attention, q, k, v, dout)
     second = _grads(fused_attention, q, k, v, dout)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-
-
-# -- deterministic=False: dQ summed with atomics in the dK/dV kernel (same tolerance rule: the
-# sum runs in fp32 either way, only its order differs) --
-
-@pytest.mark.parametrize("dtype,floor", CPU_DTYPES)
-@pytest.mark.parametrize("case", [
-    # (batch, heads, kv_heads, q_len, kv_len, head_dim, layout, op kwargs)
-    (1, 2, 2, 113, 113, 80, "bshd", {}),  # several blocks each way; head_dim 80 pads to 128
-    (1, 2, 2, 17, 70, 32, "bhsd", {}),  # top-left: keys 17.. add nothing to dq
-    (1, 2, 2, 70, 17, 32, "bhsd", dict(causal_alignment="bottom_right")),  # rows with no key
-    (1, 2, 1, 30, 70, 48, "bhsd", dict(causal=False)),
-    (2, 4, 2, 37, 37, 32, "bshd", {}),  # GQA: each query head adds into its own rows
-    (1, 3, 1, 37, 37, 16, "bhsd", {}),  # MQA
-    # a causal window narrower than a block and a saturating softcap (scale 1.0)
-    (1, 2, 2, 45, 45, 32, "bhsd", dict(window=(9, -1), softcap=4.0, scale=1.0)),
-    (1, 2, 1, 40, 61, 16, "bhsd", dict(causal=False, window=(7, 3))),  # two-sided window
-])
-def test_atomic_dq(case, dtype, floor):
-    batch, heads, kv_heads, q_len, kv_len, head_dim, layout, kwargs = case
-    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, CPU, layout)
-    check_grads(q, k, v, floor, deterministic=False, layout=layout, **kwargs)
-
-
-def test_atomic_dq_rows_without_keys_are_exactly_zero():
-    # bottom-right, 40 queries on 9 keys: rows 0..30 see no key; the accumulator starts as NaN
-    # (nan_outputs), so these zeros are the preprocess's, untouched by the atomics
-    q, k, v = make_qkv(1, 2, 2, 40, 9, 32, torch.float32, CPU)
-    dq, _, _ = check_grads(q, k, v, 1e-5, deterministic=False, causal_alignment="bottom_right")
-    assert torch.equal(dq[:, :, :31], torch.zeros_like(dq[:, :, :31]))
-
-
-def test_atomic_dq_keeps_dk_dv_of_the_default():
-    # The dK/dV programs do the same work in the same order in both modes (the interpreter runs
-    # programs one at a time, so even dq's order is fixed here: only closeness is asserted)
-    q, k, v = make_qkv(1, 4, 2, 50, 50, 32, torch.float16, CPU)
-    dout = torch.randn_like(q)
-    default = _grads(fused_attention, q, k, v, dout)
-    atomic = _grads(lambda *t: fused_attention(*t, deterministic=False), q, k, v, dout)
-    assert torch.equal(default[1], atomic[1]) and torch.equal(default[2], atomic[2])
-    # two fp32 sums of another order, each rounded once to fp16: a rounding step or two apart
-    torch.testing.assert_close(atomic[0], default[0], rtol=0,
-                               atol=2e-3 * max(1.0, default[0].abs().max().item()))
-
-
-def test_deterministic_flag_reaches_the_backward(monkeypatch):
-    # Eager training, the custom ops and dynamo's tracing (torch.compile, backend "eager") all
-    # hand the flag to the kernels: dq_accum is given exactly when it is False.
-    from attnscope.attention import fused
-    from attnscope.kernels import dispatch
-    seen = []
-    launch = dispatch.attention_bwd
-
-    def recording(*args, **kwargs):
-        seen.append(kwargs["dq_accum"] is not None)
-        return launch(*args, **kwargs)
-    monkeypatch.setattr(dispatch, "attention_bwd", recording)
-    q, k, v = make_qkv(1, 2, 1, 20, 20, 16, torch.float32, CPU)
-    dout = torch.randn_like(q)
-    compiled = torch.compile(fused_attention, fullgraph=True, backend="eager")
-    for deterministic in (True, False):
-        _grads(lambda *t: fused_attention(*t, deterministic=deterministic), q, k, v, dout)
-        _grads(lambda *t: fused._attention_fwd(*t, True, 0.25, False, "bhsd", -1, -1, 0.0,
-                                               deterministic)[0], q, k, v, dout)
-        _grads(lambda *t: compiled(*t, deterministic=deterministic), q, k, v, dout)
-    assert seen == [False] * 3 + [True] * 3
-    with pytest.raises(TypeError, match="deterministic must be a bool, got int"):
-        fused_attention(q, k, v, deterministic=0)
-
-
-def test_a_dq_accumulator_of_the_wrong_shape_is_refused():
-    q, k, v = make_qkv(1, 1, 1, 8, 8, 16, torch.float32, CPU)
-    out, lse = fused_attention(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match=r"dq_accum must be a contiguous float32 tensor of shape "
-                                         r"\(1, 1, 8, 16\)"):
-        attention_bwd.attention_bwd(q, q, k, v, out, lse, q, k, v, lse, causal=True, scale=0.25,
-                                    causal_offset=0, dq_accum=torch.empty(1, 1, 8, 16).half())
 
 
 def test_lse_output_is_not_differentiable():
@@ -366,53 +286,18 @@ def test_gpu_non_causal_and_non_contiguous(dtype, floor):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,floor", GPU_DTYPES)
-@pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_gpu_atomic_dq(shape, dtype, floor):
-    batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
-    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
-    check_grads(q, k, v, floor, deterministic=False, causal_alignment=alignment)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype,floor", GPU_DTYPES)
-@pytest.mark.parametrize("kwargs", [
-    dict(causal=False),
-    dict(window=(256, -1), softcap=30.0),  # causal window of several blocks, softcap
-    dict(causal=False, window=(300, 77)),  # two-sided window
-])
-def test_gpu_atomic_dq_window_softcap_non_causal(kwargs, dtype, floor):
-    q, k, v = make_qkv(2, 8, 2, 1000, 1000, 128, dtype, "cuda", "bshd")
-    check_grads(q, k, v, floor, deterministic=False, layout="bshd", **kwargs)
-
-
-@pytest.mark.cuda
-def test_gpu_atomic_dq_only_dq_may_vary_between_runs():
-    q, k, v = make_qkv(2, 16, 4, 2048, 2048, 128, torch.bfloat16, "cuda")
-    dout = torch.randn_like(q)
-    runs = [_grads(lambda *t: fused_attention(*t, deterministic=False), q, k, v, dout)
-            for _ in range(3)]
-    for dq, dk, dv in runs[1:]:
-        assert torch.equal(dk, runs[0][1]) and torch.equal(dv, runs[0][2])
-        # fp32 sums of another order, each rounded once to bf16 (eps 7.8e-3): a step apart
-        bound = 7.9e-3 * runs[0][0].abs().max().item()
-        assert (dq.float() - runs[0][0].float()).abs().max().item() <= bound
-
-
-@pytest.mark.cuda
 def test_gpu_fp32():
     q, k, v = make_qkv(2, 4, 2, 513, 513, 64, torch.float32, "cuda")
     check_grads(q, k, v, 1e-5)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("deterministic", [True, False])  # False: the dQ accumulator is traced
-def test_gpu_torch_compile_fullgraph_forward_and_backward(deterministic):
+def test_gpu_torch_compile_fullgraph_forward_and_backward():
     q, k, v = make_qkv(4, 8, 2, 512, 512, 64, torch.bfloat16, "cuda")
 
     @torch.compile(fullgraph=True)  # inductor: both triton ops inside the compiled graphs
     def loss(q, k, v):
-        return (fused_attention(q * 2, k, v, deterministic=deterministic).float() ** 2).sum()
+        return (fused_attention(q * 2, k, v).float() ** 2).sum()
 
     torch._dynamo.reset()
     got = _grads(loss, q, k, v, None)

@@ -93,12 +93,6 @@ def _validate(q, k, v, causal, scale, layout, causal_alignment):
                          f"{q.device}")
 
 
-def _validate_deterministic(deterministic):
-    # (also fused_attention_varlen's)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-
-
 def _validate_window_softcap(causal, window, softcap):
     """Checks window=(left, right) and softcap (both APIs take them); returns the window as a
     tuple of two ints."""
@@ -232,13 +226,11 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
 @triton_op("attnscope::attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                    bottom_right: bool, layout: str, window_left: int = -1, window_right: int = -1,
-                   softcap: float = 0.0, deterministic: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """What torch.compile, dispatch modes and torch.func see (`_traced`). Eager calls skip it:
     inference calls _forward directly and training goes through _EagerAttention, because the
     dispatcher round trip of a Python custom op costs more host time than the seed-shape kernel
-    itself (notes/launch.md; notes/backward.md, "The launch path"). `deterministic` is the
-    backward's (its saved arguments carry it there); the forward is the same either way."""
+    itself (notes/launch.md; notes/backward.md, "The launch path")."""
     return _forward(q, k, v, causal, scale, bottom_right, layout, window_left, window_right,
                     softcap, wrap=_launch_wrap(q))
 
@@ -249,9 +241,8 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 # saved for the backward, not a quantity the formula below differentiates).
 
 def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout, window_left=-1,
-                   window_right=-1, softcap=0.0, deterministic=True):
-    # The backward op's body, also run directly by _EagerAttention. deterministic=False: dQ is
-    # summed with fp32 atomics into a scratch accumulator (kernels/attention_bwd.py).
+                   window_right=-1, softcap=0.0):
+    # The backward op's body, also run directly by _EagerAttention.
     kernels = _kernels()
     # Gradients are allocated contiguous in the caller's layout, like the forward's output.
     dq = _empty(q.shape, q.dtype, q.device)
@@ -261,7 +252,6 @@ def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
                                               for t in (q, k, v, out, dout, dq, dk, dv))
     batch, heads, q_len, _ = q4.shape
     delta = _empty((batch, heads, q_len), torch.float32, q.device)  # rowsum(dO * O), scratch
-    dq_accum = None if deterministic else _empty(q4.shape, torch.float32, q.device)
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
         return dq, dk, dv
@@ -269,7 +259,7 @@ def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
         kernels.attention_bwd(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta, causal=causal,
                               scale=scale, causal_offset=offset,
                               window=(window_left, window_right), softcap=softcap,
-                              wrap=_launch_wrap(q), dq_accum=dq_accum)
+                              wrap=_launch_wrap(q))
     return dq, dk, dv
 
 
@@ -277,15 +267,14 @@ def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                    bottom_right: bool, layout: str, window_left: int = -1,
-                   window_right: int = -1, softcap: float = 0.0, deterministic: bool = True
+                   window_right: int = -1, softcap: float = 0.0
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
-                          window_left, window_right, softcap, deterministic)
+                          window_left, window_right, softcap)
 
 
 def _setup_context(ctx, inputs, output):
-    # args: causal, scale, bottom_right, layout[, window_left, window_right, softcap,
-    # deterministic]
+    # args: causal, scale, bottom_right, layout[, window_left, window_right, softcap]
     q, k, v, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
@@ -313,30 +302,29 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, bottom_right, layout, window_left, window_right,
-                softcap, deterministic):
+                softcap):
         # (ctx-style forward: with a separate setup_context, Function.apply binds its arguments
         # through inspect.signature on every call, ~60 us on the CPU machine)
         args = (causal, scale, bottom_right, layout, window_left, window_right, softcap)
         output = _forward(q, k, v, *args)
-        _setup_context(ctx, (q, k, v, *args, deterministic), output)
+        _setup_context(ctx, (q, k, v, *args), output)
         ctx.set_materialize_grads(False)  # no zeros tensor for the unused LSE gradient
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # no gradient reached `out` (lse has none by construction)
-            return (None,) * 11
+            return (None,) * 10
         q, k, v, out, lse = ctx.saved_tensors
         # Compiled autograd traces this with dynamo, and create_graph=True runs it with grad
         # mode on: both get the op. A plain backward runs with grad mode off.
         traced = torch.compiler.is_compiling() or torch.is_grad_enabled()
         impl = _attention_bwd if traced else _backward_impl
-        return (*impl(dout, q, k, v, out, lse, *ctx.attention_args), *(None,) * 8)
+        return (*impl(dout, q, k, v, out, lse, *ctx.attention_args), *(None,) * 7)
 
 
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
-                    causal_alignment="top_left", window=(-1, -1), softcap=0.0, return_lse=False,
-                    deterministic=True):
+                    causal_alignment="top_left", window=(-1, -1), softcap=0.0, return_lse=False):
     """Attention softmax(q @ k^T * scale) @ v in one Triton kernel.
 
     Shapes (layout="bhsd", as SDPA):  q [batch, heads, q_len, head_dim],
@@ -376,28 +364,21 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
 
     Differentiable in q, k, v (Triton backward kernels, attnscope/kernels/attention_bwd.py); the
     LSE is returned with requires_grad=False, so no gradient flows through it. No double backward.
-
-    deterministic=True (the default): every gradient is bitwise reproducible. deterministic=False
-    trades that for speed, as FlashAttention-2/3's backward: dq is summed with fp32 atomics in
-    the dK/dV kernel instead of recomputed by a kernel of its own (5 matmuls per tile pair
-    instead of 7), so dq may differ in its last bits between runs of the same inputs; dk and dv
-    stay deterministic. The forward is the same either way.
     """
     _validate(q, k, v, causal, scale, layout, causal_alignment)
-    _validate_deterministic(deterministic)
     # (the defaults skip the checks: eager calls at small shapes are bound by host time)
     left, right = ((-1, -1) if window == (-1, -1) and softcap == 0
                    else _validate_window_softcap(causal, window, softcap))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    args = (causal, float(scale), causal_alignment == "bottom_right", layout, left, right,
-            float(softcap))
     if _traced(q):  # torch.compile, a dispatch mode, torch.func, fake tensors
-        out, lse = _attention_fwd(q, k, v, *args, deterministic)
+        forward = _attention_fwd
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _EagerAttention.apply(q, k, v, *args, deterministic)
-    else:  # no backward follows: `deterministic` has nothing to decide
-        out, lse = _forward(q, k, v, *args)
+        forward = _EagerAttention.apply
+    else:
+        forward = _forward
+    out, lse = forward(q, k, v, causal, float(scale), causal_alignment == "bottom_right", layout,
+                       left, right, float(softcap))
     return (out, lse) if return_lse else out
 
 

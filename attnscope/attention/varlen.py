@@ -90,9 +90,8 @@ def _as_batched(t, batch):
 @triton_op("attnscope::attention_varlen_fwd", mutates_args=())
 def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                scale: float, window_left: int, window_right: int, softcap: float,
-                deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    # `deterministic` is the backward's, carried there by the saved arguments
+                scale: float, window_left: int, window_right: int, softcap: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = fused._kernels()
     if q.device.type == "cpu":
         fused._check_interpreter(kernels, q)
@@ -114,16 +113,13 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
 def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                scale: float, window_left: int, window_right: int, softcap: float,
-                deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                scale: float, window_left: int, window_right: int, softcap: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kernels = fused._kernels()
     dq = fused._empty(q.shape, q.dtype, q.device)
     dk = fused._empty(k.shape, k.dtype, k.device)
     dv = fused._empty(v.shape, v.dtype, v.device)
     delta = fused._empty(lse.shape, torch.float32, q.device)  # rowsum(dO * O), scratch
-    # deterministic=False: dQ summed with atomics, in rows laid out as the LSE's
-    dq_accum = (None if deterministic
-                else fused._empty((*lse.shape, q.shape[2]), torch.float32, q.device))
     if fused._shapes_only(kernels, q):
         return dq, dk, dv
     if q.shape[0] == 0:  # no query: no key is seen
@@ -136,7 +132,7 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                               softcap=softcap,
                               varlen=(cu_seqlens_q, cu_seqlens_k, max(max_seqlen_q, 1),
                                       max(max_seqlen_k, 1)),
-                              wrap=fused._launch_wrap(q), dq_accum=dq_accum)
+                              wrap=fused._launch_wrap(q))
     return dq, dk, dv
 
 
@@ -160,7 +156,7 @@ _varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            causal=True, scale=None, window=(-1, -1), softcap=0.0,
-                           return_lse=False, deterministic=True):
+                           return_lse=False):
     """Attention over a batch of packed sequences of different lengths (flash-attn's
     flash_attn_varlen_func), in the fused kernels.
 
@@ -179,16 +175,12 @@ def fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Returns the output [total_q, heads, head_dim] in q's dtype, and with return_lse=True also
     the float32 log-sum-exp of the (capped) scaled scores, [heads, total_q] (flash-attn's
-    layout). Differentiable in q, k, v; the LSE carries no gradient. `deterministic` as
-    fused_attention's: False sums dq with atomics (faster; dq may differ in its last bits between
-    runs, dk and dv do not).
+    layout). Differentiable in q, k, v; the LSE carries no gradient.
     """
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
-    fused._validate_deterministic(deterministic)
     left, right = fused._validate_window_softcap(causal, window, softcap)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                           int(max_seqlen_k), causal, float(scale), left, right, float(softcap),
-                           deterministic)
+                           int(max_seqlen_k), causal, float(scale), left, right, float(softcap))
     return (out, lse) if return_lse else out

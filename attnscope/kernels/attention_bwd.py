@@ -12,7 +12,7 @@ and with dO the gradient of the output and Delta_i = sum_d dO_id O_id (= rowsum(
     dV = P^T dO        dP = dO V^T        dS = P * (dP - Delta)        dQ = dS K * scale
                                                                        dK = dS^T Q * scale
 
-Deterministic by default: three launches, no atomics, so every gradient is bitwise reproducible:
+Three launches, no atomics, so every gradient is bitwise reproducible:
 - `_attn_bwd_preprocess`: Delta, one fp32 per query row.
 - `_attn_bwd_dkdv`: one program per (batch, K/V head, key block) keeps its K and V tiles and the
   dK/dV accumulators on chip and streams the query blocks that see those keys. Under GQA/MQA the
@@ -20,15 +20,9 @@ Deterministic by default: three launches, no atomics, so every gradient is bitwi
   in registers: no atomics, no repeated K/V, no per-query-head dK/dV to reduce afterwards.
 - `_attn_bwd_dq`: one program per (batch, query head, query block) keeps Q, dO and the dQ
   accumulator on chip and streams the key blocks its rows see, as the forward does.
-Splitting dQ from dK/dV recomputes Q K^T and dO V^T in the dQ kernel: 7 matmuls per tile pair
-instead of 5, but each program owns what it writes.
-
-The non-deterministic mode (`dq_accum` given; FlashAttention-2/3's) drops that recompute: the
-dK/dV program also computes each tile's dS K and adds it with fp32 atomics into a [rows,
-head_dim] accumulator that the preprocess zeroed; `_attn_bwd_dq_convert` then scales and casts
-it into dq, and `_attn_bwd_dq` is not launched. dq's sum then runs in whatever order the programs
-arrive, so it may differ in the last bits between runs; dk and dv are still owned by one program
-each and stay reproducible. The ATOMIC_DQ constexpr compiles the mode away in the default one.
+Splitting dQ from dK/dV recomputes P twice (5 matmuls per tile pair instead of 4) but each
+program owns what it writes; the single-kernel alternative adds dQ with fp32 atomics, which is
+non-deterministic and needs a zeroed fp32 buffer plus a cast.
 
 Conventions shared with attention_fwd.py (same names, same masks, common.py's helpers):
 - Query i sees key j when j <= i + CAUSAL_OFFSET (0: top-left as SDPA; S - L: bottom-right).
@@ -48,7 +42,6 @@ Limits: head_dim <= 256; the gradient of the LSE output is not computed (the op 
 non-differentiable); no double backward. Same devices as the forward.
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -82,14 +75,11 @@ def _lse_log2(lse):
 
 
 @triton.jit
-def _attn_bwd_preprocess(O, DO, Delta, DQ_ACC,  #
+def _attn_bwd_preprocess(O, DO, Delta,  #
                          stride_oz, stride_oh, stride_om, stride_ok,  #
                          stride_doz, stride_doh, stride_dom, stride_dok,  #
                          H, N_CTX_Q,  #
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         ATOMIC_DQ: tl.constexpr):
-    # Delta of BLOCK_M rows; ATOMIC_DQ: also zeroes their rows of the dQ accumulator, which saves
-    # a memset launch before the dK/dV kernel adds into it.
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     off_hz = tl.program_id(0)
     start_m = tl.program_id(1)
     off_z = (off_hz // H).to(tl.int64)
@@ -102,46 +92,18 @@ def _attn_bwd_preprocess(O, DO, Delta, DQ_ACC,  #
                     stride_dok, N_CTX_Q, True, HEAD_DIM, BLOCK_D, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(Delta + off_hz.to(tl.int64) * N_CTX_Q + offs_m, delta, mask=offs_m < N_CTX_Q)
-    if ATOMIC_DQ:
-        rows = off_hz.to(tl.int64) * N_CTX_Q + offs_m
-        tl.store(DQ_ACC + rows[:, None] * HEAD_DIM + offs_d[None, :],
-                 tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
-                 mask=(offs_m < N_CTX_Q)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 @triton.jit
-def _attn_bwd_dq_convert(DQ_ACC, DQ,  #
-                         stride_dqz, stride_dqh, stride_dqm, stride_dqk,  #
-                         H, N_CTX_Q, sm_scale,  #
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    # The atomic mode's last step: dQ = scale * (the fp32 sum the dK/dV programs added), cast to
-    # dq's dtype and strides; the preprocess's grid and rows.
-    sm_scale = tl.cast(sm_scale, tl.float32)
-    off_hz = tl.program_id(0)
-    start_m = tl.program_id(1)
-    off_z = (off_hz // H).to(tl.int64)
-    off_h = (off_hz % H).to(tl.int64)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    md_ok = (offs_m < N_CTX_Q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    rows = off_hz.to(tl.int64) * N_CTX_Q + offs_m
-    dq = tl.load(DQ_ACC + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=md_ok) * sm_scale
-    tl.store(DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm
-             + offs_d[None, :] * stride_dqk, dq.to(DQ.dtype.element_ty), mask=md_ok)
-
-
-@triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,  #
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
                          stride_qm, stride_qk, stride_dom, stride_dok,  #
                          offs_n, offs_d, lo, hi, N_CTX_Q, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
                          softcap_log2,  #
                          MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                          SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                         ATOMIC_DQ: tl.constexpr):
+                         BLOCK_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     # Works on transposed tiles (keys along rows) so that dK and dV accumulate as
-    # [BLOCK_N, BLOCK_D] without transposing the accumulators. ATOMIC_DQ: also adds this tile's
-    # dS K to the fp32 dQ rows at dq_base (unscaled; the convert kernel applies the scale).
+    # [BLOCK_N, BLOCK_D] without transposing the accumulators.
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -177,24 +139,11 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq
         if SOFTCAP:  # through the cap: d(c * tanh(s / c)) / ds = 1 - tanh^2
             dsT = dsT * (1.0 - tanh_s * tanh_s)
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=INPUT_PRECISION)
-        if ATOMIC_DQ:
-            # -- dQ += dS K for these BLOCK_M rows: added in whatever order the programs that
-            # share them arrive (relaxed: nothing reads the sum before the kernel ends). Rows
-            # that see none of these keys have dS exactly 0 (P is), so they add 0 --
-            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=INPUT_PRECISION)
-            dq_ptrs = dq_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-            if MASKED:
-                tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-                              sem="relaxed")
-            elif HEAD_DIM != BLOCK_D:
-                tl.atomic_add(dq_ptrs, dq, mask=(offs_d < HEAD_DIM)[None, :], sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, DQ_ACC, CU_SEQLENS_Q, CU_SEQLENS_K,  #
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CU_SEQLENS_Q, CU_SEQLENS_K,  #
                    stride_qz, stride_qh, stride_qm, stride_qk,  #
                    stride_kz, stride_kh, stride_kn, stride_kk,  #
                    stride_vz, stride_vh, stride_vn, stride_vk,  #
@@ -205,13 +154,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, DQ_ACC, CU_SEQLENS_Q, CU_SEQ
                    softcap_log2, sm_scale,  #
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,  #
                    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
-                   INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,  #
+                   INPUT_PRECISION: tl.constexpr,  #
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # K/V heads along grid axis 0, key blocks along axis 1 in order: under a causal mask the
     # first key blocks are seen by the most queries, so the longest programs start first.
-    # CAUSAL, HAS_WINDOW, VARLEN and the offsets as in the forward (_attn_fwd). ATOMIC_DQ: dQ is
-    # added here into DQ_ACC (fp32, one HEAD_DIM row per LSE row, zeroed by the preprocess);
-    # otherwise DQ_ACC is None and _attn_bwd_dq computes dQ.
+    # CAUSAL, HAS_WINDOW, VARLEN and the offsets as in the forward (_attn_fwd).
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64
     softcap_log2 = tl.cast(softcap_log2, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -284,37 +231,27 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, DQ_ACC, CU_SEQLENS_Q, CU_SEQ
         else:
             lse_base = Lse + (off_z * H + off_h) * N_CTX_Q
             delta_base = Delta + (off_z * H + off_h) * N_CTX_Q
-        if ATOMIC_DQ:  # each query head adds into its own rows, laid out as LSE's
-            if VARLEN:
-                dq_base = DQ_ACC + (off_h * N_CTX_Q + q_start) * HEAD_DIM
-            else:
-                dq_base = DQ_ACC + (off_z * H + off_h) * N_CTX_Q * HEAD_DIM
-        else:
-            dq_base = DQ_ACC
         # stage 1: the diagonal band, masked
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                      dq_base,  #
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
                                       stride_qm, stride_qk, stride_dom, stride_dok,  #
                                       offs_n, offs_d, band_lo, full_lo, seq_q, CAUSAL_OFFSET,
                                       LEFT_OFFSET, qk_scale, softcap_log2,  #
                                       True, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
-                                      BLOCK_M, INPUT_PRECISION, ATOMIC_DQ)
+                                      BLOCK_M, INPUT_PRECISION)
         # stage 2: query blocks below the band that see the whole key block, no masking
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                      dq_base,  #
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
                                       stride_qm, stride_qk, stride_dom, stride_dok,  #
                                       offs_n, offs_d, full_lo, full_hi, seq_q, CAUSAL_OFFSET,
                                       LEFT_OFFSET, qk_scale, softcap_log2,  #
                                       False, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
-                                      BLOCK_M, INPUT_PRECISION, ATOMIC_DQ)
+                                      BLOCK_M, INPUT_PRECISION)
         # stage 3: the ragged last query block (or the window's left edge), masked
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                      dq_base,  #
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,  #
                                       stride_qm, stride_qk, stride_dom, stride_dok,  #
                                       offs_n, offs_d, tail_lo, tail_hi, seq_q, CAUSAL_OFFSET,
                                       LEFT_OFFSET, qk_scale, softcap_log2,  #
                                       True, CAUSAL, HAS_WINDOW, SOFTCAP, HEAD_DIM, BLOCK_D,
-                                      BLOCK_M, INPUT_PRECISION, ATOMIC_DQ)
+                                      BLOCK_M, INPUT_PRECISION)
 
     # epilogue: dS was taken w.r.t. the scaled scores; the chain rule puts the scale on dK
     dk = dk * sm_scale
@@ -473,8 +410,7 @@ def config_for(head_dim):
 
 
 def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, causal_offset,
-                  window=(-1, -1), softcap=0.0, varlen=None, wrap=None, config=None,
-                  dq_accum=None):
+                  window=(-1, -1), softcap=0.0, varlen=None, wrap=None, config=None):
     """Launch the backward. q, out, do, dq: [batch, heads, q_len, head_dim] views with any
     strides; k, v, dk, dv: [batch, kv_heads, kv_len, head_dim]; lse (the forward's, natural log)
     and delta (scratch, written here): contiguous fp32 [batch, heads, q_len]. Writes dq, dk, dv.
@@ -482,14 +418,7 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     as the forward's (attention_fwd.attention_fwd_triton); with varlen, lse and delta are
     [heads, total_q]. `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile
     sees the launches; without it the launches skip Triton's dispatch on repeats (FastLaunch).
-    `config`: a tuple named by CONFIG_FIELDS instead of the table's (tests, labs).
-
-    `dq_accum` (scratch, contiguous fp32 [batch, heads, q_len, head_dim], or [heads, total_q,
-    head_dim] with varlen) selects the non-deterministic mode: the dK/dV kernel also adds dQ into
-    it with fp32 atomics and a small kernel scales and casts it into dq; the dQ kernel is not
-    launched (5 matmuls per tile pair instead of 7). dq may then differ in its last bits between
-    runs (the order of the additions varies); dk and dv do not. Its contents need not be zeros:
-    the preprocess zeroes it. None (the default): three launches, every gradient reproducible."""
+    `config`: a tuple named by CONFIG_FIELDS instead of the table's (tests, labs)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is None:
@@ -497,14 +426,6 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     elif len(config) != len(CONFIG_FIELDS):
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     block_m1, block_n1, warps1, stages1, block_m2, block_n2, warps2, stages2 = config
-    atomic = dq_accum is not None
-    if atomic:
-        expected = (batch, heads, q_len, head_dim) if varlen is None else (heads, q_len, head_dim)
-        if (dq_accum.dtype != torch.float32 or tuple(dq_accum.shape) != expected
-                or not dq_accum.is_contiguous()):
-            raise ValueError(f"dq_accum must be a contiguous float32 tensor of shape {expected}, "
-                             f"got {dq_accum.dtype} {tuple(dq_accum.shape)} with strides "
-                             f"{dq_accum.stride()}")
     block_d, precision = tile_constants(head_dim, q.dtype)
     bounded, offset, has_window, left_offset = visibility(causal, causal_offset, window)
     qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
@@ -525,30 +446,23 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     sq, sk, sv, so, sdo, sdq, sdk, sdv = strides[:8]
     launches = [
         (_launch_preprocess, pre_grid,
-         (out, do, delta, dq_accum, *so, *sdo, heads, q_len),
-         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2, ATOMIC_DQ=atomic)),
+         (out, do, delta, *so, *sdo, heads, q_len),
+         dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2)),
         (_launch_dkdv, (batch * kv_heads, -(-max_k // block_n1)),
-         (q, k, v, do, dk, dv, lse, delta, dq_accum, cu_q, cu_k,  #
+         (q, k, v, do, dk, dv, lse, delta, cu_q, cu_k,  #
           *sq, *sk, *sv, *sdo, *sdk, *sdv,  #
           kv_heads, heads // kv_heads, q_len, kv_len, offset, left_offset, qk_scale,
           softcap_log2, scale),
          dict(BLOCK_M=block_m1, BLOCK_N=block_n1, num_warps=warps1, num_stages=stages1,
-              ATOMIC_DQ=atomic, **common)),
+              **common)),
+        (_launch_dq, (batch * heads * num_m,),
+         (q, k, v, do, dq, lse, delta, cu_q, cu_k,  #
+          *sq, *sk, *sv, *sdo, *sdq,  #
+          heads, heads // kv_heads, q_len, kv_len, offset, left_offset, qk_scale, softcap_log2,
+          scale, num_m, head_group(q, k)),
+         dict(BLOCK_M=block_m2, BLOCK_N=block_n2, num_warps=warps2, num_stages=stages2,
+              **common)),
     ]
-    if atomic:  # dQ was summed by the dK/dV kernel: scale and cast it, on Delta's grid
-        launches.append(
-            (_launch_dq_convert, pre_grid,
-             (dq_accum, dq, *sdq, heads, q_len, scale),
-             dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m2)))
-    else:
-        launches.append(
-            (_launch_dq, (batch * heads * num_m,),
-             (q, k, v, do, dq, lse, delta, cu_q, cu_k,  #
-              *sq, *sk, *sv, *sdo, *sdq,  #
-              heads, heads // kv_heads, q_len, kv_len, offset, left_offset, qk_scale,
-              softcap_log2, scale, num_m, head_group(q, k)),
-             dict(BLOCK_M=block_m2, BLOCK_N=block_n2, num_warps=warps2, num_stages=stages2,
-                  **common)))
     if wrap is not None:
         for launch, grid, args, kwargs in launches:
             result = wrap(launch.kernel)[grid](*args, **kwargs)
@@ -558,8 +472,6 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
            aligned(*tensors), causal, causal_offset, window, softcap, config)
     if varlen is not None:  # the cumulative lengths are arguments too: the key fixes none
         key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
-    if atomic:
-        key += ("atomic_dq", aligned(dq_accum))
     for launch, grid, args, kwargs in launches:
         result = launch(key, grid, args, kwargs)
     return result
@@ -568,4 +480,3 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
 _launch_preprocess = FastLaunch(_attn_bwd_preprocess)
 _launch_dkdv = FastLaunch(_attn_bwd_dkdv)
 _launch_dq = FastLaunch(_attn_bwd_dq)
-_launch_dq_convert = FastLaunch(_attn_bwd_dq_convert)

@@ -10,12 +10,8 @@ rounds), TFLOP/s (2.5x the forward's FLOPs), registers and spills of the dK/dV a
 and the largest gradient error against SDPA's fp32 backward (memory-efficient kernel) on the same
 bf16 inputs. One line per row; JSON lines to --out.
 
---atomic also times every config in the non-deterministic mode (`attention_bwd`'s dq_accum: dQ
-added with atomics by the dK/dV kernel, then a scale-and-cast kernel; of the dQ fields of the
-config only BLOCK_M2 is used, by the preprocess and the cast), on rows named "<config> atomic".
-
     python benchmarks/labs/bwd_lab.py --shapes 4,32,4096,128 4,32,4096,128,8 \\
-        --configs 64,128,8,2,128,32,8,2 32,128,8,2,128,64,8,2 --peers --atomic --out lab.jsonl
+        --configs 64,128,8,2,128,32,8,2 32,128,8,2,128,64,8,2 --peers --out lab.jsonl
 """
 
 import argparse
@@ -77,8 +73,6 @@ def main():
     p.add_argument("--configs", nargs="*", type=parse_config, default=[],
                    help=f"{','.join(bwd.CONFIG_FIELDS)} configs to time next to the table's")
     p.add_argument("--peers", action="store_true", help="also time cuDNN's backward")
-    p.add_argument("--atomic", action="store_true",
-                   help="also time each config with dQ summed by atomics (deterministic=False)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms (default 25)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms (default 100)")
     p.add_argument("--repeat", type=int, default=3,
@@ -94,18 +88,14 @@ def main():
         table = bwd.config_for(d)
         configs = [table] + [c for c in args.configs if c != table]
         timers, rows = {}, {}
-        modes = (False, True) if args.atomic else (False,)
-        for config, atomic in [(c, a) for c in configs for a in modes]:
+        for config in configs:
             name = "table" if config == table else ",".join(map(str, config))
-            name += " atomic" if atomic else ""
             grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
             delta = torch.empty_like(lse)
-            dq_accum = torch.empty(q.shape, dtype=torch.float32, device="cuda") if atomic else None
 
-            def run(config=config, grads=grads, delta=delta, dq_accum=dq_accum):
+            def run(config=config, grads=grads, delta=delta):
                 bwd.attention_bwd(do, q, k, v, out, lse, *grads, delta, causal=True,
-                                  scale=d ** -0.5, causal_offset=0, config=config,
-                                  dq_accum=dq_accum)
+                                  scale=d ** -0.5, causal_offset=0, config=config)
             launch.forget_launches()
             try:
                 run()
@@ -117,7 +107,7 @@ def main():
                        for kname, c, _ in launch.launched()}
             errors = [(g.float() - r).abs().max().item() for g, r in zip(grads, refs)]
             timers[name] = run
-            rows[name] = {"shape": shape, "impl": name, "config": config, "atomic": atomic,
+            rows[name] = {"shape": shape, "impl": name, "config": config,
                           "err_dq_dk_dv": errors, "regs_spills": kernels}
         if args.peers:
             rep = h // hk
