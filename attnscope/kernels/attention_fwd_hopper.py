@@ -335,19 +335,17 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
 
 
 # (BLOCK_N, STAGES, consumer registers) per head_dim, measured on the H200 with
-# benchmarks/labs/hopper_lab.py (notes/forward.md, "The Gluon kernel"). head_dim 64 stays on the
-# Triton kernel: this one measured slower up to 2048 queries (0.0745 against 0.0604 ms at
-# (8,16,1024,64)) and within 1 % of it at (4,32,4096,64) (0.6816 against 0.6878 ms, inside the
-# rounds' spread). The schedule's other choices are constants of the kernel: persistent (one
-# program per SM), NUM_WG = 2 consumer warpgroups, and their ping-pong (without it 0.6913
-# against 0.6842 ms at (4,32,4096,64); three warpgroups measured slower).
-# head_dim 80, 96 and 112 run the head_dim-128 schedule on tiles padded to 128 columns (the
-# copy engine fills the columns past head_dim with zeros and drops them on the store): the
-# head_dim-128 config, not timed on its own. At 256 (and 192, padded to 256) a consumer's fp32
-# O accumulator takes 128 registers a thread, so K/V blocks are 64 keys (S: 32 registers); two
-# ring stages of 64 keys and Q take 192 KB of shared memory, which leaves no room for the
+# benchmarks/labs/hopper_lab.py (notes/forward.md, "The Gluon kernel"). The schedule's other
+# choices are constants of the kernel: persistent (one program per SM), NUM_WG = 2 consumer
+# warpgroups, and their ping-pong (without it 0.6913 against 0.6842 ms at (4,32,4096,64); three
+# warpgroups measured slower). head_dim 80, 96 and 112 run the head_dim-128 schedule on tiles
+# padded to 128 columns (the copy engine fills the columns past head_dim with zeros and drops
+# them on the store): the head_dim-128 config. At 256 (and 192, padded to 256) a consumer's
+# fp32 O accumulator takes 128 registers a thread, so K/V blocks are 64 keys (S: 32 registers);
+# two ring stages of 64 keys and Q take 192 KB of shared memory, which leaves no room for the
 # output's staging buffers (outputs leave by register stores). No spills offline
-# (benchmarks/sass_offline.py --gluon --head-dim 256, Triton 3.6 and 3.9); not timed yet.
+# (benchmarks/sass_offline.py --gluon --head-dim 256, Triton 3.6 and 3.9). Timed against the
+# Triton kernel and cuDNN in notes/forward.md ("Which calls it takes").
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs")
 CONFIGS = {64: (128, 3, 240), 80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2, 240),
            128: (128, 2, 240), 192: (64, 2, 240), 256: (64, 2, 240)}
