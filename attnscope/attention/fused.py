@@ -1,8 +1,8 @@
-"""attnscope's fused attention: the public op, its validation, and its registry entry.
+"""attnscope's fused attention: the public op and its validation.
 
 The kernels are in attnscope/kernels/ (dispatch.py picks one per call); this module checks
-inputs, names the layouts, registers the launches as PyTorch custom ops so torch.compile traces
-them whole, and hands the registry the compiled kernels the op launched.
+inputs, names the layouts and registers the launches as PyTorch custom ops so torch.compile
+traces them whole. Its registry entry for the driver is attention/ours.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
-from attnscope.attention.registry import CompiledKernel, Implementation, register
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = {"bhsd": "[batch, heads, seq, head_dim]", "bshd": "[batch, seq, heads, head_dim]"}
@@ -380,66 +379,3 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     out, lse = forward(q, k, v, causal, float(scale), causal_alignment == "bottom_right", layout,
                        left, right, float(softcap))
     return (out, lse) if return_lse else out
-
-
-def _available(device):
-    device = torch.device(device)
-    if device.type == "cuda":
-        ok = torch.cuda.is_available()
-        return ok, "Triton kernel on CUDA" if ok else "no CUDA device"
-    if device.type == "cpu":
-        ok = _kernels().interpreter_ready()
-        return ok, ("Triton interpreter (TRITON_INTERPRET=1): correct but slow; fp16/fp32 only"
-                    if ok else "CPU needs Python started with TRITON_INTERPRET=1 (Triton reads it "
-                    "when first imported)")
-    return False, f"unsupported device {device}"
-
-
-def _prepare(q, k, v, causal=True):
-    # bottom_right: the registry's alignment for q_len < kv_len (top-left's at equal lengths).
-    return lambda: fused_attention(q, k, v, causal=causal, causal_alignment="bottom_right")
-
-
-def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    causal=True):
-    # Imported here: varlen.py imports this module.
-    from attnscope.attention.varlen import fused_attention_varlen
-
-    return lambda: fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, causal=causal)
-
-
-def _compiled_kernels():
-    """The forward kernels the op launched eagerly in this process, most recently used first,
-    as the registry's CompiledKernel records ([] in the interpreter: it compiles nothing)."""
-    if _kernel_module is None:  # the op never ran: nothing launched
-        return []
-    return [compiled_kernel_record(**r) for r in _kernel_module.launched_forward_kernels()]
-
-
-def compiled_kernel_record(name, source_path, source, config, compiled):
-    """A CompiledKernel from Triton's compiled kernel object: its compiler stages (`.asm`), and
-    its metadata with the registers and spills Triton read from the loaded cubin."""
-    asm = {stage: text for stage, text in getattr(compiled, "asm", {}).items()
-           if stage in ("ttir", "ttgir", "llir", "ptx", "cubin")}
-    metadata = getattr(compiled, "metadata", None)
-    metadata = dict(metadata._asdict()) if hasattr(metadata, "_asdict") else dict(metadata or {})
-    for field in ("n_regs", "n_spills"):
-        metadata[field] = getattr(compiled, field, None)
-    return CompiledKernel(name=name, source_path=source_path, source=source, config=config,
-                          asm=asm, metadata=metadata)
-
-
-register(Implementation(
-    name="fused",
-    description="attnscope's fused kernel, one launch: Triton (online softmax, causal split); "
-                "Gluon FA3-style on sm_90 at head_dim 128",
-    seed_script="",
-    available=_available,
-    prepare=_prepare,
-    ours=True,
-    gqa=True,
-    q_len_differs=True,
-    prepare_varlen=_prepare_varlen,
-    compiled_kernels=_compiled_kernels,
-))

@@ -1,0 +1,74 @@
+"""The registry entry of attnscope's own kernels, "fused": the public op and its packed-sequence
+form as the driver calls them, and the compiled kernels the op launched (CompiledKernel records,
+so profile/ never imports the kernels). Apart from fused.py because varlen.py is built on that
+module and this entry needs both."""
+
+from __future__ import annotations
+
+import torch
+
+from attnscope.attention import fused
+from attnscope.attention.fused import fused_attention
+from attnscope.attention.registry import CompiledKernel, Implementation, register
+from attnscope.attention.varlen import fused_attention_varlen
+
+
+def _available(device):
+    device = torch.device(device)
+    if device.type == "cuda":
+        ok = torch.cuda.is_available()
+        return ok, "Triton kernel on CUDA" if ok else "no CUDA device"
+    if device.type == "cpu":
+        ok = fused._kernels().interpreter_ready()
+        return ok, ("Triton interpreter (TRITON_INTERPRET=1): correct but slow; fp16/fp32 only"
+                    if ok else "CPU needs Python started with TRITON_INTERPRET=1 (Triton reads it "
+                    "when first imported)")
+    return False, f"unsupported device {device}"
+
+
+def _prepare(q, k, v, causal=True):
+    # bottom_right: the registry's alignment for q_len < kv_len (top-left's at equal lengths).
+    return lambda: fused_attention(q, k, v, causal=causal, causal_alignment="bottom_right")
+
+
+def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    causal=True):
+    return lambda: fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, causal=causal)
+
+
+def _compiled_kernels():
+    """The forward kernels the op launched eagerly in this process, most recently used first,
+    as the registry's CompiledKernel records ([] in the interpreter: it compiles nothing)."""
+    kernels = fused._kernel_module
+    if kernels is None:  # the op never ran: nothing launched
+        return []
+    return [compiled_kernel_record(**r) for r in kernels.launched_forward_kernels()]
+
+
+def compiled_kernel_record(name, source_path, source, config, compiled):
+    """A CompiledKernel from Triton's compiled kernel object: its compiler stages (`.asm`), and
+    its metadata with the registers and spills Triton read from the loaded cubin."""
+    asm = {stage: text for stage, text in getattr(compiled, "asm", {}).items()
+           if stage in ("ttir", "ttgir", "llir", "ptx", "cubin")}
+    metadata = getattr(compiled, "metadata", None)
+    metadata = dict(metadata._asdict()) if hasattr(metadata, "_asdict") else dict(metadata or {})
+    for field in ("n_regs", "n_spills"):
+        metadata[field] = getattr(compiled, field, None)
+    return CompiledKernel(name=name, source_path=source_path, source=source, config=config,
+                          asm=asm, metadata=metadata)
+
+
+register(Implementation(
+    name="fused",
+    description="attnscope's fused kernel, one launch: Triton (online softmax, causal split); "
+                "Gluon FA3-style on sm_90 (head_dim 80-256, and 64 past 2048 queries)",
+    seed_script="",
+    available=_available,
+    prepare=_prepare,
+    ours=True,
+    gqa=True,
+    q_len_differs=True,
+    prepare_varlen=_prepare_varlen,
+    compiled_kernels=_compiled_kernels,
+))
