@@ -256,3 +256,18 @@ def test_cuda_entries_match_the_reference(name, scenario):
     # Twice the error of torch's own bf16 path, plus half a bf16 step at values ~1 (4e-3).
     bound = 2 * scenarios.error(low, ref, region) + 4e-3
     assert scenarios.error(out, ref, region) <= bound
+
+
+def test_a_pinned_backend_without_a_kernel_refuses_the_call():
+    # The CPU build has no memory-efficient kernel: SDPA says it has no backend for the call,
+    # which the entry turns into the registry's refusal, an 'unsupported' row in bench and compare.
+    from torch.nn.attention import SDPBackend
+
+    from attnscope.attention import sdpa
+    from attnscope.profile import compare
+
+    q = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(3))
+    forward = sdpa._call(SDPBackend.EFFICIENT_ATTENTION, q, q, q, is_causal=True)
+    with pytest.raises(NotImplementedError, match="EFFICIENT_ATTENTION backend has no kernel") as e:
+        forward()
+    assert compare._classify(e.value) == "unsupported"

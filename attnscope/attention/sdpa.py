@@ -1,8 +1,9 @@
 """PyTorch's scaled_dot_product_attention, free to choose (`sdpa_auto`) or pinned to one backend
 with `sdpa_kernel` (04_c --backend math|flash|efficient|cudnn).
 
-A pinned backend that cannot take the dtype or shape raises at the first call; the driver turns
-that into an "unsupported" row. Pinning costs CPU time: entering and leaving `sdpa_kernel` is
+A pinned backend that has no kernel for the call (a dtype, a shape, or an explicit mask, which
+the CUDA flash kernel does not take) raises NotImplementedError at the first call; the driver
+shows that as an "unsupported" row. Pinning costs CPU time: entering and leaving `sdpa_kernel` is
 Python (about 15 us on a 2-core dev box), inside each pinned forward; `sdpa_auto` has none of it.
 """
 
@@ -35,6 +36,10 @@ def _anywhere(what):
     return available
 
 
+# How SDPA says a pinned backend has no kernel for a call (CUDA builds; CPU builds).
+_NO_KERNEL = ("No available kernel", "No viable backend")
+
+
 def _call(backend, q, k, v, **kwargs):
     """The zero-argument SDPA forward, pinned to `backend` unless it is None."""
     # GQA/MQA inputs (fewer k/v heads) need enable_gqa; equal heads keep the blog's exact call.
@@ -45,8 +50,25 @@ def _call(backend, q, k, v, **kwargs):
 
     def forward():
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+            try:
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+            except RuntimeError as exc:
+                # A pinned backend with no kernel for these inputs (the CUDA flash kernel and an
+                # explicit mask, a dtype, a head_dim): a refusal, which the driver shows as an
+                # 'unsupported' row, not a failure. PyTorch's warnings name the check.
+                if not any(m in str(exc) for m in _NO_KERNEL):
+                    raise
+                raise NotImplementedError(
+                    f"SDPA's {backend.name} backend has no kernel for this call "
+                    f"({_described(q, k, kwargs)}); PyTorch's warnings say which of its checks "
+                    "refused it") from exc
     return forward
+
+
+def _described(q, k, kwargs):
+    what = ("an explicit mask" if kwargs.get("attn_mask") is not None
+            else f"is_causal={kwargs.get('is_causal', False)}")
+    return f"{q.dtype}, q {list(q.shape)}, k {list(k.shape)}, {what}"
 
 
 def _preparer(backend):

@@ -106,7 +106,11 @@ def write_results(folder: Path, results: dict):
 def _classify(exc):
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return "oom"
-    return "unsupported" if any(h in str(exc) for h in _UNSUPPORTED_HINTS) else "error"
+    # NotImplementedError is the registry's way of refusing an input (as in bench); the hints
+    # catch libraries' own refusals.
+    if isinstance(exc, NotImplementedError) or any(h in str(exc) for h in _UNSUPPORTED_HINTS):
+        return "unsupported"
+    return "error"
 
 
 def _first_line(exc):
