@@ -21,13 +21,14 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnscope
 from attnscope.kernels import attention_bwd as bwd
 from attnscope.kernels import launch
 from attnscope.profile.flops import attention_flops
+
+import rounds  # benchmarks/labs/rounds.py, beside this script
 
 
 def parse_config(text):
@@ -73,11 +74,7 @@ def main():
     p.add_argument("--configs", nargs="*", type=parse_config, default=[],
                    help=f"{','.join(bwd.CONFIG_FIELDS)} configs to time next to the table's")
     p.add_argument("--peers", action="store_true", help="also time cuDNN's backward")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms (default 25)")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms (default 100)")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="timing rounds over all candidates; the median is reported (default 3)")
-    p.add_argument("--out", default=None, help="append JSON lines here")
+    rounds.add_arguments(p)
     args = p.parse_args()
     out_file = open(args.out, "a") if args.out else None
     for shape in args.shapes:
@@ -124,11 +121,7 @@ def main():
                 rows["cudnn"] = {"shape": shape, "impl": "cudnn"}
             except RuntimeError as e:  # e.g. a cuDNN without this GQA shape
                 print(f"{shape} cudnn: FAILED {str(e)[:200]}", flush=True)
-        times = {name: [] for name in timers}
-        for _ in range(args.repeat):  # rounds: drift of the machine hits every candidate alike
-            for name, fn in timers.items():
-                times[name].append(triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep,
-                                                           return_mode="median"))
+        times = rounds.interleaved(timers, args.repeat, args.warmup, args.rep, label=str(shape))
         for name, row in rows.items():
             if name not in times:
                 continue

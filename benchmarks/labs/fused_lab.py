@@ -22,13 +22,13 @@ import sys
 import tempfile
 
 import torch
-import triton
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnscope
 from attnscope.kernels import attention_fwd as fwd
 from attnscope.profile.flops import attention_flops
+
+import rounds  # benchmarks/labs/rounds.py, beside this script
 
 
 def parse_config(text):
@@ -66,10 +66,10 @@ def inputs(shape, dtype, kv_heads=None):
             for _ in range(copies)]
 
 
-def timed(fn_per_set, sets, warmup, rep):
+def cycled(fn_per_set, sets):
+    """A zero-argument call of fn_per_set on the next input set each time (cold data in L2)."""
     it = itertools.cycle(range(len(sets)))
-    return triton.testing.do_bench(lambda: fn_per_set(*sets[next(it)]), warmup=warmup, rep=rep,
-                                   return_mode="median")
+    return lambda: fn_per_set(*sets[next(it)])
 
 
 def main():
@@ -80,11 +80,7 @@ def main():
                    "(pipeline=1: software-pipelined loop, tma=1: K/V through tensor "
                    "descriptors); default: the table's alone")
     p.add_argument("--peers", action="store_true", help="also time SDPA cuDNN and flash")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="timing rounds over all candidates; the median is reported")
-    p.add_argument("--out", default=None, help="append JSON lines here")
+    rounds.add_arguments(p)
     args = p.parse_args()
     out = open(args.out, "a") if args.out else None
     for text in args.shapes:
@@ -131,18 +127,11 @@ def main():
                                                                                 is_causal=True)
                 timers[backend.name] = peer
                 rows[backend.name] = {"shape": shape, "impl": backend.name}
-        # Rounds over all candidates, so that drift of the machine between candidates (clocks,
-        # temperature; up to 8 % between runs of one config) hits all alike.
-        times = {name: [] for name in timers}
-        for _ in range(args.repeat):
-            for name, fn in list(timers.items()):
-                try:
-                    times[name].append(timed(fn, sets, args.warmup, args.rep))
-                except Exception as e:  # one bad candidate must not end the sweep
-                    print(f"{shape} {name}: FAILED while timed: {type(e).__name__}: "
-                          f"{str(e)[:200]}", flush=True)
-                    del timers[name], rows[name]
+        times = rounds.interleaved({name: cycled(fn, sets) for name, fn in timers.items()},
+                                   args.repeat, args.warmup, args.rep, label=str(shape))
         for name, row in rows.items():
+            if name not in times:  # dropped while timed
+                continue
             ts = sorted(times[name])
             ms = statistics.median(ts)
             row.update(ms=ms, ms_all=ts, tflops=flops / ms / 1e9)

@@ -18,13 +18,14 @@ import statistics
 import sys
 
 import torch
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnscope.attention.reference import attention_reference
 from attnscope.kernels import attention_fwd as fwd
 from attnscope.kernels import attention_fwd_hopper as hop
 from attnscope.profile.flops import attention_flops
+
+import rounds  # benchmarks/labs/rounds.py, beside this script
 
 CHECK_CASES = [  # (batch, heads, kv_heads, q_len, kv_len, head_dim, causal, bottom_right, dtype)
     (2, 3, 3, 1000, 1000, 64, True, False, torch.bfloat16),
@@ -113,16 +114,9 @@ def time_shapes(shapes, configs, repeat, out_path):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
         cands["cudnn"] = cudnn
-        times = {name: [] for name in cands}
-        for _ in range(repeat):
-            for name, fn in cands.items():
-                try:
-                    times[name].append(triton.testing.do_bench(fn, warmup=25, rep=100))
-                except Exception as e:  # a config that does not compile or launch
-                    print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        # do_bench's mean per round (its default), the median over the rounds
+        times = rounds.interleaved(cands, repeat, return_mode="mean", label=" ")
         for name, t in times.items():
-            if not t:
-                continue
             ms = statistics.median(t)
             row = dict(shape=[b, h, s, d], kv_heads=hkv, impl=name, median_ms=ms,
                        rounds=t, tflops=flops / ms / 1e9)
