@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnscope.kernels.common import _logits, aligned, score_scales, visibility
+from attnscope.kernels.common import _logits, aligned, block_width, score_scales, visibility
 from attnscope.kernels.launch import FastLaunch, int_specializations, launch_table
 
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts log2-domain LSEs back to natural log
@@ -345,7 +345,7 @@ def config_for(head_dim, rows, dtype):
     16-key tiles at head_dim 256, 8 warps, 2 stages; the largest that compile without spills for
     sm_90 with Triton 3.6 (benchmarks/sass_offline.py-style compiles). In the interpreter, small
     tiles so CPU tests cross several tiles, row blocks and a masked diagonal."""
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_d = block_width(head_dim)
     if is_interpreted():
         return 16, 16, block_d, 4, 1
     if dtype.itemsize == 4:

@@ -49,7 +49,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from attnscope.kernels.common import LOG2E, _grouped_tile, aligned, device_properties, head_group
+from attnscope.kernels.common import (LOG2E, _grouped_tile, aligned, block_width,
+                                      device_properties, head_group)
 from attnscope.kernels.gluon_compat import tma_load, tma_store
 from attnscope.kernels.launch import FORWARD_LAUNCHES, FastLaunch, ensure_scratch_allocator
 from attnscope.kernels.tile_schedule import tile_schedule
@@ -404,7 +405,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     # Output blocks by TMA store where out is contiguous and its staging buffers fit in shared
     # memory next to Q and the K/V ring: 0.1004 against 0.1088 ms with register stores at
     # (8,16,1024,128) (notes/forward.md, "TMA, both directions").
-    block_d = padded_head_dim(head_dim)
+    block_d = block_width(head_dim)  # 128 at 80-112, 256 at 192
     tile_bytes = ROWS.value * block_d * q.element_size()  # one consumer's Q or O block
     smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * block_d * q.element_size()
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, STAGES=stages,
@@ -421,12 +422,6 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
                scale, grid, config)
     return _launch(key, grid, args, kwargs, per_call=5,
                    config=dict(zip(CONFIG_FIELDS, config)))
-
-
-def padded_head_dim(head_dim):
-    """The width of the kernel's shared-memory tiles and wgmma for `head_dim`: the next power
-    of two (Gluon's tensors have power-of-two shapes)."""
-    return 1 << (head_dim - 1).bit_length()
 
 
 # Host cost matters at small shapes (notes/launch.md): what does not change

@@ -195,11 +195,16 @@ def interpreter_ready():
     return is_interpreted() and not isinstance(tl.standard.max, triton.runtime.JITFunction)
 
 
+def block_width(head_dim):
+    """BLOCK_D, the width of every kernel's tiles over head_dim: the next power of two >= 16
+    (Triton's and Gluon's tensors have power-of-two shapes; the extra columns load as zeros)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def tile_constants(head_dim, dtype):
     """The BLOCK_D and INPUT_PRECISION constexprs of a launch (forward and backward): tiles
-    are the next power of two >= 16 wide over head_dim (extra columns load as zeros), and fp32
-    inputs use IEEE fp32 dots (tf32 is unused for 16-bit inputs)."""
-    return max(16, 1 << (head_dim - 1).bit_length()), "ieee" if dtype.itemsize == 4 else "tf32"
+    block_width wide, and fp32 inputs use IEEE fp32 dots (tf32 is unused for 16-bit inputs)."""
+    return block_width(head_dim), "ieee" if dtype.itemsize == 4 else "tf32"
 
 
 @functools.cache
