@@ -28,7 +28,6 @@ from attnscope.kernels import attention_bwd as bwd
 from attnscope.kernels import launch
 from attnscope.profile.flops import attention_flops
 
-import bwd_tma_dq  # beside this script: the one-kernel variant with dQ by TMA reduce-add
 import rounds  # benchmarks/labs/rounds.py, beside this script
 
 
@@ -37,13 +36,6 @@ def parse_config(text):
     if len(values) != len(bwd.CONFIG_FIELDS):
         raise argparse.ArgumentTypeError(
             f"a config is {','.join(bwd.CONFIG_FIELDS)}, got {text!r}")
-    return values
-
-
-def parse_tiles(text):
-    values = tuple(int(x) for x in text.split(","))
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError(f"tiles are BLOCK_M,BLOCK_N,WARPS,STAGES, got {text!r}")
     return values
 
 
@@ -81,10 +73,6 @@ def main():
                    help="B,H,S,D[,KV_HEADS] (bf16, causal); default 8,16,1024,64")
     p.add_argument("--configs", nargs="*", type=parse_config, default=[],
                    help=f"{','.join(bwd.CONFIG_FIELDS)} configs to time next to the table's")
-    p.add_argument("--tma-dq", nargs="*", type=parse_tiles, default=[],
-                   metavar="BLOCK_M,BLOCK_N,WARPS,STAGES",
-                   help="also time the one-kernel variant that adds dQ by TMA reduce-add "
-                        "(bwd_tma_dq.py; non-deterministic dq) under these tiles")
     p.add_argument("--peers", action="store_true", help="also time cuDNN's backward")
     rounds.add_arguments(p)
     args = p.parse_args()
@@ -118,28 +106,6 @@ def main():
             timers[name] = run
             rows[name] = {"shape": shape, "impl": name, "config": config,
                           "err_dq_dk_dv": errors, "regs_spills": kernels}
-        for tiles in args.tma_dq:
-            name = "tma_dq " + ",".join(map(str, tiles))
-            grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-            delta, acc = torch.empty_like(lse), bwd_tma_dq.scratch(q)
-            bm, bn, warps, stages = tiles
-
-            def run_tma(grads=grads, delta=delta, acc=acc, bm=bm, bn=bn, warps=warps,
-                        stages=stages):
-                return bwd_tma_dq.backward(do, q, k, v, out, lse, *grads, delta, acc,
-                                           block_m=bm, block_n=bn, warps=warps, stages=stages)
-            try:
-                compiled = run_tma()
-                torch.cuda.synchronize()
-            except Exception as e:  # tiles that do not fit must not end the sweep
-                print(f"{shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            errors = [(g.float() - r).abs().max().item() for g, r in zip(grads, refs)]
-            timers[name] = run_tma
-            rows[name] = {"shape": shape, "impl": name, "config": tiles,
-                          "err_dq_dk_dv": errors,
-                          "regs_spills": {"_bwd_tma_dq": (getattr(compiled, "n_regs", None),
-                                                          getattr(compiled, "n_spills", None))}}
         if args.peers:
             rep = h // hk
             qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
