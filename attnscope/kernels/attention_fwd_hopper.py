@@ -76,24 +76,45 @@ def _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constex
 
 
 @gluon.jit
+def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem):
+    # A [heads, seq, HEAD_DIM] view of ptr whose blocks are one buffer of the ring `smem`
+    # ([buffers, rows, width]): rows x width boxes, columns past HEAD_DIM read as zeros.
+    rows: gl.constexpr = smem.shape[1]
+    width: gl.constexpr = smem.shape[2]
+    return tma.make_tensor_descriptor(ptr, [n_hz, n_ctx, HEAD_DIM], [n_ctx * HEAD_DIM, HEAD_DIM, 1],
+                                      [1, rows, width],
+                                      smem.index(0).reshape([1, rows, width]).layout)
+
+
+@gluon.jit
+def _load(desc, coord, bar, buf):
+    # One box of desc into the 2-D shared buffer buf, signalling bar when its bytes land.
+    tma_load(desc, coord, bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
+
+
+@gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr):
-    (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, sched, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET) = args
-    BLOCK_D: gl.constexpr = q_smem.shape[2]  # HEAD_DIM padded to a power of two
-    q_layout: gl.constexpr = q_smem.index(0).reshape([1, ROWS, BLOCK_D]).layout
-    kv_layout: gl.constexpr = k_smem.index(0).reshape([1, BLOCK_N, BLOCK_D]).layout
+            STAGES: gl.constexpr, D1: gl.constexpr):
+    (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
+     k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K,
+     CAUSAL_OFFSET) = args
     # The copy engine's descriptors, made here on the device once per program: each of q, k, v
     # seen as [heads, seq, HEAD_DIM], so a block that runs past a head's end reads the copy
     # engine's zeros, never the next head's rows. (Host-made descriptors cost ~50 us of
-    # Triton's launch per call.)
-    q_desc = tma.make_tensor_descriptor(Q, [n_hz, N_CTX_Q, HEAD_DIM], [N_CTX_Q * HEAD_DIM,
-                                        HEAD_DIM, 1], [1, ROWS, BLOCK_D], q_layout)
+    # Triton's launch per call.) A split head_dim has a second set for its columns from D0 on.
+    D0: gl.constexpr = q_smem.shape[2]
+    SPLIT: gl.constexpr = D1 > 0
+    elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
+    q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
+    kv_bytes: gl.constexpr = BLOCK_N * (D0 + D1) * elem
+    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem)
     kv_hz = n_hz // GROUP
-    k_desc = tma.make_tensor_descriptor(K, [kv_hz, N_CTX_K, HEAD_DIM], [N_CTX_K * HEAD_DIM,
-                                        HEAD_DIM, 1], [1, BLOCK_N, BLOCK_D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, [kv_hz, N_CTX_K, HEAD_DIM], [N_CTX_K * HEAD_DIM,
-                                        HEAD_DIM, 1], [1, BLOCK_N, BLOCK_D], kv_layout)
+    k_desc = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem)
+    v_desc = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem)
+    if SPLIT:
+        q_desc1 = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem1)
+        k_desc1 = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem1)
+        v_desc1 = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem1)
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
     for r in range(gl.load(sched)):
@@ -105,20 +126,26 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
         # loads into each buffer wait for nobody.
         for wg in gl.static_range(NUM_WG):
             mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
-            mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-            tma_load(q_desc, [off_hz, first_row + wg * ROWS, 0], q_ready.index(wg),
-                     q_smem.index(wg).reshape([1, ROWS, BLOCK_D]))
+            mbarrier.expect(q_ready.index(wg), q_bytes)
+            _load(q_desc, [off_hz, first_row + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
+            if SPLIT:
+                _load(q_desc1, [off_hz, first_row + wg * ROWS, D0], q_ready.index(wg),
+                      q_smem1.index(wg))
         for j in range(n_blocks):
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [kv_head, j * BLOCK_N, 0], k_ready.index(slot),
-                     k_smem.index(slot).reshape([1, BLOCK_N, BLOCK_D]))
+            mbarrier.expect(k_ready.index(slot), kv_bytes)
+            _load(k_desc, [kv_head, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+            if SPLIT:
+                _load(k_desc1, [kv_head, j * BLOCK_N, D0], k_ready.index(slot),
+                      k_smem1.index(slot))
             mbarrier.wait(v_empty.index(slot), phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [kv_head, j * BLOCK_N, 0], v_ready.index(slot),
-                     v_smem.index(slot).reshape([1, BLOCK_N, BLOCK_D]))
+            mbarrier.expect(v_ready.index(slot), kv_bytes)
+            _load(v_desc, [kv_head, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+            if SPLIT:
+                _load(v_desc1, [kv_head, j * BLOCK_N, D0], v_ready.index(slot),
+                      v_smem1.index(slot))
         it += n_blocks
         ti += 1
 
@@ -160,28 +187,67 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 
 
 @gluon.jit
+def _normalized(acc, l_safe):
+    # O / l in the output's dtype (acc in its wgmma layout, l per row in the scores' layout)
+    l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, acc.type.layout))
+    return acc / gl.expand_dims(l_o, 1)
+
+
+@gluon.jit
+def _stage(acc, l_safe, buf):
+    buf.store(_normalized(acc, l_safe).to(buf.dtype))
+
+
+@gluon.jit
+def _store(desc, coord, buf):
+    tma_store(desc, coord, buf.reshape([1, buf.shape[0], buf.shape[1]]))
+
+
+@gluon.jit
+def _store_rows(acc, l_safe, o_base, stride_om, m0, col0, N_CTX_Q, HEAD_DIM: gl.constexpr):
+    # Register stores of one column part (columns col0 on) of a consumer's rows; rows past the
+    # head's end and padding columns past HEAD_DIM are not out's.
+    layout: gl.constexpr = acc.type.layout
+    o_rows = m0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    o_cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
+              + gl.expand_dims(o_cols, 0))
+    o_mask = gl.expand_dims(o_rows < N_CTX_Q, 1) & gl.expand_dims(o_cols < HEAD_DIM, 0)
+    gl.store(o_ptrs, _normalized(acc, l_safe).to(o_base.dtype.element_ty), mask=o_mask)
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr):
-    # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile.
-    (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-     Out, Lse, stride_oz, stride_oh, stride_om, sched, n_hz, num_m, head_group, H, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
-    BLOCK_D: gl.constexpr = q_smem.shape[2]  # HEAD_DIM padded to a power of two
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr,
+              D1: gl.constexpr):
+    # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
+    # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
+    # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
+    (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
+     k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
+     n_hz, num_m, head_group, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
+    D0: gl.constexpr = q_smem.shape[2]
+    SPLIT: gl.constexpr = D1 > 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_D, 16])
+                                                       instr_shape=[16, D0, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    if SPLIT:
+        o_layout1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D1, 16])
+        p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout1,
+                                                      k_width=2)
+        q1 = q_smem1.index(WG)
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM] (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end
-        o_layout_3d: gl.constexpr = o_smem.index(0).reshape([1, ROWS, BLOCK_D]).layout
-        o_desc = tma.make_tensor_descriptor(Out, [n_hz, N_CTX_Q, HEAD_DIM],
-                                            [N_CTX_Q * HEAD_DIM, HEAD_DIM, 1],
-                                            [1, ROWS, BLOCK_D], o_layout_3d)
+        o_desc = _descriptor(Out, n_hz, N_CTX_Q, HEAD_DIM, o_smem)
+        if SPLIT:
+            o_desc1 = _descriptor(Out, n_hz, N_CTX_Q, HEAD_DIM, o_smem1)
 
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
@@ -200,8 +266,10 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
-        acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
+        acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
         p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+        if SPLIT:
+            acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
 
         mbarrier.wait(q_ready.index(WG), ti & 1)
         if n_blocks > 0:
@@ -210,6 +278,9 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             mbarrier.wait(turn.index(WG), it & 1)
             s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)
+            if SPLIT:
+                s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)), s_tok,
+                                      is_async=True)
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
             s = warpgroup_mma_wait(0, deps=[s_tok])
             mbarrier.arrive(k_empty.index(it % STAGES))
@@ -226,14 +297,28 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             mbarrier.wait(turn.index(WG), g & 1)
             s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                   is_async=True)
-            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-            # S_j is done; P_{j-1} V_{j-1} may still run while this block's softmax does
-            s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
+            if SPLIT:
+                s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok,
+                                      is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(prev),
+                                     acc1, is_async=True)
+                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                # S_j is done (wgmma retire in order); the P V pair may still run
+                s_j, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
+            else:
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                # S_j is done; P_{j-1} V_{j-1} may still run while this block's softmax does
+                s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
             mbarrier.arrive(k_empty.index(slot))
             p, alpha, l_i, m_i = _block_softmax(s_j, m_i, l_i, rows, j, full_blocks, N_CTX_K,
                                                 CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            if SPLIT:
+                acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+                acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1)), 1)
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(v_empty.index(prev))
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -244,32 +329,35 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             last = (it + n_blocks - 1) % STAGES
             mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
             acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            if SPLIT:
+                acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(last),
+                                     acc1, is_async=True)
+                acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(v_empty.index(last))
 
         # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
         lse = (m_i + gl.log2(l_i)) * LN2
         gl.store(Lse + off_hz.to(gl.int64) * N_CTX_Q + rows, lse, mask=rows < N_CTX_Q)
-        l_safe = gl.convert_layout(gl.where(l_i == 0.0, 1.0, l_i), gl.SliceLayout(1, o_layout))
-        out = (acc / gl.expand_dims(l_safe, 1)).to(dtype)
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         if TMA_STORE:
             # The copy engine stores the block from shared memory while this warpgroup moves on
             # to its next tile; only the next tile's epilogue waits for it (the buffer is reused).
             tma.store_wait(0)
-            o_smem.index(WG).store(out)
+            _stage(acc, l_safe, o_smem.index(WG))
+            if SPLIT:
+                _stage(acc1, l_safe, o_smem1.index(WG))
             fence_async_shared()
-            tma_store(o_desc, [off_hz, m0, 0], o_smem.index(WG).reshape([1, ROWS, BLOCK_D]))
+            _store(o_desc, [off_hz, m0, 0], o_smem.index(WG))
+            if SPLIT:
+                _store(o_desc1, [off_hz, m0, D0], o_smem1.index(WG))
         else:  # an out the copy engine cannot address: register stores
-            o_rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-            o_cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
             o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
                       + (off_hz % H).to(gl.int64) * stride_oh)
-            o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
-                      + gl.expand_dims(o_cols, 0))
-            o_mask = gl.expand_dims(o_rows < N_CTX_Q, 1)
-            if BLOCK_D != HEAD_DIM:  # the padding columns are not out's
-                o_mask = o_mask & gl.expand_dims(o_cols < HEAD_DIM, 0)
-            gl.store(o_ptrs, out, mask=o_mask)
+            _store_rows(acc, l_safe, o_base, stride_om, m0, 0, N_CTX_Q, HEAD_DIM)
+            if SPLIT:
+                _store_rows(acc1, l_safe, o_base, stride_om, m0, D0, N_CTX_Q, HEAD_DIM)
         it += n_blocks
         ti += 1
     if TMA_STORE:
@@ -280,10 +368,11 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
                      SCHED_STRIDE,
-                     HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                     KV_LAYOUT: gl.constexpr, TMA_STORE: gl.constexpr):
+                     KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
+                     TMA_STORE: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order.
     qk_scale = qk_scale.to(gl.float32)
@@ -292,9 +381,19 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
     num_m = gl.cdiv(N_CTX_Q, NUM_WG * ROWS)
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D], Q_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], KV_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], KV_LAYOUT)
+    # Q, the K/V ring and the output staging hold columns [0, BLOCK_D0) of head_dim; a split
+    # head_dim (BLOCK_D1 > 0) has a second set of buffers for the columns from BLOCK_D0 on.
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
+    if BLOCK_D1 > 0:
+        q_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
+        k_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
+        v_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
+    else:  # unused
+        q_smem1 = q_smem
+        k_smem1 = k_smem
+        v_smem1 = v_smem
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
@@ -316,22 +415,25 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
 
+    o_smem = q_smem  # unused without TMA_STORE
+    o_smem1 = q_smem1
     if TMA_STORE:  # one output block per consumer for the copy engine's stores
-        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D], Q_LAYOUT)
-    else:
-        o_smem = q_smem  # unused
-    shared = (q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-              v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched, n_hz, num_m,
-              HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale)
-    loads = (Q, K, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-             v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP, N_CTX_Q, N_CTX_K,
-             CAUSAL_OFFSET)
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
+        if BLOCK_D1 > 0:
+            o_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
+    shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
+              q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
+              stride_om, sched, n_hz, num_m, HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
+              qk_scale)
+    loads = (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty,
+             k_ready, k_empty, v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP,
+             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
     gl.warp_specialize([
-        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE)),
-        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE)),
-        (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES)),
+        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1)),
+        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1)),
+        (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, BLOCK_D1)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -405,13 +507,15 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     # Output blocks by TMA store where out is contiguous and its staging buffers fit in shared
     # memory next to Q and the K/V ring: 0.1004 against 0.1088 ms with register stores at
     # (8,16,1024,128) (notes/forward.md, "TMA, both directions").
-    block_d = block_width(head_dim)  # 128 at 80-112, 256 at 192
-    tile_bytes = ROWS.value * block_d * q.element_size()  # one consumer's Q or O block
-    smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * block_d * q.element_size()
-    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, STAGES=stages,
+    d0, d1 = column_parts(head_dim)
+    tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
+    smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_N=block_n, STAGES=stages,
                   CAUSAL=causal, CONSUMER_REGS=regs,
-                  Q_LAYOUT=_smem_layout(ROWS.value, block_d, dtype),
-                  KV_LAYOUT=_smem_layout(block_n, block_d, dtype),
+                  Q_LAYOUT=_smem_layout(ROWS.value, d0, dtype),
+                  KV_LAYOUT=_smem_layout(block_n, d0, dtype),
+                  Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
+                  KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=(out.is_contiguous() and out.data_ptr() % 16 == 0
                              and smem + NUM_WG.value * tile_bytes <= SHARED_MEMORY_BYTES),
                   num_warps=4)
@@ -422,6 +526,19 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
                scale, grid, config)
     return _launch(key, grid, args, kwargs, per_call=5,
                    config=dict(zip(CONFIG_FIELDS, config)))
+
+
+def column_parts(head_dim):
+    """(D0, D1): the widths, powers of two, of the column parts the kernel splits head_dim into,
+    D1 = 0 for one part. One part of block_width(head_dim) columns unless two parts cover
+    fewer: D0 the largest power of two <= head_dim and D1 the rest rounded up to one (>= 16, the
+    wgmma K step). 80 = 64 + 16, 96 = 64 + 32 and 192 = 128 + 64 run on exactly their columns
+    instead of 128 or 256; 112 pads to 128 either way and keeps one part."""
+    d0 = 1 << (head_dim.bit_length() - 1)
+    if d0 == head_dim:
+        return d0, 0
+    d1 = block_width(head_dim - d0)
+    return (d0, d1) if d0 + d1 < block_width(head_dim) else (block_width(head_dim), 0)
 
 
 # Host cost matters at small shapes (notes/launch.md): what does not change
