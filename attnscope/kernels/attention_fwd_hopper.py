@@ -30,16 +30,18 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU,
 Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256), q/k/v contiguous
 [batch, heads, seq, head_dim], a positive scale, and a launch that is not being traced (under
-torch.compile the Triton kernel runs). A head_dim that is not a power of two runs on tiles
-padded to the next one (BLOCK_D: 128, or 256 for 192): the descriptors' boxes are BLOCK_D wide
-over rows of head_dim, so the copy engine fills the padding columns with zeros (they add nothing
-to Q K^T, and P V's padding columns are zeros) and drops them on the store. Any query and key
-length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a block that
+torch.compile the Triton kernel runs). A head_dim that is not a power of two runs as two
+column parts of power-of-two widths (`column_parts`: 80 = 64 + 16, 96 = 64 + 32, 192 = 128 +
+64), each with its own buffers and descriptors: S is two wgmma chained on one accumulator, O two
+accumulators, so no wgmma multiplies zero columns. Where two parts would cover as many columns
+as one (112), one part padded to the next power of two: the descriptors' boxes are wider than
+the rows, so the copy engine fills the padding columns with zeros (they add nothing to Q K^T,
+and P V's padding columns are zeros) and drops them on the store. Any query and key length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a block that
 runs past a head's end reads the copy engine's zeros (never the next head's rows), keys past
 the end are masked to -inf in the last K/V block only, and the copy engine drops the rows of an
 output block past the end. Output blocks go to memory through shared memory and the copy engine
 (TMA store), except those of an `out` that is not contiguous and 16-byte aligned, and at
-BLOCK_D 256, whose staging buffers do not fit in shared memory (register stores).
+head_dim 256, whose staging buffers do not fit in shared memory (register stores).
 """
 
 import functools
@@ -441,14 +443,15 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
 # benchmarks/labs/hopper_lab.py (notes/forward.md, "The Gluon kernel"). The schedule's other
 # choices are constants of the kernel: persistent (one program per SM), NUM_WG = 2 consumer
 # warpgroups, and their ping-pong (without it 0.6913 against 0.6842 ms at (4,32,4096,64); three
-# warpgroups measured slower). head_dim 80, 96 and 112 run the head_dim-128 schedule on tiles
-# padded to 128 columns (the copy engine fills the columns past head_dim with zeros and drops
-# them on the store): the head_dim-128 config. At 256 (and 192, padded to 256) a consumer's
-# fp32 O accumulator takes 128 registers a thread, so K/V blocks are 64 keys (S: 32 registers);
-# two ring stages of 64 keys and Q take 192 KB of shared memory, which leaves no room for the
-# output's staging buffers (outputs leave by register stores). No spills offline
-# (benchmarks/sass_offline.py --gluon --head-dim 256, Triton 3.6 and 3.9). Timed against the
-# Triton kernel and cuDNN in notes/forward.md ("Which calls it takes").
+# warpgroups measured slower). head_dim 80, 96 (two column parts) and 112 (padded to 128) take
+# the head_dim-128 config; a third ring stage, which their smaller tiles leave room for,
+# measured within 2 % either way. At 256 and 192 (128 + 64) a consumer's fp32 O accumulator
+# takes 128 or 96 registers a thread, so K/V blocks are 64 keys (S: 32 registers); at 256 two
+# ring stages of 64 keys and Q take 192 KB of shared memory, which leaves no room for the
+# output's staging buffers (outputs leave by register stores); at 192 a third stage measured
+# 7-12 % slower. No spills offline (benchmarks/sass_offline.py --gluon --head-dim N, Triton 3.6
+# and 3.9). Timed against the Triton kernel and cuDNN in notes/forward.md ("Which calls it
+# takes", "Column parts instead of padding").
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs")
 CONFIGS = {64: (128, 3, 240), 80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2, 240),
            128: (128, 2, 240), 192: (64, 2, 240), 256: (64, 2, 240)}
