@@ -330,7 +330,7 @@ def test_window_shrinks_the_split_range():
     out = torch.empty(1, 2, 1, 16)
     lse = torch.empty(1, 2, 1)
     assert kernels.attention_decode(_bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=True,
-                                    scale=0.25, window=(40, 0)) == 1
+                                    scale=0.25, window=(40, 0))[0] == 1
 
 
 @pytest.mark.parametrize("window,softcap,match", [
@@ -353,6 +353,52 @@ def test_split_rule_fills_the_gpu_without_tiny_chunks():
     assert kernels.num_splits_for(1, 100, 64, 396) == 1  # 2 tiles: too short to split
     # 300 groups do not fill two waves: 5 splits make 1500 programs, 3.8 waves.
     assert kernels.num_splits_for(300, 8192, 64, 396) == 5
+
+
+# ---- key tiles by chunk length (split_rule, long_config_for) -----------------------------------
+
+# H200, bf16, head_dim 128, 16-row blocks: (block_n, slots) of 64-key tiles (3 programs an SM)
+# and of 128-key tiles (1: 136 KB of shared memory each), 132 SMs.
+H200_TILES = ((64, 396), (128, 132))
+
+
+@pytest.mark.parametrize("groups,kv_len,expected", [
+    # the lab's shapes (notes/lab/decode_configs_h200.txt): 128-key tiles won the first three
+    (64 * 8, 8192, (128, 1, 8192)),      # 3 splits of 2752 keys in 64-key tiles
+    (8 * 8, 32768, (128, 2, 16384)),     # 6 of 5504
+    (1 * 8, 131072, (128, 16, 8192)),    # 49 of 2688
+    (128 * 8, 1024, (64, 1, 1024)),      # one split of 1024 keys: 64-key tiles won
+    (16 * 8, 4096, (64, 3, 1408)),       # many sequences of a mid-length cache
+    # the boundary: 1024 programs take one split up to 2048 keys; a chunk is whole 64-key tiles
+    (128 * 8, 1984, (64, 1, 1984)),      # 31 tiles: 1984 keys, short
+    (128 * 8, 1985, (128, 1, 2048)),     # 32 tiles: 2048 keys, long
+])
+def test_split_rule_takes_long_tiles_for_long_chunks(groups, kv_len, expected):
+    assert kernels.split_rule(kv_len, None, groups, H200_TILES, None, 2048) == expected
+
+
+def test_split_rule_without_a_long_tile_or_with_forced_splits():
+    # One tile (a pinned config, fp32, head_dim > 128) never switches; a forced split count is
+    # kept by both tiles and decides by its own chunk; a window shortens the chunk.
+    assert kernels.split_rule(8192, None, 512, H200_TILES[:1], None, 2048) == (64, 3, 2752)
+    assert kernels.split_rule(16384, None, 8, H200_TILES, 4, 2048) == (128, 4, 4096)
+    assert kernels.split_rule(16384, None, 8, H200_TILES, 16, 2048) == (64, 16, 1024)
+    # A window of 4096 keys (Mistral) on 131072: the rule splits its 4096 + 64 keys in 64-key
+    # tiles, short chunks; the whole cache would take long ones.
+    assert kernels.split_rule(131072, 4096, 8, H200_TILES, None, 2048) == (64, 13, 320)
+    assert kernels.split_rule(131072, None, 8, H200_TILES, None, 2048) == (128, 16, 8192)
+
+
+def test_long_config_for_compiled_kernels(monkeypatch):
+    # The configs a GPU launch takes (the interpreter's are smaller): 128-key tiles at head_dim
+    # <= 128 and 16-bit inputs; 8 warps for 64-row blocks; fp32 and head_dim 256 keep theirs.
+    monkeypatch.setattr(kernels, "is_interpreted", lambda: False)
+    assert kernels.config_for(128, 4, torch.bfloat16) == (16, 64, 128, 4, 3)
+    assert kernels.long_config_for(128, 4, torch.bfloat16) == (16, 128, 128, 4, 3)
+    assert kernels.long_config_for(80, 32, torch.float16) == (32, 128, 128, 4, 3)
+    assert kernels.long_config_for(128, 64, torch.bfloat16) == (64, 128, 128, 8, 3)
+    assert kernels.long_config_for(128, 4, torch.float32) is None
+    assert kernels.long_config_for(256, 4, torch.bfloat16) is None
 
 
 # ---- kept launches: the launch keys, in the interpreter ----------------------------------------
@@ -544,7 +590,7 @@ def test_gpu_merge_matches_one_split_on_the_lse():
         out = torch.empty_like(_bhsd(q))
         lse = torch.empty(2, 8, 1, dtype=torch.float32, device="cuda")
         assert kernels.attention_decode(_bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=True,
-                                        scale=1 / math.sqrt(128), num_splits=n) == n
+                                        scale=1 / math.sqrt(128), num_splits=n)[0] == n
         results.append((out.float(), lse))
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=0)
     # Outputs are means over 16384 random values, |out| < ~0.15: 2e-3 is a few bf16 ulps there
