@@ -401,6 +401,83 @@ def test_long_config_for_compiled_kernels(monkeypatch):
     assert kernels.long_config_for(256, 4, torch.bfloat16) is None
 
 
+@pytest.fixture
+def long_chunk(monkeypatch):
+    """Call long_chunk(n) to make chunks of n keys or more take the long tile (the interpreter's
+    is 32 keys; chunks of 2048 would need caches too long for the interpreter)."""
+    def lower(n):
+        monkeypatch.setattr(kernels, "LONG_CHUNK", n)
+    return lower
+
+
+@pytest.fixture
+def tiles_taken(monkeypatch):
+    """The key tiles (BLOCK_N) the decode launches walked, in call order."""
+    taken = []
+    launch = kernels.attention_decode
+
+    def recording(*args, **kwargs):
+        num_splits, block_n = launch(*args, **kwargs)
+        taken.append(block_n)
+        return num_splits, block_n
+    monkeypatch.setattr(kernels, "attention_decode", recording)
+    return taken
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("q_len,heads,kv_heads,head_dim,forced", [
+    (1, 8, 2, 64, None),  # one query, GQA 4; the rule's own split counts
+    (5, 4, 1, 40, 3),     # MQA, 20 rows: 2 row blocks; 3 forced splits; head_dim 40 pads to 64
+])
+def test_long_chunks_take_long_tiles(q_len, heads, kv_heads, head_dim, forced, dtype, floor,
+                                     lse_tol, long_chunk, tiles_taken, splits):
+    # Long tiles from 64-key chunks: 300 keys (19 tiles of 16) in the rule's 2 splits of 160
+    # keys, or in 3 of 112, take 32-key tiles, the split count worked out again for them (2 of
+    # 160; 3 of 128, 128 and 44 keys, a ragged last tile). Per-sequence lengths: a short one and
+    # an empty one too, whose later splits see no key.
+    long_chunk(64)
+    if forced:
+        splits(forced)
+    q, k, v = make_cache(3, q_len, heads, kv_heads, 300, head_dim, dtype, seed=60)
+    seqlens = torch.tensor([300, 45, 0], dtype=torch.int32)
+    out, lse = fused_attention_with_kvcache(q, k, v, seqlens, return_lse=True)
+    assert tiles_taken == [32]
+    assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("page_size,block_n", [
+    (32, 32),  # pages of whole long tiles: one table entry a tile
+    (16, 16),  # pages of whole short tiles but not long ones (64 keys on the GPU): short kept
+    (5, 32),   # pages smaller than either tile: long tiles, one table entry a key row
+])
+def test_long_tiles_on_a_paged_cache(page_size, block_n, dtype, floor, lse_tol, long_chunk,
+                                     tiles_taken, splits):
+    long_chunk(64)
+    splits(3)  # 300-320 keys: 3 chunks of 112 keys in 16-key tiles
+    q, k, v = make_cache(4, 2, 8, 2, 300, 32, dtype, seed=61)
+    seqlens = torch.tensor([300, 0, 133, 7], dtype=torch.int32)
+    k_pool, v_pool, table = page(k, v, page_size, seed=62)
+    out, lse = fused_attention_with_kvcache(q, k_pool, v_pool, seqlens, block_table=table,
+                                            return_lse=True)
+    assert tiles_taken == [block_n]
+    assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol)
+
+
+def test_a_pinned_long_tile_on_pages_of_short_tiles():
+    # What the rule avoids still computes right: a pinned 32-key tile on 16-key pages (on the
+    # GPU, 128-key tiles on 64-key pages) takes the one-entry-a-key-row path.
+    q, k, v = make_cache(2, 3, 4, 2, 150, 32, torch.float32, seed=64)
+    seqlens = torch.tensor([150, 61], dtype=torch.int32)
+    k_pool, v_pool, table = page(k, v, 16, seed=65)
+    out = torch.full((2, 4, 3, 32), float("nan"))
+    lse = torch.full((2, 4, 3), float("nan"))
+    assert kernels.attention_decode(_bhsd(q), k_pool, v_pool, out, lse, causal=True,
+                                    scale=32 ** -0.5, seqlens=seqlens, block_table=table,
+                                    num_splits=2, config=(16, 32, 4, 1)) == (2, 32)
+    assert_close(_bhsd(out), lse, q, k, v, seqlens.tolist(), 1e-5, 1e-5)
+
+
 # ---- kept launches: the launch keys, in the interpreter ----------------------------------------
 
 class _KeepingKernel:
@@ -467,6 +544,24 @@ def test_a_growing_cache_keeps_its_launches(kept_launches, splits):
         assert_close(out, lse, q, k, v, [n], 1e-3, 1e-3)
     assert kept_launches == {("split", "triton"): 2, ("split", "kept"): 4,
                              ("merge", "triton"): 1, ("merge", "kept"): 5}
+
+
+def test_a_growing_cache_switches_tiles_in_one_plan(kept_launches, splits, long_chunk,
+                                                    tiles_taken):
+    # 2 splits, long tiles from 64-key chunks: 90 and 96 keys (6 tiles of 16) split into 48-key
+    # chunks of 16-key tiles; 97 and 120 (7 tiles) into 64-key chunks, so 32-key tiles, 2 splits
+    # of 64 keys. One plan throughout; the tile is in the split kernel's key: 90, 96 (a multiple
+    # of 16) and 97 go through Triton, 120 (97's specialization) launches 97's kernel again.
+    splits(2)
+    long_chunk(64)
+    q, k, v = make_cache(1, 2, 8, 2, 120, 32, torch.float16, seed=63)
+    for n in (90, 96, 97, 120):
+        k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
+        out, lse = _decode(q, k_n, v_n, scale=32 ** -0.5)
+        assert_close(out, lse, q, k, v, [n], 1e-3, 1e-3)
+    assert tiles_taken == [16, 16, 32, 32] and len(kernels._plans) == 1
+    assert kept_launches == {("split", "triton"): 3, ("split", "kept"): 1,
+                             ("merge", "triton"): 1, ("merge", "kept"): 3}
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
