@@ -795,3 +795,76 @@ def test_gpu_kv_cache_loop_keeps_its_launches(page_size, dtype, floor, lse_tol):
         kept.append(_kept())
     if launch.direct_launch_ok():
         assert kept[0][0] == 1 and kept[1:] == kept[:1] * 2
+
+
+def _h200():
+    # The tiles the split rule picks depend on the SM count: the expected ones are the H200's.
+    return torch.cuda.get_device_properties(0).multi_processor_count == 132
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("batch,q_len,kv_len,block_n", [
+    (64, 1, 8192, 128),    # 3 splits of 2752 keys in 64-key tiles: 128-key tiles, 1 split
+    (1, 1, 131072, 128),   # 49 splits of 2688: 128-key tiles, 16 splits
+    (2, 8, 65536, 128),    # 32-row blocks (q_len 8 x GQA 4): 128-key tiles, 8 splits
+    (128, 1, 1024, 64),    # one split of 1024 keys: 64-key tiles
+    (16, 4, 4096, 64),     # 3 splits of 1408
+])
+def test_gpu_key_tile_by_chunk_length(batch, q_len, kv_len, block_n, dtype, floor, lse_tol,
+                                      tiles_taken):
+    q, k, v = make_cache(batch, q_len, 32, 8, kv_len, 128, dtype, "cuda", seed=70)
+    out, lse = fused_attention(_bhsd(q), _bhsd(k), _bhsd(v), causal_alignment="bottom_right",
+                               return_lse=True)
+    assert len(tiles_taken) == 1, "short bottom-right inference calls take the decode kernel"
+    if _h200():
+        assert tiles_taken == [block_n]
+    assert_close(_bhsd(out), lse, q, k, v, [kv_len] * batch, floor, lse_tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("page_size,config,block_n", [
+    (128, None, 128),             # pages of whole 128-key tiles
+    (16, None, 128),              # vLLM's pages: one table entry a key row with either tile
+    (64, None, 64),               # pages of whole 64-key tiles: the rule keeps them
+    (64, (16, 128, 4, 3), 128),   # a pinned 128-key tile on them: one entry a key row
+])
+def test_gpu_long_tiles_on_a_paged_cache(page_size, config, block_n, dtype, floor, lse_tol):
+    # 8 sequences of up to 32768 keys: 6 splits of 5504 keys in 64-key tiles, long chunks.
+    batch, capacity = 8, 32768
+    q, k, v = make_cache(batch, 1, 32, 8, capacity, 128, dtype, "cuda", seed=71)
+    g = torch.Generator().manual_seed(72)
+    seqlens = torch.randint(0, capacity + 1, (batch,), generator=g, dtype=torch.int32)
+    seqlens[0], seqlens[1] = 0, capacity  # an empty sequence and a full one
+    k_pool, v_pool, table = page(k, v, page_size, seed=73)
+    out = torch.full((batch, 32, 1, 128), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((batch, 32, 1), float("nan"), device="cuda")
+    _, taken = kernels.attention_decode(_bhsd(q), k_pool, v_pool, out, lse, causal=True,
+                                        scale=128 ** -0.5, seqlens=seqlens.cuda(),
+                                        block_table=table, config=config)
+    if _h200() or config is not None:
+        assert taken == block_n
+    assert_close(_bhsd(out), lse, q, k, v, seqlens.tolist(), floor, lse_tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+def test_gpu_growing_cache_switches_tiles_in_one_plan(dtype, floor, lse_tol, tiles_taken):
+    # 16 sequences x 8 KV heads: up to 5920 keys 3 splits of <= 1984 keys in 64-key tiles; from
+    # 5984, chunks of 2048, so 128-key tiles (1 split). One plan; the split kernel keeps a launch
+    # per tile and specialization: 5900, 5920 (a multiple of 16) and 5984 (the long tile) each
+    # a new one, 6000 launches 5984's again.
+    q, k, v = make_cache(16, 1, 32, 8, 6000, 128, dtype, "cuda", seed=74)
+    kept = []
+    for n in (5900, 5920, 5984, 6000):
+        k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
+        out, lse = fused_attention(_bhsd(q), k_n, v_n, causal_alignment="bottom_right",
+                                   return_lse=True)
+        assert_close(_bhsd(out), lse, q, k, v, [n] * 16, floor, lse_tol)
+        kept.append(_kept()[0])
+    assert len(kernels._plans) == 1
+    if _h200():
+        assert tiles_taken == [64, 64, 128, 128]
+        if launch.direct_launch_ok():
+            assert kept == [1, 2, 3, 3]
