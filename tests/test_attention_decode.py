@@ -8,8 +8,9 @@ partial-result scratch are poisoned with NaN before the kernels run, so an eleme
 fails. The reference for a cache gathers each sequence's first cache_seqlens keys (through the
 block table when paged) and runs attention_reference with bottom-right alignment.
 
-CPU runs go through the Triton interpreter (fp32, fp16) with 16 x 16 tiles, so small caches
-cross several tiles, row blocks and splits; the `cuda` tests run bf16/fp16 at serving sizes,
+CPU runs go through the Triton interpreter (fp32, fp16) with 16 x 16 tiles (16 x 32 for long
+chunks, their threshold lowered by the `long_chunk` fixture), so small caches cross several
+tiles, row blocks and splits; the `cuda` tests run bf16/fp16 at serving sizes,
 including issue 20's two decode shapes.
 """
 

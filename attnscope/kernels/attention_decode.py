@@ -23,8 +23,9 @@ reading K and V from HBM once, so this kernel is organised around that read:
    holds at once, bounded by the shared memory of the K/V pipeline), so the launch takes
    ceil(programs / slots) waves of (tiles per program + a fixed cost per program); the rule
    picks the split count with the least such time. Splitting more than the GPU holds at once
-   only adds programs; too few leaves SMs idle or a ragged last wave. Which tile (`split_rule`):
-   chunks of LONG_CHUNK keys or more run 128-key tiles, their splits counted anew for them.
+   only adds programs; too few leaves SMs idle or a ragged last wave. The key tile goes with it
+   (`split_rule`): where the split count for 64-key tiles gives chunks of LONG_CHUNK keys or
+   more, the call runs 128-key tiles (`long_config_for` says where), its splits counted anew.
 
 3. Merge. A second small kernel, one program per output row, combines the partials exactly:
    with M = max_s L_s and w_s = 2^(L_s - M), out = sum_s w_s O_s / sum_s w_s and
