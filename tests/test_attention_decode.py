@@ -8,8 +8,9 @@ partial-result scratch are poisoned with NaN before the kernels run, so an eleme
 fails. The reference for a cache gathers each sequence's first cache_seqlens keys (through the
 block table when paged) and runs attention_reference with bottom-right alignment.
 
-CPU runs go through the Triton interpreter (fp32, fp16) with 16 x 16 tiles, so small caches
-cross several tiles, row blocks and splits; the `cuda` tests run bf16/fp16 at serving sizes,
+CPU runs go through the Triton interpreter (fp32, fp16) with 16 x 16 tiles (16 x 32 for long
+chunks, their threshold lowered by the `long_chunk` fixture), so small caches cross several
+tiles, row blocks and splits; the `cuda` tests run bf16/fp16 at serving sizes,
 including issue 20's two decode shapes.
 """
 
@@ -330,7 +331,7 @@ def test_window_shrinks_the_split_range():
     out = torch.empty(1, 2, 1, 16)
     lse = torch.empty(1, 2, 1)
     assert kernels.attention_decode(_bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=True,
-                                    scale=0.25, window=(40, 0)) == 1
+                                    scale=0.25, window=(40, 0))[0] == 1
 
 
 @pytest.mark.parametrize("window,softcap,match", [
@@ -353,6 +354,129 @@ def test_split_rule_fills_the_gpu_without_tiny_chunks():
     assert kernels.num_splits_for(1, 100, 64, 396) == 1  # 2 tiles: too short to split
     # 300 groups do not fill two waves: 5 splits make 1500 programs, 3.8 waves.
     assert kernels.num_splits_for(300, 8192, 64, 396) == 5
+
+
+# ---- key tiles by chunk length (split_rule, long_config_for) -----------------------------------
+
+# H200, bf16, head_dim 128, 16-row blocks: (block_n, slots) of 64-key tiles (3 programs an SM)
+# and of 128-key tiles (1: 136 KB of shared memory each), 132 SMs.
+H200_TILES = ((64, 396), (128, 132))
+
+
+@pytest.mark.parametrize("groups,kv_len,expected", [
+    # the lab's shapes (notes/lab/decode_configs_h200.txt): 128-key tiles won the first three
+    (64 * 8, 8192, (128, 1, 8192)),      # 3 splits of 2752 keys in 64-key tiles
+    (8 * 8, 32768, (128, 2, 16384)),     # 6 of 5504
+    (1 * 8, 131072, (128, 16, 8192)),    # 49 of 2688
+    (128 * 8, 1024, (64, 1, 1024)),      # one split of 1024 keys: 64-key tiles won
+    (16 * 8, 4096, (64, 3, 1408)),       # many sequences of a mid-length cache
+    # the boundary: 1024 programs take one split up to 2048 keys; a chunk is whole 64-key tiles
+    (128 * 8, 1984, (64, 1, 1984)),      # 31 tiles: 1984 keys, short
+    (128 * 8, 1985, (128, 1, 2048)),     # 32 tiles: 2048 keys, long
+])
+def test_split_rule_takes_long_tiles_for_long_chunks(groups, kv_len, expected):
+    assert kernels.split_rule(kv_len, None, groups, H200_TILES, None, 2048) == expected
+
+
+def test_split_rule_without_a_long_tile_or_with_forced_splits():
+    # One tile (a pinned config, fp32, head_dim > 128) never switches; a forced split count is
+    # kept by both tiles and decides by its own chunk; a window shortens the chunk.
+    assert kernels.split_rule(8192, None, 512, H200_TILES[:1], None, 2048) == (64, 3, 2752)
+    assert kernels.split_rule(16384, None, 8, H200_TILES, 4, 2048) == (128, 4, 4096)
+    assert kernels.split_rule(16384, None, 8, H200_TILES, 16, 2048) == (64, 16, 1024)
+    # A window of 4096 keys (Mistral) on 131072: the rule splits its 4096 + 64 keys in 64-key
+    # tiles, short chunks; the whole cache would take long ones.
+    assert kernels.split_rule(131072, 4096, 8, H200_TILES, None, 2048) == (64, 13, 320)
+    assert kernels.split_rule(131072, None, 8, H200_TILES, None, 2048) == (128, 16, 8192)
+
+
+def test_long_config_for_compiled_kernels(monkeypatch):
+    # The configs a GPU launch takes (the interpreter's are smaller): 128-key tiles at head_dim
+    # <= 128 and 16-bit inputs; 8 warps for 64-row blocks; fp32 and head_dim 256 keep theirs.
+    monkeypatch.setattr(kernels, "is_interpreted", lambda: False)
+    assert kernels.config_for(128, 4, torch.bfloat16) == (16, 64, 128, 4, 3)
+    assert kernels.long_config_for(128, 4, torch.bfloat16) == (16, 128, 128, 4, 3)
+    assert kernels.long_config_for(80, 32, torch.float16) == (32, 128, 128, 4, 3)
+    assert kernels.long_config_for(128, 64, torch.bfloat16) == (64, 128, 128, 8, 3)
+    assert kernels.long_config_for(128, 4, torch.float32) is None
+    assert kernels.long_config_for(256, 4, torch.bfloat16) is None
+
+
+@pytest.fixture
+def long_chunk(monkeypatch):
+    """Call long_chunk(n) to make chunks of n keys or more take the long tile (the interpreter's
+    is 32 keys; chunks of 2048 would need caches too long for the interpreter)."""
+    def lower(n):
+        monkeypatch.setattr(kernels, "LONG_CHUNK", n)
+    return lower
+
+
+@pytest.fixture
+def tiles_taken(monkeypatch):
+    """The key tiles (BLOCK_N) the decode launches walked, in call order."""
+    taken = []
+    launch = kernels.attention_decode
+
+    def recording(*args, **kwargs):
+        num_splits, block_n = launch(*args, **kwargs)
+        taken.append(block_n)
+        return num_splits, block_n
+    monkeypatch.setattr(kernels, "attention_decode", recording)
+    return taken
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("q_len,heads,kv_heads,head_dim,forced", [
+    (1, 8, 2, 64, None),  # one query, GQA 4; the rule's own split counts
+    (5, 4, 1, 40, 3),     # MQA, 20 rows: 2 row blocks; 3 forced splits; head_dim 40 pads to 64
+])
+def test_long_chunks_take_long_tiles(q_len, heads, kv_heads, head_dim, forced, dtype, floor,
+                                     lse_tol, long_chunk, tiles_taken, splits):
+    # Long tiles from 64-key chunks: 300 keys (19 tiles of 16) in the rule's 2 splits of 160
+    # keys, or in 3 of 112, take 32-key tiles, the split count worked out again for them (2 of
+    # 160; 3 of 128, 128 and 44 keys, a ragged last tile). Per-sequence lengths: a short one and
+    # an empty one too, whose later splits see no key.
+    long_chunk(64)
+    if forced:
+        splits(forced)
+    q, k, v = make_cache(3, q_len, heads, kv_heads, 300, head_dim, dtype, seed=60)
+    seqlens = torch.tensor([300, 45, 0], dtype=torch.int32)
+    out, lse = fused_attention_with_kvcache(q, k, v, seqlens, return_lse=True)
+    assert tiles_taken == [32]
+    assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol)
+
+
+@pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
+@pytest.mark.parametrize("page_size,block_n", [
+    (32, 32),  # pages of whole long tiles: one table entry a tile
+    (16, 16),  # pages of whole short tiles but not long ones (64 keys on the GPU): short kept
+    (5, 32),   # pages smaller than either tile: long tiles, one table entry a key row
+])
+def test_long_tiles_on_a_paged_cache(page_size, block_n, dtype, floor, lse_tol, long_chunk,
+                                     tiles_taken, splits):
+    long_chunk(64)
+    splits(3)  # 300-320 keys: 3 chunks of 112 keys in 16-key tiles
+    q, k, v = make_cache(4, 2, 8, 2, 300, 32, dtype, seed=61)
+    seqlens = torch.tensor([300, 0, 133, 7], dtype=torch.int32)
+    k_pool, v_pool, table = page(k, v, page_size, seed=62)
+    out, lse = fused_attention_with_kvcache(q, k_pool, v_pool, seqlens, block_table=table,
+                                            return_lse=True)
+    assert tiles_taken == [block_n]
+    assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol)
+
+
+def test_a_pinned_long_tile_on_pages_of_short_tiles():
+    # What the rule avoids still computes right: a pinned 32-key tile on 16-key pages (on the
+    # GPU, 128-key tiles on 64-key pages) takes the one-entry-a-key-row path.
+    q, k, v = make_cache(2, 3, 4, 2, 150, 32, torch.float32, seed=64)
+    seqlens = torch.tensor([150, 61], dtype=torch.int32)
+    k_pool, v_pool, table = page(k, v, 16, seed=65)
+    out = torch.full((2, 4, 3, 32), float("nan"))
+    lse = torch.full((2, 4, 3), float("nan"))
+    assert kernels.attention_decode(_bhsd(q), k_pool, v_pool, out, lse, causal=True,
+                                    scale=32 ** -0.5, seqlens=seqlens, block_table=table,
+                                    num_splits=2, config=(16, 32, 4, 1)) == (2, 32)
+    assert_close(_bhsd(out), lse, q, k, v, seqlens.tolist(), 1e-5, 1e-5)
 
 
 # ---- kept launches: the launch keys, in the interpreter ----------------------------------------
@@ -421,6 +545,24 @@ def test_a_growing_cache_keeps_its_launches(kept_launches, splits):
         assert_close(out, lse, q, k, v, [n], 1e-3, 1e-3)
     assert kept_launches == {("split", "triton"): 2, ("split", "kept"): 4,
                              ("merge", "triton"): 1, ("merge", "kept"): 5}
+
+
+def test_a_growing_cache_switches_tiles_in_one_plan(kept_launches, splits, long_chunk,
+                                                    tiles_taken):
+    # 2 splits, long tiles from 64-key chunks: 90 and 96 keys (6 tiles of 16) split into 48-key
+    # chunks of 16-key tiles; 97 and 120 (7 tiles) into 64-key chunks, so 32-key tiles, 2 splits
+    # of 64 keys. One plan throughout; the tile is in the split kernel's key: 90, 96 (a multiple
+    # of 16) and 97 go through Triton, 120 (97's specialization) launches 97's kernel again.
+    splits(2)
+    long_chunk(64)
+    q, k, v = make_cache(1, 2, 8, 2, 120, 32, torch.float16, seed=63)
+    for n in (90, 96, 97, 120):
+        k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
+        out, lse = _decode(q, k_n, v_n, scale=32 ** -0.5)
+        assert_close(out, lse, q, k, v, [n], 1e-3, 1e-3)
+    assert tiles_taken == [16, 16, 32, 32] and len(kernels._plans) == 1
+    assert kept_launches == {("split", "triton"): 3, ("split", "kept"): 1,
+                             ("merge", "triton"): 1, ("merge", "kept"): 3}
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
@@ -544,7 +686,7 @@ def test_gpu_merge_matches_one_split_on_the_lse():
         out = torch.empty_like(_bhsd(q))
         lse = torch.empty(2, 8, 1, dtype=torch.float32, device="cuda")
         assert kernels.attention_decode(_bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=True,
-                                        scale=1 / math.sqrt(128), num_splits=n) == n
+                                        scale=1 / math.sqrt(128), num_splits=n)[0] == n
         results.append((out.float(), lse))
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=0)
     # Outputs are means over 16384 random values, |out| < ~0.15: 2e-3 is a few bf16 ulps there
@@ -654,3 +796,76 @@ def test_gpu_kv_cache_loop_keeps_its_launches(page_size, dtype, floor, lse_tol):
         kept.append(_kept())
     if launch.direct_launch_ok():
         assert kept[0][0] == 1 and kept[1:] == kept[:1] * 2
+
+
+def _h200():
+    # The tiles the split rule picks depend on the SM count: the expected ones are the H200's.
+    return torch.cuda.get_device_properties(0).multi_processor_count == 132
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("batch,q_len,kv_len,block_n", [
+    (64, 1, 8192, 128),    # 3 splits of 2752 keys in 64-key tiles: 128-key tiles, 1 split
+    (1, 1, 131072, 128),   # 49 splits of 2688: 128-key tiles, 16 splits
+    (2, 8, 65536, 128),    # 32-row blocks (q_len 8 x GQA 4): 128-key tiles, 8 splits
+    (128, 1, 1024, 64),    # one split of 1024 keys: 64-key tiles
+    (16, 4, 4096, 64),     # 3 splits of 1408
+])
+def test_gpu_key_tile_by_chunk_length(batch, q_len, kv_len, block_n, dtype, floor, lse_tol,
+                                      tiles_taken):
+    q, k, v = make_cache(batch, q_len, 32, 8, kv_len, 128, dtype, "cuda", seed=70)
+    out, lse = fused_attention(_bhsd(q), _bhsd(k), _bhsd(v), causal_alignment="bottom_right",
+                               return_lse=True)
+    assert len(tiles_taken) == 1, "short bottom-right inference calls take the decode kernel"
+    if _h200():
+        assert tiles_taken == [block_n]
+    assert_close(_bhsd(out), lse, q, k, v, [kv_len] * batch, floor, lse_tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("page_size,config,block_n", [
+    (128, None, 128),             # pages of whole 128-key tiles
+    (16, None, 128),              # vLLM's pages: one table entry a key row with either tile
+    (64, None, 64),               # pages of whole 64-key tiles: the rule keeps them
+    (64, (16, 128, 4, 3), 128),   # a pinned 128-key tile on them: one entry a key row
+])
+def test_gpu_long_tiles_on_a_paged_cache(page_size, config, block_n, dtype, floor, lse_tol):
+    # 8 sequences of up to 32768 keys: 6 splits of 5504 keys in 64-key tiles, long chunks.
+    batch, capacity = 8, 32768
+    q, k, v = make_cache(batch, 1, 32, 8, capacity, 128, dtype, "cuda", seed=71)
+    g = torch.Generator().manual_seed(72)
+    seqlens = torch.randint(0, capacity + 1, (batch,), generator=g, dtype=torch.int32)
+    seqlens[0], seqlens[1] = 0, capacity  # an empty sequence and a full one
+    k_pool, v_pool, table = page(k, v, page_size, seed=73)
+    out = torch.full((batch, 32, 1, 128), float("nan"), dtype=dtype, device="cuda")
+    lse = torch.full((batch, 32, 1), float("nan"), device="cuda")
+    _, taken = kernels.attention_decode(_bhsd(q), k_pool, v_pool, out, lse, causal=True,
+                                        scale=128 ** -0.5, seqlens=seqlens.cuda(),
+                                        block_table=table, config=config)
+    if _h200() or config is not None:
+        assert taken == block_n
+    assert_close(_bhsd(out), lse, q, k, v, seqlens.tolist(), floor, lse_tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+def test_gpu_growing_cache_switches_tiles_in_one_plan(dtype, floor, lse_tol, tiles_taken):
+    # 16 sequences x 8 KV heads: up to 5920 keys 3 splits of <= 1984 keys in 64-key tiles; from
+    # 5984, chunks of 2048, so 128-key tiles (1 split). One plan; the split kernel keeps a launch
+    # per tile and specialization: 5900, 5920 (a multiple of 16) and 5984 (the long tile) each
+    # a new one, 6000 launches 5984's again.
+    q, k, v = make_cache(16, 1, 32, 8, 6000, 128, dtype, "cuda", seed=74)
+    kept = []
+    for n in (5900, 5920, 5984, 6000):
+        k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
+        out, lse = fused_attention(_bhsd(q), k_n, v_n, causal_alignment="bottom_right",
+                                   return_lse=True)
+        assert_close(_bhsd(out), lse, q, k, v, [n] * 16, floor, lse_tol)
+        kept.append(_kept()[0])
+    assert len(kernels._plans) == 1
+    if _h200():
+        assert tiles_taken == [64, 64, 128, 128]
+        if launch.direct_launch_ok():
+            assert kept == [1, 2, 3, 3]

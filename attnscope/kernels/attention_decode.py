@@ -23,7 +23,9 @@ reading K and V from HBM once, so this kernel is organised around that read:
    holds at once, bounded by the shared memory of the K/V pipeline), so the launch takes
    ceil(programs / slots) waves of (tiles per program + a fixed cost per program); the rule
    picks the split count with the least such time. Splitting more than the GPU holds at once
-   only adds programs; too few leaves SMs idle or a ragged last wave.
+   only adds programs; too few leaves SMs idle or a ragged last wave. The key tile goes with it
+   (`split_rule`): where the split count for 64-key tiles gives chunks of LONG_CHUNK keys or
+   more, the call runs 128-key tiles (`long_config_for` says where), its splits counted anew.
 
 3. Merge. A second small kernel, one program per output row, combines the partials exactly:
    with M = max_s L_s and w_s = 2^(L_s - M), out = sum_s w_s O_s / sum_s w_s and
@@ -90,6 +92,15 @@ MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 256
 MAX_RESIDENT = 4
 MERGE_TILE = 16  # partial rows the merge reads per step
+# Key tiles by chunk length (split_rule). Where a split's chunk holds at least LONG_CHUNK keys,
+# the call walks it in LONG_BLOCK_N-key tiles (long_config_for), its split count worked out again
+# for those tiles' occupancy; shorter chunks keep config_for's 64-key tiles. H200, bf16, head_dim
+# 128, 32/8 heads, 16-row blocks (notes/lab/decode_configs_h200.txt): 128-key tiles won at chunks
+# of ~2.7k keys (64 x 8192 keys: 0.4927 against 0.5085 ms; 1 x 131072: 0.1393 against 0.1896)
+# and ~5.5k (8 x 32768: 0.2580 against 0.2616) and lost at 1024 (128 x 1024, one split: 0.1458
+# against 0.1413); 2048 lies between.
+LONG_CHUNK = 2048
+LONG_BLOCK_N = 128
 # A window unbounded on the left: a left offset no row's key index reaches (int32 arithmetic).
 NO_LEFT_EDGE = -(1 << 30)
 
@@ -355,6 +366,22 @@ def config_for(head_dim, rows, dtype):
     return block_m, block_n, block_d, 8 if block_m * block_d > 64 * 128 else 4, 3
 
 
+def long_config_for(head_dim, rows, dtype):
+    """config_for's config with LONG_BLOCK_N-key tiles, for calls whose splits take chunks of at
+    least LONG_CHUNK keys; None where config_for's tile stays: fp32 inputs (config_for's tiles are
+    the largest without spills) and head_dim > 128 (its 32-key tiles already fill the shared
+    memory a program may take). A 64-row block takes 8 warps: at 4, its 64 x 128 score tile
+    takes 255 registers with Triton 3.6 and spills with 3.9; at 8, 254 and no spill (sm_90
+    offline compiles; 16 rows: 168 registers at 4 warps). In the interpreter, tiles twice
+    config_for's, so CPU tests cross several tiles of either."""
+    block_m, block_n, block_d, num_warps, num_stages = config_for(head_dim, rows, dtype)
+    if is_interpreted():
+        return block_m, 2 * block_n, block_d, num_warps, num_stages
+    if dtype.itemsize == 4 or block_d > 128:
+        return None
+    return block_m, LONG_BLOCK_N, block_d, 8 if block_m == 64 else num_warps, num_stages
+
+
 def slots(device, block_m, block_n, block_d, dtype, num_stages):
     """Programs the GPU runs at once: SMs x programs per SM, the latter bounded by the shared
     memory a program takes (and MAX_RESIDENT): num_stages - 1 K/V tile pairs in flight (the
@@ -385,6 +412,35 @@ def num_splits_for(groups, kv_len, block_n, slots):
     return min(range(1, most + 1), key=cost)  # min keeps the first (fewest splits) of ties
 
 
+def split_rule(kv_len, window_keys, groups, tiles, forced_splits, long_chunk):
+    """(block_n, num_splits, chunk) of a call over kv_len keys: the key tile it walks, its split
+    count and the keys a split takes (whole tiles). tiles: (block_n, slots) of the short tile,
+    then of the long one where the call may take it. The short tile's split count (forced_splits,
+    else num_splits_for) decides: a chunk of at least long_chunk keys takes the long tile, whose
+    split count is then worked out again for its own slots (fewer programs fit an SM). With a
+    window bounded both ways a row block splits only the window_keys + block_n keys its chunks
+    cover (its first query's window edge rounded down to a tile, to its last query's diagonal).
+    E.g. on the H200, bf16, head_dim 128 (tiles (64, 396), (128, 132)), 64 seqs x 8 kv heads of
+    8192 keys: 3 splits of 2752 keys in 64-key tiles, so 128-key tiles, 1 split of 8192."""
+    block_n, num_splits, chunk = _chunks(kv_len, window_keys, groups, *tiles[0], forced_splits)
+    if len(tiles) > 1 and chunk >= long_chunk:
+        block_n, num_splits, chunk = _chunks(kv_len, window_keys, groups, *tiles[1],
+                                             forced_splits)
+    return block_n, num_splits, chunk
+
+
+def _chunks(kv_len, window_keys, groups, block_n, slots, forced_splits):
+    # split_rule for one tile: (block_n, num_splits, chunk)
+    span = kv_len if window_keys is None else min(kv_len, window_keys + block_n)
+    tiles = max(1, -(-span // block_n))
+    num_splits = forced_splits
+    if num_splits is None:
+        num_splits = num_splits_for(groups, span, block_n, slots)
+    num_splits = max(1, min(num_splits, MAX_SPLITS, tiles))
+    chunk = -(-tiles // num_splits) * block_n
+    return block_n, -(-max(span, 1) // chunk), chunk  # no split left without keys by rounding
+
+
 def _empty(shape, dtype, device):
     # Scratch for the partials: tests replace it with a NaN fill to prove every partial is written.
     return torch.empty(shape, dtype=dtype, device=device)
@@ -401,54 +457,69 @@ MERGE_PER_CALL = 3  # Part, Out, Lse
 
 
 class _Plan:
-    """What a decode call's key fixes, worked out once: the config, the grid but its split axis,
-    the visibility arguments and the split rule's inputs; and, per key length met, the split
-    count, chunk and the two launches' keys.
+    """What a decode call's key fixes, worked out once: the config of each key tile the call may
+    take (config_for's, and long_config_for's for long chunks: split_rule), the grid but its
+    split axis, the visibility arguments and the split rule's inputs; and, per key length met,
+    the tile, split count, chunk and the two launches' keys.
 
     The key leaves out what a decode loop changes every step, which the kernel takes per call:
-    the key length, the chunk (both in K/V tiles, so within one split count a call's grid and
-    constexprs do not depend on them), the K/V strides (a cache grown by torch.cat has new
-    ones each step) and the scale. Of those ints the launch keys hold only what Triton
-    specializes on (launch.int_specializations)."""
+    the key length, the chunk (both in K/V tiles, so within one tile and split count a call's
+    grid and constexprs do not depend on them), the K/V strides (a cache grown by torch.cat has
+    new ones each step) and the scale. Of those ints the launch keys hold only what Triton
+    specializes on (launch.int_specializations). A loop whose cache grows past LONG_CHUNK keys a
+    split keeps its plan and switches tiles: the tile is in the split kernel's key."""
 
     MAX_LENGTHS = 4096  # key lengths remembered per plan
 
     def __init__(self, q, out, kv_heads, page_size, causal, window, softcap, config, num_splits):
         batch, heads, q_len, head_dim = q.shape
         self.group = heads // kv_heads
-        block_m, block_n, block_d, num_warps, num_stages = config_for(
-            head_dim, q_len * self.group, q.dtype)
-        if config is not None:
+        rows = q_len * self.group
+        configs = [config_for(head_dim, rows, q.dtype)]
+        if config is not None:  # pinned: one tile
             block_m, block_n, num_warps, num_stages = config
-        self.block_n, self.forced_splits = block_n, num_splits
-        self.row_blocks = -(-q_len * self.group // block_m)
+            configs = [(block_m, block_n, configs[0][2], num_warps, num_stages)]
+        else:
+            long = long_config_for(head_dim, rows, q.dtype)
+            # A page of whole short tiles but not whole long ones (64 keys at head_dim 128)
+            # would trade the short tile's one table entry a tile for one a key row: keep it.
+            short_n = configs[0][1]
+            if long is not None and not (page_size is not None and page_size % short_n == 0
+                                         and page_size % long[1] != 0):
+                configs.append(long)
+        block_m, _, block_d, _, _ = configs[0]  # the tiles differ in BLOCK_N and warps only
+        self.forced_splits = num_splits
+        self.row_blocks = -(-rows // block_m)
         self.programs = batch * kv_heads * self.row_blocks
-        self.slots = slots(q.device, block_m, block_n, block_d, q.dtype, num_stages)
+        self.tiles = tuple((c[1], slots(q.device, block_m, c[1], block_d, q.dtype, c[4]))
+                           for c in configs)
         causal, right_shift, has_left, left_shift = visibility(causal, 0, window)
         if not has_left:
             left_shift = NO_LEFT_EDGE
-        # A row block's chunks cover the keys from its first query's window edge (rounded down
-        # to a tile) to its last query's diagonal: `window_span` of them when bounded both ways.
-        self.window_span = (q_len + window[0] + right_shift + block_n - 1 if has_left and causal
-                            else None)
+        # Keys a row block's chunks cover, less one tile (split_rule), when bounded both ways.
+        self.window_keys = q_len + window[0] + right_shift - 1 if has_left and causal else None
         self.out_strides = out.stride()
         self.fixed = (*q.stride(), *self.out_strides, kv_heads, self.group, q_len)
         self.shifts = (right_shift, left_shift)
-        self.constexprs = dict(
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        constexprs = dict(
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, CAUSAL=causal,
             WINDOW=window != (-1, -1), SOFTCAP=softcap > 0, PAGED=page_size is not None,
             PAGE_SIZE=page_size or 1, INPUT_PRECISION="ieee" if q.dtype == torch.float32
-            else "tf32",  # tf32 unused on 16-bit inputs
-            num_warps=num_warps, num_stages=num_stages)
-        self.config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-                           num_stages=num_stages)
+            else "tf32")  # tf32 unused on 16-bit inputs
+        # By BLOCK_N: the split kernel's constexprs and options, and its config (launch records)
+        self.launches = {
+            block_n: (dict(constexprs, BLOCK_N=block_n, num_warps=num_warps,
+                           num_stages=num_stages),
+                      dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+                           num_stages=num_stages))
+            for _, block_n, _, num_warps, num_stages in configs}
         self.merge_grid = (batch * heads * q_len,)
         self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_TILE=MERGE_TILE,
                                      num_warps=4 if block_d <= 128 else 8)
         self.lengths = {}
 
     def for_length(self, kv_len):
-        """(num_splits, chunk, split kernel's key, merge kernel's key) for kv_len keys a
+        """(num_splits, chunk, block_n, split kernel's key, merge kernel's key) for kv_len keys a
         sequence may hold."""
         got = self.lengths.get(kv_len)
         if got is None:
@@ -458,15 +529,10 @@ class _Plan:
         return got
 
     def _split(self, kv_len):
-        span = kv_len if self.window_span is None else min(kv_len, self.window_span)
-        tiles = max(1, -(-span // self.block_n))
-        num_splits = self.forced_splits
-        if num_splits is None:
-            num_splits = num_splits_for(self.programs, span, self.block_n, self.slots)
-        num_splits = max(1, min(num_splits, MAX_SPLITS, tiles))
-        chunk = -(-tiles // num_splits) * self.block_n
-        num_splits = -(-max(span, 1) // chunk)  # no split left without keys by rounding
-        return (num_splits, chunk, (self, num_splits, int_specializations(kv_len, chunk)),
+        block_n, num_splits, chunk = split_rule(kv_len, self.window_keys, self.programs,
+                                                self.tiles, self.forced_splits, LONG_CHUNK)
+        return (num_splits, chunk, block_n,
+                (self, block_n, num_splits, int_specializations(kv_len, chunk)),
                 (self, num_splits))
 
 
@@ -487,13 +553,15 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     (left, right), flash-attn's, bottom-right, -1 unbounded (causal makes right 0); softcap: 0
     off, else scores become softcap * tanh(s / softcap). num_splits:
     None for `num_splits_for`'s rule, else that many (clamped to 1..MAX_SPLITS and to one tile a
-    split). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `config_for`'s (the lab's
-    sweeps; BLOCK_M, BLOCK_N powers of two >= 16). Call with q's device current. Returns the
-    number of splits launched.
+    split). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `config_for`'s and
+    `long_config_for`'s (the lab's sweeps; BLOCK_M, BLOCK_N powers of two >= 16). Call with q's
+    device current. Returns the number of splits launched and the key tile (BLOCK_N) they walked
+    (split_rule's choice).
 
     An eager call is looked up by what fixes its kernels and their fixed arguments (_Plan says
     what is left out); a repeat launches both kernels directly (launch._Bound). Module state the
-    key does not hold (num_splits_for, config_for) is forgotten by launch.forget_launches().
+    key does not hold (num_splits_for, config_for, LONG_CHUNK) is forgotten by
+    launch.forget_launches().
     """
     paged = block_table is not None
     if paged:  # [num_blocks, page_size, kv_heads, d]: block, head, row, column strides
@@ -519,7 +587,7 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
             _plans.clear()
         plan = _plans[key] = _Plan(q, out, kv_heads, page_size, causal, window, softcap, config,
                                    num_splits)
-    num_splits, chunk, split_key, merge_key = plan.for_length(kv_len)
+    num_splits, chunk, block_n, split_key, merge_key = plan.for_length(kv_len)
     final = num_splits == 1
     if final:
         part = out  # unused: the split kernel writes out and lse itself
@@ -535,9 +603,10 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     else:
         grid = (num_splits, plan.programs // plan.row_blocks, plan.row_blocks)
         args = (*per_call, *plan.fixed, num_splits, *plan.shifts)
+        constexprs, config = plan.launches[block_n]
         _split_launch(split_key, grid, args,
-                      dict(plan.constexprs, VARLEN=seqlens is not None, FINAL=final),
-                      per_call=SPLIT_PER_CALL, config=plan.config)
+                      dict(constexprs, VARLEN=seqlens is not None, FINAL=final),
+                      per_call=SPLIT_PER_CALL, config=config)
     if not final:
         per_call = (part, out, lse)
         bound = _merge_launch.bound.get(merge_key)
@@ -549,4 +618,4 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
             _merge_launch(merge_key, plan.merge_grid,
                           (*per_call, *plan.out_strides, heads, q_len, num_splits),
                           dict(plan.merge_constexprs, BLOCK_S=block_s), per_call=MERGE_PER_CALL)
-    return num_splits
+    return num_splits, block_n
