@@ -470,3 +470,57 @@ def test_a_case_dtype_wins_over_the_flag(fakes, tmp_path, monkeypatch):
     doc = json.loads(out.read_text())
     assert [r["dtype"] for r in doc["rows"]] == ["fp16", "fp32"]
     assert [c["dtype"] for c in doc["cases"]] == ["fp16", None]
+
+
+# --- --resume --------------------------------------------------------------------------------------
+
+def test_resume_times_only_the_missing_rows(fakes, tmp_path, monkeypatch):
+    # A run cut short after 3 of its rows, then the same command with --resume: the kept rows are
+    # the file's (same values), only the rest are timed, and the file ends complete, in order.
+    out = tmp_path / "b.json"
+    argv = ("--sweep", "cpu", "--impl", "peer_fast", "fused", "--json", str(out), *FAST)
+    assert bench.run(_parse(*argv)) == 0
+    full = json.loads(out.read_text())
+    cut = dict(full, complete=False, rows=full["rows"][:3])
+    out.write_text(json.dumps(cut))
+    timed = []
+    real = bench.bench_one
+    monkeypatch.setattr(bench, "bench_one", lambda ctx, case, impl, *a: timed.append(
+        (case.shape, impl.name)) or real(ctx, case, impl, *a))
+    assert bench.run(_parse(*argv, "--resume")) == 0
+    resumed = json.loads(out.read_text())
+    assert resumed["complete"] is True
+    measured = [{k: v for k, v in r.items() if k != "ratio_to_best_peer"}  # recomputed
+                for r in resumed["rows"][:3] + cut["rows"]]
+    assert measured[:3] == measured[3:]
+    assert [(r["shape"], r["impl"]) for r in resumed["rows"]] == \
+        [(r["shape"], r["impl"]) for r in full["rows"]]
+    assert timed == [(r["shape"], r["impl"]) for r in full["rows"][3:]]
+
+
+def test_resume_without_a_file_starts_afresh(fakes, tmp_path):
+    out = tmp_path / "new.json"
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "fused", "--json", str(out), "--resume",
+                            *FAST)) == 0
+    assert json.loads(out.read_text())["complete"] is True
+
+
+@pytest.mark.parametrize("change, says", [
+    (("--mode", "fwd_bwd"), "has mode"),
+    (("--impl", "fused", "peer_fast"), "row 0"),
+    (("--no-causal",), "row 0"),
+])
+def test_resume_refuses_another_commands_file(fakes, tmp_path, capsys, change, says):
+    out = tmp_path / "b.json"
+    base = ("--sweep", "cpu", "--json", str(out), *FAST)
+    assert bench.run(_parse(*base, "--impl", "peer_fast", "fused")) == 0
+    before = out.read_text()
+    impl = () if "--impl" in change else ("--impl", "peer_fast", "fused")
+    assert bench.run(_parse(*base, *impl, *change, "--resume")) == 2
+    assert says in capsys.readouterr().err
+    assert out.read_text() == before  # nothing overwritten
+
+
+def test_resume_needs_json(fakes, capsys):
+    assert bench.run(_parse("--sweep", "cpu", "--resume", *FAST)) == 2
+    assert "give --json PATH" in capsys.readouterr().err

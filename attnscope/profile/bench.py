@@ -19,7 +19,9 @@ scenario's (scenarios.py: decode, chunked prefill, packed sequences), whose modu
 what each entry can express, how it is asked, and the reference and FLOPs of each case.
 
 A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
-and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C keeps what finished.
+and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C keeps what finished,
+and `--resume` continues such a file: the same command times only the rows it lacks (a long
+sweep can run in parts, e.g. on a machine with a time limit per job).
 """
 
 from __future__ import annotations
@@ -253,6 +255,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="write results here, rewritten after every row so an interrupted "
                         "run keeps its finished rows (default: no file)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the --json file an interrupted run of the same command "
+                        "left: keep its rows and time only the (shape, implementation) pairs it "
+                        "lacks; refused when the file's sweep, mode, dtype, causality, "
+                        "implementations or torch/Triton versions differ from this run's")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
                         help="where to run (default: cuda when available, else cpu with CPU "
                         "wall-clock timing)")
@@ -376,6 +383,45 @@ def _header(env: dict, sweep: str, cases, device: torch.device, l2_bytes: int | 
     }
 
 
+# What a resumed file must share with the run that continues it: the same rows would be timed.
+RESUME_FIELDS = ("sweep", "device", "torch", "triton", "cases", "mode")
+
+
+def _resumed_rows(path: str, header: dict, cases, impls, dtype: str, causal: bool) -> list[dict]:
+    """The rows an earlier run of the same command wrote to `path`, in the order this run would
+    time them (shape by shape, each implementation in turn); [] when the file does not exist.
+    ValueError, saying what differs, when the file is not such a run's."""
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        rows = saved["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--resume: cannot read {path} as a bench file: {exc}") from None
+    for field in RESUME_FIELDS:
+        current = json.loads(json.dumps(header[field]))  # as the file holds it (lists, not tuples)
+        if saved.get(field) != current:
+            raise ValueError(f"--resume: {path} has {field} {_short(saved.get(field))}, this run "
+                             f"{_short(current)}; give another --json or the same command")
+    expected = [(case, impl.name) for case in cases for impl in impls]
+    if len(rows) > len(expected):
+        raise ValueError(f"--resume: {path} has {len(rows)} rows, this run times "
+                         f"{len(expected)}; give the same --impl list")
+    for i, (row, (case, name)) in enumerate(zip(rows, expected)):
+        if row.get("impl") != name or list(row.get("shape", ())) != list(case.shape) \
+                or row.get("dtype") != (case.dtype or dtype) or row.get("causal") != causal:
+            raise ValueError(f"--resume: row {i} of {path} is {row.get('impl')} at "
+                             f"{row.get('shape')}, where this run times {name} at "
+                             f"{list(case.shape)}; give the same --impl list and flags")
+    return rows
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _available(impl, device: torch.device) -> tuple[bool, str]:
     try:
         return impl.available(device)
@@ -386,6 +432,8 @@ def _available(impl, device: torch.device) -> tuple[bool, str]:
 def run(args) -> int:
     try:
         device, sweep, cases, impls, notes = _resolve(args)
+        if args.resume and not args.json:
+            raise ValueError("--resume continues a --json file: give --json PATH")
         if args.json:
             _check_json_path(args.json)  # now, not after the first row's minutes of timing
     except ValueError as exc:
@@ -405,16 +453,27 @@ def run(args) -> int:
         env=env,
         available={impl.name: _available(impl, device) for impl in impls})
     header = _header(env, sweep, cases, device, l2_bytes, args)
+    rows: list[dict] = []
+    if args.resume:
+        try:
+            rows = _resumed_rows(args.json, header, cases, impls, args.dtype, args.causal)
+        except ValueError as exc:
+            print(f"bench: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"bench: resuming {args.json}: {len(rows)} rows kept", file=sys.stderr)
     time_label = "median ms" if device.type == "cuda" else "CPU wall ms"
     total = len(cases) * len(impls)
     print(f"bench: sweep {sweep!r}, {len(cases)} shapes x {len(impls)} implementations, "
           f"{args.dtype} {'causal' if args.causal else 'full'} {args.mode} on "
           f"{gpu.get('name') or device.type}; timer: {header['timing']['timer']}", file=sys.stderr)
-    rows: list[dict] = []
+    done = len(rows)  # resumed rows: the first cases' implementations, in order
     try:
         with torch.set_grad_enabled(args.mode != "fwd"):
-            for case in cases:
-                for row in _case_rows(ctx, case, impls, l2_bytes):
+            for i, case in enumerate(cases):
+                todo = impls[max(0, done - i * len(impls)):]
+                if not todo:
+                    continue
+                for row in _case_rows(ctx, case, todo, l2_bytes):
                     rows.append(row)
                     print(progress_line(len(rows), total, row), file=sys.stderr)
                     if args.json:
