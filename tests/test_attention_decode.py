@@ -8,9 +8,9 @@ partial-result scratch are poisoned with NaN before the kernels run, so an eleme
 fails. The reference for a cache gathers each sequence's first cache_seqlens keys (through the
 block table when paged) and runs attention_reference with bottom-right alignment.
 
-CPU runs go through the Triton interpreter (fp32, fp16) with 16 x 16 tiles (16 x 32 for long
-chunks, their threshold lowered by the `long_chunk` fixture), so small caches cross several
-tiles, row blocks and splits; the `cuda` tests run bf16/fp16 at serving sizes,
+CPU runs go through the Triton interpreter (fp32, fp16) with 16 x 16 tiles (16 x 32 for calls
+the 16-key tiles split, as on the GPU), so small caches cross several tiles, row blocks and
+splits; the `cuda` tests run bf16/fp16 at serving sizes,
 including issue 20's two decode shapes.
 """
 
@@ -356,7 +356,7 @@ def test_split_rule_fills_the_gpu_without_tiny_chunks():
     assert kernels.num_splits_for(300, 8192, 64, 396) == 5
 
 
-# ---- key tiles by chunk length (split_rule, long_config_for) -----------------------------------
+# ---- key tiles by split count (split_rule, long_config_for) -----------------------------------
 
 # H200, bf16, head_dim 128, 16-row blocks: (block_n, slots) of 64-key tiles (3 programs an SM)
 # and of 128-key tiles (1: 136 KB of shared memory each), 132 SMs.
@@ -364,30 +364,41 @@ H200_TILES = ((64, 396), (128, 132))
 
 
 @pytest.mark.parametrize("groups,kv_len,expected", [
-    # the lab's shapes (notes/lab/decode_configs_h200.txt): 128-key tiles won the first three
+    # the lab's shapes (notes/lab/decode_tiles_h200.txt, decode_configs_h200.txt), 64-key splits
+    # in the comments: 128-key tiles won the split ones but 1 x 2048, 64-key tiles the unsplit one
     (64 * 8, 8192, (128, 1, 8192)),      # 3 splits of 2752 keys in 64-key tiles
     (8 * 8, 32768, (128, 2, 16384)),     # 6 of 5504
     (1 * 8, 131072, (128, 16, 8192)),    # 49 of 2688
-    (128 * 8, 1024, (64, 1, 1024)),      # one split of 1024 keys: 64-key tiles won
-    (16 * 8, 4096, (64, 3, 1408)),       # many sequences of a mid-length cache
-    # the boundary: 1024 programs take one split up to 2048 keys; a chunk is whole 64-key tiles
-    (128 * 8, 1984, (64, 1, 1984)),      # 31 tiles: 1984 keys, short
-    (128 * 8, 1985, (128, 1, 2048)),     # 32 tiles: 2048 keys, long
+    (16 * 8, 4096, (128, 1, 4096)),      # 3 of 1408
+    (4 * 8, 8192, (128, 4, 2048)),       # 12 of 704 (4 queries a sequence: 16 rows, one block)
+    (1 * 8, 2048, (128, 4, 512)),        # 8 of 256: the exception, 64-key tiles won
+    (128 * 8, 1024, (64, 1, 1024)),      # one split: 64-key tiles won
+    # the boundary: 128 programs take one split up to 7 tiles of 64 keys, two from 8
+    (16 * 8, 448, (64, 1, 448)),         # 7 tiles: 1 split, short
+    (16 * 8, 449, (128, 1, 512)),        # 8 tiles: 2 splits of 256 keys, so long (4 tiles, 1)
+    # The wave model alternates between 1 and 3 splits for 1024 programs past 2048 keys (a
+    # ragged last wave), and the tile with it.
+    (128 * 8, 2112, (128, 1, 2176)),     # 3 splits of 704 keys: long
+    (128 * 8, 2176, (64, 1, 2176)),      # 1 split: short
 ])
-def test_split_rule_takes_long_tiles_for_long_chunks(groups, kv_len, expected):
-    assert kernels.split_rule(kv_len, None, groups, H200_TILES, None, 2048) == expected
+def test_split_rule_takes_long_tiles_for_split_calls(groups, kv_len, expected):
+    assert kernels.split_rule(kv_len, None, groups, H200_TILES, None) == expected
 
 
 def test_split_rule_without_a_long_tile_or_with_forced_splits():
     # One tile (a pinned config, fp32, head_dim > 128) never switches; a forced split count is
-    # kept by both tiles and decides by its own chunk; a window shortens the chunk.
-    assert kernels.split_rule(8192, None, 512, H200_TILES[:1], None, 2048) == (64, 3, 2752)
-    assert kernels.split_rule(16384, None, 8, H200_TILES, 4, 2048) == (128, 4, 4096)
-    assert kernels.split_rule(16384, None, 8, H200_TILES, 16, 2048) == (64, 16, 1024)
+    # kept by both tiles and decides as the rule's own would: 2 or more, long; a window bounds
+    # the keys split.
+    assert kernels.split_rule(8192, None, 512, H200_TILES[:1], None) == (64, 3, 2752)
+    assert kernels.split_rule(16384, None, 8, H200_TILES, 4) == (128, 4, 4096)
+    assert kernels.split_rule(16384, None, 8, H200_TILES, 16) == (128, 16, 1024)
+    assert kernels.split_rule(16384, None, 8, H200_TILES, 1) == (64, 1, 16384)
     # A window of 4096 keys (Mistral) on 131072: the rule splits its 4096 + 64 keys in 64-key
-    # tiles, short chunks; the whole cache would take long ones.
-    assert kernels.split_rule(131072, 4096, 8, H200_TILES, None, 2048) == (64, 13, 320)
-    assert kernels.split_rule(131072, None, 8, H200_TILES, None, 2048) == (128, 16, 8192)
+    # tiles 13 ways, so long tiles, whose 33 tiles split 7 ways; the whole cache splits 16 ways.
+    assert kernels.split_rule(131072, 4096, 8, H200_TILES, None) == (128, 7, 640)
+    assert kernels.split_rule(131072, None, 8, H200_TILES, None) == (128, 16, 8192)
+    # A window too short to split keeps short tiles: 64 + 64 keys, 2 tiles.
+    assert kernels.split_rule(131072, 64, 8, H200_TILES, None) == (64, 1, 128)
 
 
 def test_long_config_for_compiled_kernels(monkeypatch):
@@ -400,15 +411,6 @@ def test_long_config_for_compiled_kernels(monkeypatch):
     assert kernels.long_config_for(128, 64, torch.bfloat16) == (64, 128, 128, 8, 3)
     assert kernels.long_config_for(128, 4, torch.float32) is None
     assert kernels.long_config_for(256, 4, torch.bfloat16) is None
-
-
-@pytest.fixture
-def long_chunk(monkeypatch):
-    """Call long_chunk(n) to make chunks of n keys or more take the long tile (the interpreter's
-    is 32 keys; chunks of 2048 would need caches too long for the interpreter)."""
-    def lower(n):
-        monkeypatch.setattr(kernels, "LONG_CHUNK", n)
-    return lower
 
 
 @pytest.fixture
@@ -430,13 +432,12 @@ def tiles_taken(monkeypatch):
     (1, 8, 2, 64, None),  # one query, GQA 4; the rule's own split counts
     (5, 4, 1, 40, 3),     # MQA, 20 rows: 2 row blocks; 3 forced splits; head_dim 40 pads to 64
 ])
-def test_long_chunks_take_long_tiles(q_len, heads, kv_heads, head_dim, forced, dtype, floor,
-                                     lse_tol, long_chunk, tiles_taken, splits):
-    # Long tiles from 64-key chunks: 300 keys (19 tiles of 16) in the rule's 2 splits of 160
-    # keys, or in 3 of 112, take 32-key tiles, the split count worked out again for them (2 of
-    # 160; 3 of 128, 128 and 44 keys, a ragged last tile). Per-sequence lengths: a short one and
-    # an empty one too, whose later splits see no key.
-    long_chunk(64)
+def test_split_calls_take_long_tiles(q_len, heads, kv_heads, head_dim, forced, dtype, floor,
+                                     lse_tol, tiles_taken, splits):
+    # 300 keys (19 tiles of 16) in the rule's 2 splits of 160 keys, or in 3 of 112, take 32-key
+    # tiles, the split count worked out again for them (2 of 160; 3 of 128, 128 and 44 keys, a
+    # ragged last tile). Per-sequence lengths: a short one and an empty one too, whose later
+    # splits see no key.
     if forced:
         splits(forced)
     q, k, v = make_cache(3, q_len, heads, kv_heads, 300, head_dim, dtype, seed=60)
@@ -452,9 +453,8 @@ def test_long_chunks_take_long_tiles(q_len, heads, kv_heads, head_dim, forced, d
     (16, 16),  # pages of whole short tiles but not long ones (64 keys on the GPU): short kept
     (5, 32),   # pages smaller than either tile: long tiles, one table entry a key row
 ])
-def test_long_tiles_on_a_paged_cache(page_size, block_n, dtype, floor, lse_tol, long_chunk,
-                                     tiles_taken, splits):
-    long_chunk(64)
+def test_long_tiles_on_a_paged_cache(page_size, block_n, dtype, floor, lse_tol, tiles_taken,
+                                     splits):
     splits(3)  # 300-320 keys: 3 chunks of 112 keys in 16-key tiles
     q, k, v = make_cache(4, 2, 8, 2, 300, 32, dtype, seed=61)
     seqlens = torch.tensor([300, 0, 133, 7], dtype=torch.int32)
@@ -547,22 +547,21 @@ def test_a_growing_cache_keeps_its_launches(kept_launches, splits):
                              ("merge", "triton"): 1, ("merge", "kept"): 5}
 
 
-def test_a_growing_cache_switches_tiles_in_one_plan(kept_launches, splits, long_chunk,
-                                                    tiles_taken):
-    # 2 splits, long tiles from 64-key chunks: 90 and 96 keys (6 tiles of 16) split into 48-key
-    # chunks of 16-key tiles; 97 and 120 (7 tiles) into 64-key chunks, so 32-key tiles, 2 splits
-    # of 64 keys. One plan throughout; the tile is in the split kernel's key: 90, 96 (a multiple
-    # of 16) and 97 go through Triton, 120 (97's specialization) launches 97's kernel again.
-    splits(2)
-    long_chunk(64)
-    q, k, v = make_cache(1, 2, 8, 2, 120, 32, torch.float16, seed=63)
-    for n in (90, 96, 97, 120):
+def test_a_growing_cache_switches_tiles_in_one_plan(kept_launches, tiles_taken):
+    # The rule's own split counts for 2 programs (2 kv heads, one row block) on 4 slots: up to 7
+    # tiles of 16 keys the call is not split (100, 104 keys: 16-key tiles); from 8 (113) 16-key
+    # tiles would split it in 2, so 32-key tiles, which take 113 and 120 keys whole (4 tiles:
+    # the shortest split) and 230 and 250 in 2 splits of 128 keys. One plan throughout; the tile
+    # is in the split kernel's key: 100, 113 and 230 go through Triton, 104, 120 and 250 (their
+    # specializations) launch those kernels again; the merge runs from 230 on.
+    q, k, v = make_cache(1, 2, 8, 2, 250, 32, torch.float16, seed=63)
+    for n in (100, 104, 113, 120, 230, 250):
         k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
         out, lse = _decode(q, k_n, v_n, scale=32 ** -0.5)
         assert_close(out, lse, q, k, v, [n], 1e-3, 1e-3)
-    assert tiles_taken == [16, 16, 32, 32] and len(kernels._plans) == 1
-    assert kept_launches == {("split", "triton"): 3, ("split", "kept"): 1,
-                             ("merge", "triton"): 1, ("merge", "kept"): 3}
+    assert tiles_taken == [16, 16, 32, 32, 32, 32] and len(kernels._plans) == 1
+    assert kept_launches == {("split", "triton"): 3, ("split", "kept"): 3,
+                             ("merge", "triton"): 1, ("merge", "kept"): 1}
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
@@ -810,10 +809,10 @@ def _h200():
     (1, 1, 131072, 128),   # 49 splits of 2688: 128-key tiles, 16 splits
     (2, 8, 65536, 128),    # 32-row blocks (q_len 8 x GQA 4): 128-key tiles, 8 splits
     (128, 1, 1024, 64),    # one split of 1024 keys: 64-key tiles
-    (16, 4, 4096, 64),     # 3 splits of 1408
+    (16, 4, 4096, 128),    # 3 splits of 1408: 128-key tiles, 1 split
 ])
-def test_gpu_key_tile_by_chunk_length(batch, q_len, kv_len, block_n, dtype, floor, lse_tol,
-                                      tiles_taken):
+def test_gpu_key_tile_by_split_count(batch, q_len, kv_len, block_n, dtype, floor, lse_tol,
+                                     tiles_taken):
     q, k, v = make_cache(batch, q_len, 32, 8, kv_len, 128, dtype, "cuda", seed=70)
     out, lse = fused_attention(_bhsd(q), _bhsd(k), _bhsd(v), causal_alignment="bottom_right",
                                return_lse=True)
@@ -832,7 +831,7 @@ def test_gpu_key_tile_by_chunk_length(batch, q_len, kv_len, block_n, dtype, floo
     (64, (16, 128, 4, 3), 128),   # a pinned 128-key tile on them: one entry a key row
 ])
 def test_gpu_long_tiles_on_a_paged_cache(page_size, config, block_n, dtype, floor, lse_tol):
-    # 8 sequences of up to 32768 keys: 6 splits of 5504 keys in 64-key tiles, long chunks.
+    # 8 sequences of up to 32768 keys: 6 splits of 5504 keys in 64-key tiles, so the long tile.
     batch, capacity = 8, 32768
     q, k, v = make_cache(batch, 1, 32, 8, capacity, 128, dtype, "cuda", seed=71)
     g = torch.Generator().manual_seed(72)
@@ -852,13 +851,13 @@ def test_gpu_long_tiles_on_a_paged_cache(page_size, config, block_n, dtype, floo
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 def test_gpu_growing_cache_switches_tiles_in_one_plan(dtype, floor, lse_tol, tiles_taken):
-    # 16 sequences x 8 KV heads: up to 5920 keys 3 splits of <= 1984 keys in 64-key tiles; from
-    # 5984, chunks of 2048, so 128-key tiles (1 split). One plan; the split kernel keeps a launch
-    # per tile and specialization: 5900, 5920 (a multiple of 16) and 5984 (the long tile) each
-    # a new one, 6000 launches 5984's again.
-    q, k, v = make_cache(16, 1, 32, 8, 6000, 128, dtype, "cuda", seed=74)
+    # 16 sequences x 8 KV heads: up to 448 keys (7 tiles of 64) one split in 64-key tiles; from
+    # 449 two, so 128-key tiles (1 split of 512). One plan; the split kernel keeps a launch per
+    # tile and specialization: 430, 448 (a multiple of 16) and 449 (the long tile) each a new
+    # one, 460 launches 449's again.
+    q, k, v = make_cache(16, 1, 32, 8, 460, 128, dtype, "cuda", seed=74)
     kept = []
-    for n in (5900, 5920, 5984, 6000):
+    for n in (430, 448, 449, 460):
         k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
         out, lse = fused_attention(_bhsd(q), k_n, v_n, causal_alignment="bottom_right",
                                    return_lse=True)
