@@ -24,8 +24,9 @@ reading K and V from HBM once, so this kernel is organised around that read:
    ceil(programs / slots) waves of (tiles per program + a fixed cost per program); the rule
    picks the split count with the least such time. Splitting more than the GPU holds at once
    only adds programs; too few leaves SMs idle or a ragged last wave. The key tile goes with it
-   (`split_rule`): a call that 64-key tiles split in two or more runs 128-key tiles
-   (`long_config_for` says where), its splits counted anew; a call they leave whole keeps them.
+   (`split_rule`): where 128-key tiles (`long_config_for` says where), their splits counted for
+   their own occupancy, leave each split LONG_CHUNK keys or more, the call runs them; shorter
+   chunks keep 64-key tiles.
 
 3. Merge. A second small kernel, one program per output row, combines the partials exactly:
    with M = max_s L_s and w_s = 2^(L_s - M), out = sum_s w_s O_s / sum_s w_s and
@@ -92,17 +93,18 @@ MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 256
 MAX_RESIDENT = 4
 MERGE_TILE = 16  # partial rows the merge reads per step
-# Key tiles by split count (split_rule). A call that config_for's 64-key tiles split (2 splits or
-# more) walks LONG_BLOCK_N-key tiles (long_config_for), its split count worked out again for those
-# tiles' occupancy; a call they leave whole keeps them. A split call's time is how well each
-# program streams its chunk (a longer tile: half the loop trips and rescales); an unsplit one's, how
-# many programs an SM holds to hide latency (64-key tiles fit three, 128-key ones one). H200,
-# bf16, head_dim 128, 32/8 heads, 16-row blocks, both tiles pinned (notes/lab/decode_tiles_h200.txt
-# and decode_configs_h200.txt): 128-key tiles won every split call but one, by 1.3-7 % (3 splits:
-# 64 x 8192 keys 0.4916 against 0.5078 ms, 16 x 4096 0.0777 against 0.0832; 49: 1 x 131072 0.1398
-# against 0.1446), 64-key tiles the unsplit one (128 x 1024: 0.1415 against 0.1462). The exception,
-# 1 x 2048 keys (8 splits of 4 tiles, the shortest chunk; 64-key tiles 0.0369 against 0.0452), is
-# too small to fill the GPU with either tile: one program's walk is the call's time.
+# Key tiles by chunk length (split_rule). Where LONG_BLOCK_N-key tiles (long_config_for), their
+# split count worked out for their own occupancy, leave each split a chunk of LONG_CHUNK keys or
+# more, the call walks them; otherwise config_for's 64-key tiles. A long walk is streaming-bound:
+# a longer tile halves the loop trips and rescales per key. A short one (few keys a program) is
+# latency-bound, where 64-key tiles let three programs share an SM (128-key ones: one) and end
+# sooner. H200, bf16, head_dim 128, 32/8 heads, 16-row blocks, both tiles pinned
+# (notes/lab/decode_tiles_h200.txt, decode_configs_h200.txt): 128-key tiles won where their
+# chunks were 2048-16384 keys, by 1.3-7 % (64 x 8192 keys: 0.4916 against 0.5078 ms; 16 x 4096:
+# 0.0777 against 0.0832; 1 x 131072, 16 chunks of 8192: 0.1398 against 0.1446; 4 x 4 queries x
+# 8192, chunks of 2048: 0.0522 against 0.0531), and lost where they were 512-1024 (1 x 2048: 4
+# chunks of 512, 0.0452 against 0.0369; 128 x 1024, one chunk of 1024: 0.1462 against 0.1415).
+LONG_CHUNK = 2048
 LONG_BLOCK_N = 128
 # A window unbounded on the left: a left offset no row's key index reaches (int32 arithmetic).
 NO_LEFT_EDGE = -(1 << 30)
@@ -370,8 +372,8 @@ def config_for(head_dim, rows, dtype):
 
 
 def long_config_for(head_dim, rows, dtype):
-    """config_for's config with LONG_BLOCK_N-key tiles, for calls that config_for's tiles split
-    (split_rule); None where config_for's tile stays: fp32 inputs (config_for's tiles are
+    """config_for's config with LONG_BLOCK_N-key tiles, for calls whose splits walk LONG_CHUNK keys
+    or more in them (split_rule); None where config_for's tile stays: fp32 inputs (config_for's tiles are
     the largest without spills) and head_dim > 128 (its 32-key tiles already fill the shared
     memory a program may take). A 64-row block takes 8 warps: at 4, its 64 x 128 score tile
     takes 255 registers with Triton 3.6 and spills with 3.9; at 8, 254 and no spill (sm_90
@@ -415,22 +417,23 @@ def num_splits_for(groups, kv_len, block_n, slots):
     return min(range(1, most + 1), key=cost)  # min keeps the first (fewest splits) of ties
 
 
-def split_rule(kv_len, window_keys, groups, tiles, forced_splits):
+def split_rule(kv_len, window_keys, groups, tiles, forced_splits, long_chunk):
     """(block_n, num_splits, chunk) of a call over kv_len keys: the key tile it walks, its split
     count and the keys a split takes (whole tiles). tiles: (block_n, slots) of the short tile,
-    then of the long one where the call may take it. The short tile's split count (forced_splits,
-    else num_splits_for) decides: a call it splits (2 or more) takes the long tile, whose split
-    count is then worked out again for its own slots (fewer programs fit an SM); an unsplit call
-    keeps the short tile. With a window bounded both ways a row block splits only the
+    then of the long one where the call may take it. The long tile is taken when its own split
+    count (forced_splits, else num_splits_for for its slots: fewer programs fit an SM) leaves
+    each split a chunk of at least long_chunk keys; otherwise the short tile, its split count
+    worked out for its own slots. With a window bounded both ways a row block splits only the
     window_keys + block_n keys its chunks cover (its first query's window edge rounded down to a
     tile, to its last query's diagonal). E.g. on the H200, bf16, head_dim 128 (tiles (64, 396),
-    (128, 132)): 64 seqs x 8 kv heads of 8192 keys, 3 splits in 64-key tiles, so 128-key tiles, 1
-    split of 8192; 128 seqs of 1024 keys, 1 split in 64-key tiles, kept."""
-    block_n, num_splits, chunk = _chunks(kv_len, window_keys, groups, *tiles[0], forced_splits)
-    if len(tiles) > 1 and num_splits >= 2:
-        block_n, num_splits, chunk = _chunks(kv_len, window_keys, groups, *tiles[1],
-                                             forced_splits)
-    return block_n, num_splits, chunk
+    (128, 132)): 64 seqs x 8 kv heads of 8192 keys take 128-key tiles, 1 split of 8192; 128
+    seqs of 1024 keys (one 1024-key chunk either way) and 1 seq of 2048 (4 splits of 512 in
+    128-key tiles) keep 64-key tiles."""
+    if len(tiles) > 1:
+        long = _chunks(kv_len, window_keys, groups, *tiles[1], forced_splits)
+        if long[2] >= long_chunk:
+            return long
+    return _chunks(kv_len, window_keys, groups, *tiles[0], forced_splits)
 
 
 def _chunks(kv_len, window_keys, groups, block_n, slots, forced_splits):
@@ -462,7 +465,7 @@ MERGE_PER_CALL = 3  # Part, Out, Lse
 
 class _Plan:
     """What a decode call's key fixes, worked out once: the config of each key tile the call may
-    take (config_for's, and long_config_for's for split calls: split_rule), the grid but its
+    take (config_for's, and long_config_for's for long chunks: split_rule), the grid but its
     split axis, the visibility arguments and the split rule's inputs; and, per key length met,
     the tile, split count, chunk and the two launches' keys.
 
@@ -470,8 +473,8 @@ class _Plan:
     the key length, the chunk (both in K/V tiles, so within one tile and split count a call's
     grid and constexprs do not depend on them), the K/V strides (a cache grown by torch.cat has
     new ones each step) and the scale. Of those ints the launch keys hold only what Triton
-    specializes on (launch.int_specializations). A loop whose cache grows from one split into
-    several keeps its plan and switches tiles: the tile is in the split kernel's key."""
+    specializes on (launch.int_specializations). A loop whose cache grows into long chunks
+    keeps its plan and switches tiles: the tile is in the split kernel's key."""
 
     MAX_LENGTHS = 4096  # key lengths remembered per plan
 
@@ -534,7 +537,7 @@ class _Plan:
 
     def _split(self, kv_len):
         block_n, num_splits, chunk = split_rule(kv_len, self.window_keys, self.programs,
-                                                self.tiles, self.forced_splits)
+                                                self.tiles, self.forced_splits, LONG_CHUNK)
         return (num_splits, chunk, block_n,
                 (self, block_n, num_splits, int_specializations(kv_len, chunk)),
                 (self, num_splits))
