@@ -9,8 +9,8 @@ fails. The reference for a cache gathers each sequence's first cache_seqlens key
 block table when paged) and runs attention_reference with bottom-right alignment.
 
 CPU runs go through the Triton interpreter (fp32, fp16) with 16 x 16 tiles (16 x 32 for long
-chunks, their threshold lowered by the `long_chunk` fixture), so small caches cross several
-tiles, row blocks and splits; the `cuda` tests run bf16/fp16 at serving sizes,
+chunks, the threshold lowered by the `long_chunk` fixture), so small caches cross several tiles,
+row blocks and splits; the `cuda` tests run bf16/fp16 at serving sizes,
 including issue 20's two decode shapes.
 """
 
@@ -356,7 +356,7 @@ def test_split_rule_fills_the_gpu_without_tiny_chunks():
     assert kernels.num_splits_for(300, 8192, 64, 396) == 5
 
 
-# ---- key tiles by chunk length (split_rule, long_config_for) -----------------------------------
+# ---- key tiles by chunk length (split_rule, long_config_for) ----------------------------------
 
 # H200, bf16, head_dim 128, 16-row blocks: (block_n, slots) of 64-key tiles (3 programs an SM)
 # and of 128-key tiles (1: 136 KB of shared memory each), 132 SMs.
@@ -364,15 +364,18 @@ H200_TILES = ((64, 396), (128, 132))
 
 
 @pytest.mark.parametrize("groups,kv_len,expected", [
-    # the lab's shapes (notes/lab/decode_configs_h200.txt): 128-key tiles won the first three
-    (64 * 8, 8192, (128, 1, 8192)),      # 3 splits of 2752 keys in 64-key tiles
-    (8 * 8, 32768, (128, 2, 16384)),     # 6 of 5504
-    (1 * 8, 131072, (128, 16, 8192)),    # 49 of 2688
-    (128 * 8, 1024, (64, 1, 1024)),      # one split of 1024 keys: 64-key tiles won
-    (16 * 8, 4096, (64, 3, 1408)),       # many sequences of a mid-length cache
-    # the boundary: 1024 programs take one split up to 2048 keys; a chunk is whole 64-key tiles
-    (128 * 8, 1984, (64, 1, 1984)),      # 31 tiles: 1984 keys, short
-    (128 * 8, 1985, (128, 1, 2048)),     # 32 tiles: 2048 keys, long
+    # the lab's shapes (notes/lab/decode_tiles_h200.txt, decode_configs_h200.txt); 128-key
+    # tiles won where their own chunks are 2048 keys or more, 64-key tiles where they are shorter
+    (64 * 8, 8192, (128, 1, 8192)),
+    (8 * 8, 32768, (128, 2, 16384)),
+    (1 * 8, 131072, (128, 16, 8192)),
+    (16 * 8, 4096, (128, 1, 4096)),
+    (4 * 8, 8192, (128, 4, 2048)),       # 4 queries a sequence: 16 rows, one block
+    (1 * 8, 2048, (64, 8, 256)),         # 128-key tiles: 4 chunks of 512
+    (128 * 8, 1024, (64, 1, 1024)),      # 128-key tiles: one chunk of 1024
+    # the boundary: 128 programs take one 128-key chunk, 15 tiles (1920 keys) or 16 (2048)
+    (16 * 8, 1920, (64, 3, 640)),
+    (16 * 8, 1921, (128, 1, 2048)),
 ])
 def test_split_rule_takes_long_tiles_for_long_chunks(groups, kv_len, expected):
     assert kernels.split_rule(kv_len, None, groups, H200_TILES, None, 2048) == expected
@@ -380,14 +383,17 @@ def test_split_rule_takes_long_tiles_for_long_chunks(groups, kv_len, expected):
 
 def test_split_rule_without_a_long_tile_or_with_forced_splits():
     # One tile (a pinned config, fp32, head_dim > 128) never switches; a forced split count is
-    # kept by both tiles and decides by its own chunk; a window shortens the chunk.
+    # kept by both tiles and decides by the long tile's chunk as the rule's own would; a window
+    # bounds the keys split.
     assert kernels.split_rule(8192, None, 512, H200_TILES[:1], None, 2048) == (64, 3, 2752)
     assert kernels.split_rule(16384, None, 8, H200_TILES, 4, 2048) == (128, 4, 4096)
     assert kernels.split_rule(16384, None, 8, H200_TILES, 16, 2048) == (64, 16, 1024)
-    # A window of 4096 keys (Mistral) on 131072: the rule splits its 4096 + 64 keys in 64-key
-    # tiles, short chunks; the whole cache would take long ones.
+    assert kernels.split_rule(16384, None, 8, H200_TILES, 1, 2048) == (128, 1, 16384)
+    # A window of 4096 keys (Mistral) on 131072: its 4096 + 128 keys in 128-key tiles split 7
+    # ways, chunks of 640: short tiles, 13 ways; the whole cache: 16 chunks of 8192, long.
     assert kernels.split_rule(131072, 4096, 8, H200_TILES, None, 2048) == (64, 13, 320)
     assert kernels.split_rule(131072, None, 8, H200_TILES, None, 2048) == (128, 16, 8192)
+    assert kernels.split_rule(131072, 64, 8, H200_TILES, None, 2048) == (64, 1, 128)
 
 
 def test_long_config_for_compiled_kernels(monkeypatch):
@@ -405,9 +411,10 @@ def test_long_config_for_compiled_kernels(monkeypatch):
 @pytest.fixture
 def long_chunk(monkeypatch):
     """Call long_chunk(n) to make chunks of n keys or more take the long tile (the interpreter's
-    is 32 keys; chunks of 2048 would need caches too long for the interpreter)."""
+    caches are far shorter than LONG_CHUNK)."""
     def lower(n):
         monkeypatch.setattr(kernels, "LONG_CHUNK", n)
+        launch.forget_launches()  # plans decided with the old threshold
     return lower
 
 
@@ -431,11 +438,10 @@ def tiles_taken(monkeypatch):
     (5, 4, 1, 40, 3),     # MQA, 20 rows: 2 row blocks; 3 forced splits; head_dim 40 pads to 64
 ])
 def test_long_chunks_take_long_tiles(q_len, heads, kv_heads, head_dim, forced, dtype, floor,
-                                     lse_tol, long_chunk, tiles_taken, splits):
-    # Long tiles from 64-key chunks: 300 keys (19 tiles of 16) in the rule's 2 splits of 160
-    # keys, or in 3 of 112, take 32-key tiles, the split count worked out again for them (2 of
-    # 160; 3 of 128, 128 and 44 keys, a ragged last tile). Per-sequence lengths: a short one and
-    # an empty one too, whose later splits see no key.
+                                     lse_tol, tiles_taken, splits, long_chunk):
+    # 300 keys in 32-key tiles: the rule's 2 splits of 160 keys, or 3 forced of 128 (128, 128
+    # and 44 keys, a ragged last tile), at least the lowered threshold of 64: 32-key tiles.
+    # Per-sequence lengths: a short one and an empty one too, whose later splits see no key.
     long_chunk(64)
     if forced:
         splits(forced)
@@ -452,10 +458,10 @@ def test_long_chunks_take_long_tiles(q_len, heads, kv_heads, head_dim, forced, d
     (16, 16),  # pages of whole short tiles but not long ones (64 keys on the GPU): short kept
     (5, 32),   # pages smaller than either tile: long tiles, one table entry a key row
 ])
-def test_long_tiles_on_a_paged_cache(page_size, block_n, dtype, floor, lse_tol, long_chunk,
-                                     tiles_taken, splits):
+def test_long_tiles_on_a_paged_cache(page_size, block_n, dtype, floor, lse_tol, tiles_taken,
+                                     splits, long_chunk):
     long_chunk(64)
-    splits(3)  # 300-320 keys: 3 chunks of 112 keys in 16-key tiles
+    splits(3)  # 300 keys: 3 chunks of 128 keys in 32-key tiles
     q, k, v = make_cache(4, 2, 8, 2, 300, 32, dtype, seed=61)
     seqlens = torch.tensor([300, 0, 133, 7], dtype=torch.int32)
     k_pool, v_pool, table = page(k, v, page_size, seed=62)
@@ -547,22 +553,20 @@ def test_a_growing_cache_keeps_its_launches(kept_launches, splits):
                              ("merge", "triton"): 1, ("merge", "kept"): 5}
 
 
-def test_a_growing_cache_switches_tiles_in_one_plan(kept_launches, splits, long_chunk,
-                                                    tiles_taken):
-    # 2 splits, long tiles from 64-key chunks: 90 and 96 keys (6 tiles of 16) split into 48-key
-    # chunks of 16-key tiles; 97 and 120 (7 tiles) into 64-key chunks, so 32-key tiles, 2 splits
-    # of 64 keys. One plan throughout; the tile is in the split kernel's key: 90, 96 (a multiple
-    # of 16) and 97 go through Triton, 120 (97's specialization) launches 97's kernel again.
-    splits(2)
-    long_chunk(64)
-    q, k, v = make_cache(1, 2, 8, 2, 120, 32, torch.float16, seed=63)
-    for n in (90, 96, 97, 120):
+def test_a_growing_cache_switches_tiles_in_one_plan(kept_launches, tiles_taken, long_chunk):
+    # The rule's own split counts for 2 programs (2 kv heads, one row block) on 4 slots, the
+    # threshold lowered to 160 keys: 100 and 104 keys take one 128-key chunk in 32-key tiles
+    # (short of it: 16-key tiles), 161 and 170 one of 192 (32-key tiles). One plan throughout;
+    # the tile is in the split kernel's key: 100 and 161 go through Triton, 104 and 170 (their
+    # specializations) launch those kernels again; one split each, so no merge.
+    long_chunk(160)
+    q, k, v = make_cache(1, 2, 8, 2, 170, 32, torch.float16, seed=63)
+    for n in (100, 104, 161, 170):
         k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
         out, lse = _decode(q, k_n, v_n, scale=32 ** -0.5)
         assert_close(out, lse, q, k, v, [n], 1e-3, 1e-3)
     assert tiles_taken == [16, 16, 32, 32] and len(kernels._plans) == 1
-    assert kept_launches == {("split", "triton"): 3, ("split", "kept"): 1,
-                             ("merge", "triton"): 1, ("merge", "kept"): 3}
+    assert kept_launches == {("split", "triton"): 2, ("split", "kept"): 2}
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
@@ -806,14 +810,15 @@ def _h200():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("batch,q_len,kv_len,block_n", [
-    (64, 1, 8192, 128),    # 3 splits of 2752 keys in 64-key tiles: 128-key tiles, 1 split
-    (1, 1, 131072, 128),   # 49 splits of 2688: 128-key tiles, 16 splits
-    (2, 8, 65536, 128),    # 32-row blocks (q_len 8 x GQA 4): 128-key tiles, 8 splits
-    (128, 1, 1024, 64),    # one split of 1024 keys: 64-key tiles
-    (16, 4, 4096, 64),     # 3 splits of 1408
+    (64, 1, 8192, 128),    # in 128-key tiles, 1 chunk of 8192 keys
+    (1, 1, 131072, 128),   # 16 chunks of 8192
+    (2, 8, 65536, 128),    # 32-row blocks (q_len 8 x GQA 4): 8 chunks of 8192
+    (128, 1, 1024, 64),    # 1 chunk of 1024: 64-key tiles
+    (1, 1, 2048, 64),      # 4 chunks of 512: 64-key tiles
+    (16, 4, 4096, 128),    # 1 chunk of 4096
 ])
 def test_gpu_key_tile_by_chunk_length(batch, q_len, kv_len, block_n, dtype, floor, lse_tol,
-                                      tiles_taken):
+                                     tiles_taken):
     q, k, v = make_cache(batch, q_len, 32, 8, kv_len, 128, dtype, "cuda", seed=70)
     out, lse = fused_attention(_bhsd(q), _bhsd(k), _bhsd(v), causal_alignment="bottom_right",
                                return_lse=True)
@@ -832,7 +837,7 @@ def test_gpu_key_tile_by_chunk_length(batch, q_len, kv_len, block_n, dtype, floo
     (64, (16, 128, 4, 3), 128),   # a pinned 128-key tile on them: one entry a key row
 ])
 def test_gpu_long_tiles_on_a_paged_cache(page_size, config, block_n, dtype, floor, lse_tol):
-    # 8 sequences of up to 32768 keys: 6 splits of 5504 keys in 64-key tiles, long chunks.
+    # 8 sequences of up to 32768 keys: 2 chunks of 16384 keys in 128-key tiles, so the long tile.
     batch, capacity = 8, 32768
     q, k, v = make_cache(batch, 1, 32, 8, capacity, 128, dtype, "cuda", seed=71)
     g = torch.Generator().manual_seed(72)
@@ -852,13 +857,13 @@ def test_gpu_long_tiles_on_a_paged_cache(page_size, config, block_n, dtype, floo
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 def test_gpu_growing_cache_switches_tiles_in_one_plan(dtype, floor, lse_tol, tiles_taken):
-    # 16 sequences x 8 KV heads: up to 5920 keys 3 splits of <= 1984 keys in 64-key tiles; from
-    # 5984, chunks of 2048, so 128-key tiles (1 split). One plan; the split kernel keeps a launch
-    # per tile and specialization: 5900, 5920 (a multiple of 16) and 5984 (the long tile) each
-    # a new one, 6000 launches 5984's again.
-    q, k, v = make_cache(16, 1, 32, 8, 6000, 128, dtype, "cuda", seed=74)
+    # 16 sequences x 8 KV heads: up to 1920 keys one chunk of 15 128-key tiles, short of 2048:
+    # 64-key tiles; from 1921 one of 16 tiles (2048 keys): 128-key tiles. One plan; the split
+    # kernel keeps a launch per tile and specialization: 1900, 1920 (a multiple of 16) and 1921
+    # (the long tile) each a new one, 1950 launches 1921's again.
+    q, k, v = make_cache(16, 1, 32, 8, 1950, 128, dtype, "cuda", seed=74)
     kept = []
-    for n in (5900, 5920, 5984, 6000):
+    for n in (1900, 1920, 1921, 1950):
         k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
         out, lse = fused_attention(_bhsd(q), k_n, v_n, causal_alignment="bottom_right",
                                    return_lse=True)

@@ -24,8 +24,9 @@ reading K and V from HBM once, so this kernel is organised around that read:
    ceil(programs / slots) waves of (tiles per program + a fixed cost per program); the rule
    picks the split count with the least such time. Splitting more than the GPU holds at once
    only adds programs; too few leaves SMs idle or a ragged last wave. The key tile goes with it
-   (`split_rule`): where the split count for 64-key tiles gives chunks of LONG_CHUNK keys or
-   more, the call runs 128-key tiles (`long_config_for` says where), its splits counted anew.
+   (`split_rule`): where 128-key tiles (`long_config_for` says where), their splits counted for
+   their own occupancy, leave each split LONG_CHUNK keys or more, the call runs them; shorter
+   chunks keep 64-key tiles.
 
 3. Merge. A second small kernel, one program per output row, combines the partials exactly:
    with M = max_s L_s and w_s = 2^(L_s - M), out = sum_s w_s O_s / sum_s w_s and
@@ -92,13 +93,17 @@ MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 256
 MAX_RESIDENT = 4
 MERGE_TILE = 16  # partial rows the merge reads per step
-# Key tiles by chunk length (split_rule). Where a split's chunk holds at least LONG_CHUNK keys,
-# the call walks it in LONG_BLOCK_N-key tiles (long_config_for), its split count worked out again
-# for those tiles' occupancy; shorter chunks keep config_for's 64-key tiles. H200, bf16, head_dim
-# 128, 32/8 heads, 16-row blocks (notes/lab/decode_configs_h200.txt): 128-key tiles won at chunks
-# of ~2.7k keys (64 x 8192 keys: 0.4927 against 0.5085 ms; 1 x 131072: 0.1393 against 0.1896)
-# and ~5.5k (8 x 32768: 0.2580 against 0.2616) and lost at 1024 (128 x 1024, one split: 0.1458
-# against 0.1413); 2048 lies between.
+# Key tiles by chunk length (split_rule). Where LONG_BLOCK_N-key tiles (long_config_for), their
+# split count worked out for their own occupancy, leave each split a chunk of LONG_CHUNK keys or
+# more, the call walks them; otherwise config_for's 64-key tiles. A long walk is streaming-bound:
+# a longer tile halves the loop trips and rescales per key. A short one (few keys a program) is
+# latency-bound, where 64-key tiles let three programs share an SM (128-key ones: one) and end
+# sooner. H200, bf16, head_dim 128, 32/8 heads, 16-row blocks, both tiles pinned
+# (notes/lab/decode_tiles_h200.txt, decode_configs_h200.txt): 128-key tiles won where their
+# chunks were 2048-16384 keys, by 1.3-7 % (64 x 8192 keys: 0.4916 against 0.5078 ms; 16 x 4096:
+# 0.0777 against 0.0832; 1 x 131072, 16 chunks of 8192: 0.1398 against 0.1446; 4 x 4 queries x
+# 8192, chunks of 2048: 0.0522 against 0.0531), and lost where they were 512-1024 (1 x 2048: 4
+# chunks of 512, 0.0452 against 0.0369; 128 x 1024, one chunk of 1024: 0.1462 against 0.1415).
 LONG_CHUNK = 2048
 LONG_BLOCK_N = 128
 # A window unbounded on the left: a left offset no row's key index reaches (int32 arithmetic).
@@ -367,8 +372,8 @@ def config_for(head_dim, rows, dtype):
 
 
 def long_config_for(head_dim, rows, dtype):
-    """config_for's config with LONG_BLOCK_N-key tiles, for calls whose splits take chunks of at
-    least LONG_CHUNK keys; None where config_for's tile stays: fp32 inputs (config_for's tiles are
+    """config_for's config with LONG_BLOCK_N-key tiles, for calls whose splits walk LONG_CHUNK keys
+    or more in them (split_rule); None where config_for's tile stays: fp32 inputs (config_for's tiles are
     the largest without spills) and head_dim > 128 (its 32-key tiles already fill the shared
     memory a program may take). A 64-row block takes 8 warps: at 4, its 64 x 128 score tile
     takes 255 registers with Triton 3.6 and spills with 3.9; at 8, 254 and no spill (sm_90
@@ -415,18 +420,20 @@ def num_splits_for(groups, kv_len, block_n, slots):
 def split_rule(kv_len, window_keys, groups, tiles, forced_splits, long_chunk):
     """(block_n, num_splits, chunk) of a call over kv_len keys: the key tile it walks, its split
     count and the keys a split takes (whole tiles). tiles: (block_n, slots) of the short tile,
-    then of the long one where the call may take it. The short tile's split count (forced_splits,
-    else num_splits_for) decides: a chunk of at least long_chunk keys takes the long tile, whose
-    split count is then worked out again for its own slots (fewer programs fit an SM). With a
-    window bounded both ways a row block splits only the window_keys + block_n keys its chunks
-    cover (its first query's window edge rounded down to a tile, to its last query's diagonal).
-    E.g. on the H200, bf16, head_dim 128 (tiles (64, 396), (128, 132)), 64 seqs x 8 kv heads of
-    8192 keys: 3 splits of 2752 keys in 64-key tiles, so 128-key tiles, 1 split of 8192."""
-    block_n, num_splits, chunk = _chunks(kv_len, window_keys, groups, *tiles[0], forced_splits)
-    if len(tiles) > 1 and chunk >= long_chunk:
-        block_n, num_splits, chunk = _chunks(kv_len, window_keys, groups, *tiles[1],
-                                             forced_splits)
-    return block_n, num_splits, chunk
+    then of the long one where the call may take it. The long tile is taken when its own split
+    count (forced_splits, else num_splits_for for its slots: fewer programs fit an SM) leaves
+    each split a chunk of at least long_chunk keys; otherwise the short tile, its split count
+    worked out for its own slots. With a window bounded both ways a row block splits only the
+    window_keys + block_n keys its chunks cover (its first query's window edge rounded down to a
+    tile, to its last query's diagonal). E.g. on the H200, bf16, head_dim 128 (tiles (64, 396),
+    (128, 132)): 64 seqs x 8 kv heads of 8192 keys take 128-key tiles, 1 split of 8192; 128
+    seqs of 1024 keys (one 1024-key chunk either way) and 1 seq of 2048 (4 splits of 512 in
+    128-key tiles) keep 64-key tiles."""
+    if len(tiles) > 1:
+        long = _chunks(kv_len, window_keys, groups, *tiles[1], forced_splits)
+        if long[2] >= long_chunk:
+            return long
+    return _chunks(kv_len, window_keys, groups, *tiles[0], forced_splits)
 
 
 def _chunks(kv_len, window_keys, groups, block_n, slots, forced_splits):
@@ -466,8 +473,8 @@ class _Plan:
     the key length, the chunk (both in K/V tiles, so within one tile and split count a call's
     grid and constexprs do not depend on them), the K/V strides (a cache grown by torch.cat has
     new ones each step) and the scale. Of those ints the launch keys hold only what Triton
-    specializes on (launch.int_specializations). A loop whose cache grows past LONG_CHUNK keys a
-    split keeps its plan and switches tiles: the tile is in the split kernel's key."""
+    specializes on (launch.int_specializations). A loop whose cache grows into long chunks
+    keeps its plan and switches tiles: the tile is in the split kernel's key."""
 
     MAX_LENGTHS = 4096  # key lengths remembered per plan
 
@@ -560,8 +567,8 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
 
     An eager call is looked up by what fixes its kernels and their fixed arguments (_Plan says
     what is left out); a repeat launches both kernels directly (launch._Bound). Module state the
-    key does not hold (num_splits_for, config_for, LONG_CHUNK) is forgotten by
-    launch.forget_launches().
+    key does not hold (num_splits_for, config_for, long_config_for: what tests replace) is
+    forgotten by launch.forget_launches().
     """
     paged = block_table is not None
     if paged:  # [num_blocks, page_size, kv_heads, d]: block, head, row, column strides

@@ -155,8 +155,8 @@ def main():
                 print(f"{text} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         best_peer = min((times[n] for n in peers if n in times), default=None)
         o, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
-        # The op's choice: split count and key tile (split_rule: chunks of LONG_CHUNK keys or
-        # more take long_config_for's tile), next to the pinned configs above.
+        # The op's choice: split count and key tile (split_rule: long_config_for's where its
+        # chunks are LONG_CHUNK keys or more), next to the pinned configs above.
         splits, block_n = decode.attention_decode(q, k, v, o, lse, causal=True, scale=scale)
         rows_per_kv_head = q_len * heads // kv_heads
         short = decode.config_for(d, rows_per_kv_head, dtype)
@@ -164,8 +164,8 @@ def main():
         block_m, _, _, warps, stages = short if block_n == short[1] else long
         print(f"{text} ({args.dtype}, {sms} SMs): HBM floor {floor_ms:.4f} ms; split rule: "
               f"{splits} splits; tiles {block_m}x{block_n} "
-              f"({'long' if block_n != short[1] else 'short'} chunks: the long tile from "
-              f"{decode.LONG_CHUNK} keys a split), {warps} warps, {stages} stages; "
+              f"({'long' if block_n != short[1] else 'short'}: the long tile where its chunks "
+              f"hold {decode.LONG_CHUNK} keys or more), {warps} warps, {stages} stages; "
               f"best peer {best_peer and round(best_peer, 4)} ms", flush=True)
         for name, ms in times.items():
             vs_peer = f" {best_peer / ms:5.2f}x best peer" if best_peer else ""
