@@ -472,7 +472,7 @@ def test_a_case_dtype_wins_over_the_flag(fakes, tmp_path, monkeypatch):
     assert [c["dtype"] for c in doc["cases"]] == ["fp16", None]
 
 
-# --- --resume --------------------------------------------------------------------------------------
+# --- --resume -----------------------------------------------------------------------------
 
 def test_resume_times_only_the_missing_rows(fakes, tmp_path, monkeypatch):
     # A run cut short after 3 of its rows, then the same command with --resume: the kept rows are

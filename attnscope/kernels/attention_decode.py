@@ -64,7 +64,8 @@ and the split rule counts only the window's keys. Tiles that cut the left edge r
 softcap caps the scaled scores, softcap * tanh(s / softcap), before the softmax (common._logits).
 
 Eager launches go through launch.FastLaunch under a key that leaves out the key length, so a
-decode loop launches directly at every step (`_Plan`). This module imports only torch, triton,
+decode loop launches directly at almost every step (`_Plan`; a new split count, key tile or
+Triton specialization of the key length compiles once). This module imports only torch, triton,
 attnscope.kernels.common (shared jit helpers) and attnscope.kernels.launch.
 """
 
@@ -372,10 +373,10 @@ def config_for(head_dim, rows, dtype):
 
 
 def long_config_for(head_dim, rows, dtype):
-    """config_for's config with LONG_BLOCK_N-key tiles, for calls whose splits walk LONG_CHUNK keys
-    or more in them (split_rule); None where config_for's tile stays: fp32 inputs (config_for's tiles are
-    the largest without spills) and head_dim > 128 (its 32-key tiles already fill the shared
-    memory a program may take). A 64-row block takes 8 warps: at 4, its 64 x 128 score tile
+    """config_for's config with LONG_BLOCK_N-key tiles, for calls whose splits walk LONG_CHUNK
+    keys or more in them (split_rule); None where config_for's tile stays: fp32 inputs
+    (config_for's tiles are the largest without spills) and head_dim > 128 (its 32-key tiles
+    already fill the shared memory a program may take). A 64-row block takes 8 warps: at 4, its 64 x 128 score tile
     takes 255 registers with Triton 3.6 and spills with 3.9; at 8, 254 and no spill (sm_90
     offline compiles; 16 rows: 168 registers at 4 warps). In the interpreter, tiles twice
     config_for's, so CPU tests cross several tiles of either."""

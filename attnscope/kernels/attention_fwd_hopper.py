@@ -28,7 +28,8 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   while the other's matrix multiplies do.
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU,
-Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256), q/k/v contiguous
+Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from
+MIN_QUERIES = 2049 queries on), q/k/v contiguous
 [batch, heads, seq, head_dim], a positive scale, and a launch that is not being traced (under
 torch.compile the Triton kernel runs). A head_dim that is not a power of two runs as two
 column parts of power-of-two widths (`column_parts`: 80 = 64 + 16, 96 = 64 + 32, 192 = 128 +
@@ -36,8 +37,9 @@ column parts of power-of-two widths (`column_parts`: 80 = 64 + 16, 96 = 64 + 32,
 accumulators, so no wgmma multiplies zero columns. Where two parts would cover as many columns
 as one (112), one part padded to the next power of two: the descriptors' boxes are wider than
 the rows, so the copy engine fills the padding columns with zeros (they add nothing to Q K^T,
-and P V's padding columns are zeros) and drops them on the store. Any query and key length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a block that
-runs past a head's end reads the copy engine's zeros (never the next head's rows), keys past
+and P V's padding columns are zeros) and drops them on the store. Any query and key length:
+the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a block that runs
+past a head's end reads the copy engine's zeros (never the next head's rows), keys past
 the end are masked to -inf in the last K/V block only, and the copy engine drops the rows of an
 output block past the end. Output blocks go to memory through shared memory and the copy engine
 (TMA store), except those of an `out` that is not contiguous and 16-byte aligned, and at
@@ -318,7 +320,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                                                 CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
             if SPLIT:
                 acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-                acc1 = acc1 * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1)), 1)
+                alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1))
+                acc1 = acc1 * gl.expand_dims(alpha1, 1)
             else:
                 acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(v_empty.index(prev))
