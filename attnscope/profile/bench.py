@@ -387,10 +387,11 @@ def _header(env: dict, sweep: str, cases, device: torch.device, l2_bytes: int | 
 RESUME_FIELDS = ("sweep", "device", "torch", "triton", "cases", "mode")
 
 
-def _resumed_rows(path: str, header: dict, cases, impls, dtype: str, causal: bool) -> list[dict]:
+def _resumed_rows(path: str, header: dict, ctx: _Context, cases, impls) -> list[dict]:
     """The rows an earlier run of the same command wrote to `path`, in the order this run would
-    time them (shape by shape, each implementation in turn); [] when the file does not exist.
-    ValueError, saying what differs, when the file is not such a run's."""
+    time them (shape by shape, each implementation in turn; each row the same implementation and
+    `_case_key` as this run's would be); [] when the file does not exist. ValueError, saying what
+    differs, when the file is not such a run's."""
     if not os.path.exists(path):
         return []
     try:
@@ -404,16 +405,21 @@ def _resumed_rows(path: str, header: dict, cases, impls, dtype: str, causal: boo
         if saved.get(field) != current:
             raise ValueError(f"--resume: {path} has {field} {_short(saved.get(field))}, this run "
                              f"{_short(current)}; give another --json or the same command")
-    expected = [(case, impl.name) for case in cases for impl in impls]
+    # the rows this run would write, as _case_rows makes them (a case's own dtype wins)
+    expected = [_row(dataclasses.replace(ctx, dtype=case.dtype) if case.dtype else ctx, case,
+                     impl.name) for case in cases for impl in impls]
     if len(rows) > len(expected):
         raise ValueError(f"--resume: {path} has {len(rows)} rows, this run times "
                          f"{len(expected)}; give the same --impl list")
-    for i, (row, (case, name)) in enumerate(zip(rows, expected)):
-        if row.get("impl") != name or list(row.get("shape", ())) != list(case.shape) \
-                or row.get("dtype") != (case.dtype or dtype) or row.get("causal") != causal:
+    for i, (row, want) in enumerate(zip(rows, expected)):
+        try:
+            same = row["impl"] == want["impl"] and _case_key(row) == _case_key(want)
+        except (KeyError, TypeError):
+            same = False
+        if not same:
             raise ValueError(f"--resume: row {i} of {path} is {row.get('impl')} at "
-                             f"{row.get('shape')}, where this run times {name} at "
-                             f"{list(case.shape)}; give the same --impl list and flags")
+                             f"{row.get('shape')}, where this run times {want['impl']} at "
+                             f"{want['shape']}; give the same --impl list and flags")
     return rows
 
 
@@ -456,7 +462,7 @@ def run(args) -> int:
     rows: list[dict] = []
     if args.resume:
         try:
-            rows = _resumed_rows(args.json, header, cases, impls, args.dtype, args.causal)
+            rows = _resumed_rows(args.json, header, ctx, cases, impls)
         except ValueError as exc:
             print(f"bench: error: {exc}", file=sys.stderr)
             return 2
