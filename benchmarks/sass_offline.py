@@ -68,10 +68,11 @@ def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_gluon(head_dim, config, dtype="bf16"):
+def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
     """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
     (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
-    a warm-up compile and a driver that names the target instead of asking a GPU."""
+    a warm-up compile and a driver that names the target instead of asking a GPU. `varlen`:
+    the packed-sequence (VARLEN) kernel, as fused_attention_varlen launches it."""
     import torch
     from triton.backends.nvidia.driver import CudaDriver
     from triton.runtime import driver
@@ -99,10 +100,18 @@ def compile_gluon(head_dim, config, dtype="bf16"):
     kernel = module._attn_fwd_hopper
     module._launch = lambda key, grid, args, kwargs, **_: kernel.warmup(*args, grid=grid, **kwargs)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    config = config or module.CONFIGS[head_dim]
+    if varlen:  # two sequences packed into 1024 rows, viewed as the varlen op views them
+        packed = torch.empty(1024, 4, head_dim, dtype=torch_dtype).permute(1, 0, 2)
+        q = packed.unsqueeze(0).expand(2, -1, -1, -1)
+        cu = torch.tensor([0, 300, 1024], dtype=torch.int32)
+        return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(4, 1024),
+                                           causal=True, scale=head_dim ** -0.5, causal_offset=0,
+                                           varlen=(cu, cu, 724), config=config)
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
     return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, 1024),
                                        causal=True, scale=head_dim ** -0.5, causal_offset=0,
-                                       config=config or module.CONFIGS[head_dim])
+                                       config=config)
 
 
 def cuobjdump(compiled, *flags):
@@ -137,6 +146,8 @@ def main():
                         "long-sequence entry; causal head_dim-64 calls of <= 2048 queries run "
                         "64,64,4,3); with --gluon BLOCK_N,STAGES,REGS")
     p.add_argument("--gluon", action="store_true", help="the Gluon Hopper kernel instead")
+    p.add_argument("--varlen", action="store_true",
+                   help="with --gluon: its packed-sequence variant (fused_attention_varlen's)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
@@ -147,7 +158,7 @@ def main():
         config = args.config and tuple(int(x) for x in args.config.split(","))
         if config and len(config) != 3:
             p.error("--gluon --config takes BLOCK_N,STAGES,REGS")
-        compiled = compile_gluon(args.head_dim, config, args.dtype)
+        compiled = compile_gluon(args.head_dim, config, args.dtype, args.varlen)
     else:
         config = tuple(int(x) for x in (args.config or "128,64,8,3").split(","))
         if len(config) != 4:
@@ -159,6 +170,7 @@ def main():
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
     print(f"triton {triton.__version__}, sm_90, {'gluon' if args.gluon else 'triton'} kernel, "
           f"head_dim {args.head_dim}, config {config or 'of the table'}"
+          + (", packed sequences" if args.varlen else "")
           + ("" if args.gluon else f", pipeline {args.pipeline}, tma {args.tma}, "
              f"maxnreg {args.maxnreg}"))
     print(f"{usage.group(0) if usage else 'resource usage not found'}, "

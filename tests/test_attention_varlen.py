@@ -11,7 +11,9 @@ import torch
 
 from attnscope import fused_attention_varlen
 from attnscope.attention.reference import attention_reference_varlen
-from fused_checks import CPU, CPU_DTYPES, GPU_DTYPES, nan_outputs  # noqa: F401
+from attnscope.attention.varlen import _as_batched
+from attnscope.kernels import dispatch
+from fused_checks import CPU, CPU_DTYPES, GPU_DTYPES, nan_outputs, on_hopper  # noqa: F401
 from test_fused_attention_backward import CPU_DTYPES as GRAD_CPU_DTYPES
 from test_fused_attention_backward import GPU_DTYPES as GRAD_GPU_DTYPES
 
@@ -155,3 +157,64 @@ def test_gpu_realistic(causal, window, softcap, head_dim, dtype):
     lengths = [0, 1, 127, 128, 1000, 4096]
     check_varlen(lengths, lengths[1:] + lengths[:1], 8, 2, head_dim, dtype, "cuda",
                  causal=causal, window=window, softcap=softcap)
+
+
+# The Gluon kernel takes packed batches on sm_90 (attention_fwd_hopper.supports): lengths with
+# empty sequences on either side, fewer keys than queries (rows that see no key), ragged tiles
+# and K/V blocks that run into the next sequence's rows (masked), more tiles than SMs
+# (the persistent loop), GQA; the longest sequence reaches head_dim 64's MIN_QUERIES.
+GLUON_LENGTHS_Q = [0, 1, 127, 128, 1000, 2500, 77, 300]
+GLUON_LENGTHS_K = [5, 0, 300, 128, 999, 2500, 2049, 64]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype", [d for d, _, _ in GPU_DTYPES])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128, 192, 256])
+def test_gpu_gluon_kernel(head_dim, causal, dtype):
+    # and head dims it leaves to the Triton kernel (64, 112), through the same checks
+    from attnscope.kernels import attention_fwd_hopper as hopper
+    dispatch.forget_launches()
+    check_varlen(GLUON_LENGTHS_Q, GLUON_LENGTHS_K, 8, 2, head_dim, dtype, "cuda", causal=causal)
+    kernel = "_attn_fwd_hopper" if head_dim in hopper.PACKED_HEAD_DIMS else "_attn_fwd"
+    assert dispatch.launched_forward_kernels()[0]["name"] == kernel
+
+
+def test_packed_head_dims_are_whole_column_parts():
+    # a packed row's box must not run into the neighbouring head's columns
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    assert all(sum(hopper.column_parts(d)) == d for d in hopper.PACKED_HEAD_DIMS)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_gpu_gluon_kernel_strided_rows():
+    # q, k, v slices of one fused projection (rows 3 * heads * head_dim apart), as a model's
+    # packed QKV gives them: the copy engine reads them in place
+    lengths = [700, 0, 1500, 33]
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    qkv = torch.randn(sum(lengths), 3, 4, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv.unbind(1)
+    views = [_as_batched(t, len(lengths)) for t in (q, k, v)]
+    varlen = (cu, cu, max(lengths))
+    assert dispatch.uses_hopper_kernel(*views, torch.empty_like(views[0]), 0.1, varlen=varlen)
+    out = fused_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths))
+    ref = attention_reference_varlen(q.double(), k.double(), v.double(), cu, cu)
+    low = attention_reference_varlen(q, k, v, cu, cu, dtype=torch.bfloat16)
+    floor = {d: f for d, f, _ in GPU_DTYPES}[torch.bfloat16]
+    assert (out.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max() + floor
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_gpu_gluon_kernel_only_takes_what_it_supports():
+    def takes(head_dim, lengths, dtype=torch.bfloat16):
+        q, k, v, cu_q, cu_k = packed(lengths, lengths, 4, 2, head_dim, dtype, "cuda")
+        views = [_as_batched(t, len(lengths)) for t in (q, k, v)]
+        return dispatch.uses_hopper_kernel(*views, torch.empty_like(views[0]), 0.1,
+                                           varlen=(cu_q, cu_k, max(lengths)))
+    assert takes(128, [300, 5])
+    assert not takes(112, [300, 5])  # padded to 128: a box would read the next head's columns
+    assert not takes(64, [4096, 5])  # the Triton kernel is faster there
+    assert not takes(128, [300, 5], torch.float32)

@@ -371,21 +371,23 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
     if wrap is not None:
         return wrap(_attn_fwd)[grid](*args, **kwargs)
     if key is None:
-        key = launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap)
-        if varlen is not None:  # the cumulative lengths are per-call arguments too
-            key += ("varlen", max_q, aligned(cu_q, cu_k))
-        key += (config,)
+        key = launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap,
+                         varlen) + (config,)
     return _launch(key, grid, args, kwargs, per_call=5 if varlen is None else 7,
                    config=dict(zip(CONFIG_FIELDS, (block_m, block_n, num_warps, num_stages,
                                                    pipeline, use_tma))))
 
 
-def launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap):
+def launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap, varlen=None):
     """What fixes a forward's kernel, its table config and every argument but the five
-    tensors (FastLaunch's key): the dispatch looks an eager call up by it."""
-    return (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape,
-            q.stride(), k.stride(), v.stride(), out.stride(), aligned(q, k, v, out, lse),
-            causal, causal_offset, scale, window, softcap)
+    tensors (seven with a packed batch's cumulative lengths: FastLaunch's key): the dispatch
+    looks an eager call up by it."""
+    key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape,
+           q.stride(), k.stride(), v.stride(), out.stride(), aligned(q, k, v, out, lse),
+           causal, causal_offset, scale, window, softcap)
+    if varlen is not None:  # the longest sequence fixes the grid
+        key += ("varlen", varlen[2], aligned(*varlen[:2]))
+    return key
 
 
 _launch = FastLaunch(_attn_fwd, FORWARD_LAUNCHES)

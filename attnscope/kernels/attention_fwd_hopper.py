@@ -65,93 +65,141 @@ NUM_WG = gl.constexpr(2)  # consumer warpgroups: 128-row tiles
 
 
 @gluon.jit
-def _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
+          CAUSAL: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr):
     # Tile t of the launch: (batch * head, first query row, number of K/V blocks), in the Triton
-    # kernel's order (heads in groups that share L2, last query block first within a group).
-    # Which program runs which tiles is the host's schedule (tile_schedule).
+    # kernel's order (heads in groups that share L2, last query block first within a group),
+    # and its sequence: first query and key rows in the tensors, query and key lengths, causal
+    # offset. A packed batch (VARLEN) reads its sequence's bounds from the cumulative lengths,
+    # aligned bottom-right; its tiles past their sequence's last query are not `valid` (the
+    # grid covers the longest sequence) and nobody works on them. Which program runs which
+    # tiles is the host's schedule (tile_schedule).
     off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
     first_row = m * BLOCK_M
-    if CAUSAL:  # keys the tile's last row sees
-        hi = gl.maximum(gl.minimum(first_row + BLOCK_M + CAUSAL_OFFSET, N_CTX_K), 0)
+    if VARLEN:
+        b = off_hz // H
+        q_start = gl.load(CuQ + b)
+        q_len = gl.load(CuQ + b + 1) - q_start
+        k_start = gl.load(CuK + b)
+        k_len = gl.load(CuK + b + 1) - k_start
+        offset = CAUSAL_OFFSET + k_len - q_len
+        valid = first_row < q_len
     else:
-        hi = N_CTX_K
-    return off_hz, first_row, gl.cdiv(hi, BLOCK_N)
+        q_start = 0
+        q_len = N_CTX_Q
+        k_start = 0
+        k_len = N_CTX_K
+        offset = CAUSAL_OFFSET
+        valid = True
+    if CAUSAL:  # keys the tile's last row sees
+        hi = gl.maximum(gl.minimum(first_row + BLOCK_M + offset, k_len), 0)
+    else:
+        hi = k_len
+    return off_hz, first_row, gl.cdiv(hi, BLOCK_N), valid, q_start, q_len, k_start, k_len, offset
 
 
 @gluon.jit
-def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem):
-    # A [heads, seq, HEAD_DIM] view of ptr whose blocks are one buffer of the ring `smem`
-    # ([buffers, rows, width]): rows x width boxes, columns past HEAD_DIM read as zeros.
+def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem, VARLEN: gl.constexpr,
+                row_stride=0):
+    # The copy engine's view of ptr whose blocks are one buffer of the ring `smem` ([buffers,
+    # rows, width]). Dense: [heads, seq, HEAD_DIM], rows x width boxes at (head, row, column), so
+    # a block past a head's end or columns past HEAD_DIM read as zeros. Packed (VARLEN, n_hz the
+    # heads of one row): the packed tensor as [total rows, heads * HEAD_DIM] with rows
+    # row_stride apart, boxes at (row, head * HEAD_DIM + column); rows past a sequence's end
+    # read the next sequence's (masked or never stored), columns must not run past the head
+    # (the host checks).
     rows: gl.constexpr = smem.shape[1]
     width: gl.constexpr = smem.shape[2]
-    return tma.make_tensor_descriptor(ptr, [n_hz, n_ctx, HEAD_DIM], [n_ctx * HEAD_DIM, HEAD_DIM, 1],
-                                      [1, rows, width],
-                                      smem.index(0).reshape([1, rows, width]).layout)
+    if VARLEN:
+        return tma.make_tensor_descriptor(ptr, [n_ctx, n_hz * HEAD_DIM], [row_stride, 1],
+                                          [rows, width], smem.index(0).layout)
+    else:
+        return tma.make_tensor_descriptor(ptr, [n_hz, n_ctx, HEAD_DIM],
+                                          [n_ctx * HEAD_DIM, HEAD_DIM, 1], [1, rows, width],
+                                          smem.index(0).reshape([1, rows, width]).layout)
 
 
 @gluon.jit
-def _load(desc, coord, bar, buf):
-    # One box of desc into the 2-D shared buffer buf, signalling bar when its bytes land.
-    tma_load(desc, coord, bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
+def _load(desc, hz, row, col, bar, buf, VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr):
+    # One box of desc (_descriptor's) into the 2-D shared buffer buf, signalling bar when its
+    # bytes land: rows from `row`, columns from `col` of head `hz` (in the packed tensor's row
+    # for VARLEN, of the [heads, seq, HEAD_DIM] view otherwise).
+    if VARLEN:
+        tma_load(desc, [row, hz * HEAD_DIM + col], bar, buf)
+    else:
+        tma_load(desc, [hz, row, col], bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
 
 
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, D1: gl.constexpr):
+            STAGES: gl.constexpr, D1: gl.constexpr, VARLEN: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
-     k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, N_CTX_Q, N_CTX_K,
-     CAUSAL_OFFSET) = args
-    # The copy engine's descriptors, made here on the device once per program: each of q, k, v
-    # seen as [heads, seq, HEAD_DIM], so a block that runs past a head's end reads the copy
-    # engine's zeros, never the next head's rows. (Host-made descriptors cost ~50 us of
-    # Triton's launch per call.) A split head_dim has a second set for its columns from D0 on.
+     k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, CuQ, CuK, N_CTX_Q,
+     N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm) = args
+    # The copy engine's descriptors, made here on the device once per program (_descriptor).
+    # (Host-made descriptors cost ~50 us of Triton's launch per call.) A split head_dim has a
+    # second set for its columns from D0 on.
     D0: gl.constexpr = q_smem.shape[2]
     SPLIT: gl.constexpr = D1 > 0
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
     kv_bytes: gl.constexpr = BLOCK_N * (D0 + D1) * elem
-    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem)
-    kv_hz = n_hz // GROUP
-    k_desc = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem)
-    v_desc = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem)
+    # heads of the descriptors' views: all (batch, head) pairs, or the heads of one packed row
+    q_hz = H if VARLEN else n_hz
+    kv_hz = q_hz // GROUP
+    q_desc = _descriptor(Q, q_hz, N_CTX_Q, HEAD_DIM, q_smem, VARLEN, stride_qm)
+    k_desc = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem, VARLEN, stride_km)
+    v_desc = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem, VARLEN, stride_vm)
     if SPLIT:
-        q_desc1 = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem1)
-        k_desc1 = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem1)
-        v_desc1 = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem1)
+        q_desc1 = _descriptor(Q, q_hz, N_CTX_Q, HEAD_DIM, q_smem1, VARLEN, stride_qm)
+        k_desc1 = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem1, VARLEN, stride_km)
+        v_desc1 = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem1, VARLEN, stride_vm)
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
     for r in range(gl.load(sched)):
         t = gl.load(sched + 1 + r)
-        off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET,
-                                            CAUSAL, NUM_WG * ROWS, BLOCK_N)
-        kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
-        # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
-        # loads into each buffer wait for nobody.
-        for wg in gl.static_range(NUM_WG):
-            mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
-            mbarrier.expect(q_ready.index(wg), q_bytes)
-            _load(q_desc, [off_hz, first_row + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
-            if SPLIT:
-                _load(q_desc1, [off_hz, first_row + wg * ROWS, D0], q_ready.index(wg),
-                      q_smem1.index(wg))
-        for j in range(n_blocks):
-            slot = (it + j) % STAGES
-            phase = (((it + j) // STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_ready.index(slot), kv_bytes)
-            _load(k_desc, [kv_head, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-            if SPLIT:
-                _load(k_desc1, [kv_head, j * BLOCK_N, D0], k_ready.index(slot),
-                      k_smem1.index(slot))
-            mbarrier.wait(v_empty.index(slot), phase)
-            mbarrier.expect(v_ready.index(slot), kv_bytes)
-            _load(v_desc, [kv_head, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
-            if SPLIT:
-                _load(v_desc1, [kv_head, j * BLOCK_N, D0], v_ready.index(slot),
-                      v_smem1.index(slot))
-        it += n_blocks
-        ti += 1
+        off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
+            t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
+            VARLEN, NUM_WG * ROWS, BLOCK_N)
+        if valid:
+            if VARLEN:  # the packed tensors' heads
+                q_head = off_hz % H
+                kv_head = q_head // GROUP
+            else:
+                q_head = off_hz
+                kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
+            # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
+            # loads into each buffer wait for nobody.
+            for wg in gl.static_range(NUM_WG):
+                row = q_start + first_row + wg * ROWS
+                mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
+                mbarrier.expect(q_ready.index(wg), q_bytes)
+                _load(q_desc, q_head, row, 0, q_ready.index(wg), q_smem.index(wg), VARLEN,
+                      HEAD_DIM)
+                if SPLIT:
+                    _load(q_desc1, q_head, row, D0, q_ready.index(wg), q_smem1.index(wg),
+                          VARLEN, HEAD_DIM)
+            for j in range(n_blocks):
+                slot = (it + j) % STAGES
+                phase = (((it + j) // STAGES) & 1) ^ 1
+                row = k_start + j * BLOCK_N
+                mbarrier.wait(k_empty.index(slot), phase)
+                mbarrier.expect(k_ready.index(slot), kv_bytes)
+                _load(k_desc, kv_head, row, 0, k_ready.index(slot), k_smem.index(slot), VARLEN,
+                      HEAD_DIM)
+                if SPLIT:
+                    _load(k_desc1, kv_head, row, D0, k_ready.index(slot), k_smem1.index(slot),
+                          VARLEN, HEAD_DIM)
+                mbarrier.wait(v_empty.index(slot), phase)
+                mbarrier.expect(v_ready.index(slot), kv_bytes)
+                _load(v_desc, kv_head, row, 0, v_ready.index(slot), v_smem.index(slot), VARLEN,
+                      HEAD_DIM)
+                if SPLIT:
+                    _load(v_desc1, kv_head, row, D0, v_ready.index(slot), v_smem1.index(slot),
+                          VARLEN, HEAD_DIM)
+            it += n_blocks
+            ti += 1
 
 
 @gluon.jit
@@ -223,13 +271,13 @@ def _store_rows(acc, l_safe, o_base, stride_om, m0, col0, N_CTX_Q, HEAD_DIM: gl.
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr,
-              D1: gl.constexpr):
+              D1: gl.constexpr, VARLEN: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
     (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
      k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
-     n_hz, num_m, head_group, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
+     n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
     D0: gl.constexpr = q_smem.shape[2]
     SPLIT: gl.constexpr = D1 > 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -249,141 +297,154 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         q1 = q_smem1.index(WG)
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM] (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end
-        o_desc = _descriptor(Out, n_hz, N_CTX_Q, HEAD_DIM, o_smem)
+        o_desc = _descriptor(Out, n_hz, N_CTX_Q, HEAD_DIM, o_smem, False)
         if SPLIT:
-            o_desc1 = _descriptor(Out, n_hz, N_CTX_Q, HEAD_DIM, o_smem1)
+            o_desc1 = _descriptor(Out, n_hz, N_CTX_Q, HEAD_DIM, o_smem1, False)
 
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
     for r in range(gl.load(sched)):
         t = gl.load(sched + 1 + r)
-        off_hz, first_row, n_blocks = _tile(t, n_hz, num_m, head_group, N_CTX_K, CAUSAL_OFFSET,
-                                            CAUSAL, NUM_WG * ROWS, BLOCK_N)
-        m0 = first_row + WG * ROWS
-        rows = m0 + gl.arange(0, ROWS, layout=row_layout)
-        # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
-        if CAUSAL:
-            full_hi = gl.maximum(gl.minimum(m0 + CAUSAL_OFFSET + 1, N_CTX_K), 0)
-        else:
-            full_hi = N_CTX_K
-        full_blocks = full_hi // BLOCK_N
+        off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
+            t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
+            VARLEN, NUM_WG * ROWS, BLOCK_N)
+        if valid:
+            m0 = first_row + WG * ROWS
+            rows = m0 + gl.arange(0, ROWS, layout=row_layout)
+            # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
+            if CAUSAL:
+                full_hi = gl.maximum(gl.minimum(m0 + offset + 1, k_len), 0)
+            else:
+                full_hi = k_len
+            full_blocks = full_hi // BLOCK_N
 
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([ROWS], gl.float32, row_layout)
-        acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
-        p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
-        if SPLIT:
-            acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
-
-        mbarrier.wait(q_ready.index(WG), ti & 1)
-        if n_blocks > 0:
-            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-            # turn k waits for phase k of this warpgroup's turn barrier
-            mbarrier.wait(turn.index(WG), it & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+            l_i = gl.zeros([ROWS], gl.float32, row_layout)
+            acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
+            p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
             if SPLIT:
-                s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)), s_tok,
-                                      is_async=True)
-            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            mbarrier.arrive(k_empty.index(it % STAGES))
-            p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, N_CTX_K,
-                                                CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
 
-        for j in range(1, n_blocks):
-            g = it + j
-            slot = g % STAGES
-            prev = (g - 1) % STAGES
-            mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-            mbarrier.wait(turn.index(WG), g & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            if SPLIT:
-                s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok,
-                                      is_async=True)
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(prev),
-                                     acc1, is_async=True)
+            mbarrier.wait(q_ready.index(WG), ti & 1)
+            if n_blocks > 0:
+                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+                # turn k waits for phase k of this warpgroup's turn barrier
+                mbarrier.wait(turn.index(WG), it & 1)
+                s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                if SPLIT:
+                    s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
+                                          s_tok, is_async=True)
                 mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-                # S_j is done (wgmma retire in order); the P V pair may still run
-                s_j, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
-            else:
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-                # S_j is done; P_{j-1} V_{j-1} may still run while this block's softmax does
-                s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
-            mbarrier.arrive(k_empty.index(slot))
-            p, alpha, l_i, m_i = _block_softmax(s_j, m_i, l_i, rows, j, full_blocks, N_CTX_K,
-                                                CAUSAL_OFFSET, qk_scale, CAUSAL, BLOCK_N)
-            if SPLIT:
-                acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-                alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1))
-                acc1 = acc1 * gl.expand_dims(alpha1, 1)
-            else:
-                acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(v_empty.index(prev))
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        # Q is no longer read: the loader may bring in the next tile's while this one finishes
-        mbarrier.arrive(q_empty.index(WG))
+                s = warpgroup_mma_wait(0, deps=[s_tok])
+                mbarrier.arrive(k_empty.index(it % STAGES))
+                p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, k_len,
+                                                    offset, qk_scale, CAUSAL, BLOCK_N)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        if n_blocks > 0:
-            last = (it + n_blocks - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            if SPLIT:
-                acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(last),
-                                     acc1, is_async=True)
-                acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-            else:
-                acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(v_empty.index(last))
+            for j in range(1, n_blocks):
+                g = it + j
+                slot = g % STAGES
+                prev = (g - 1) % STAGES
+                mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+                mbarrier.wait(turn.index(WG), g & 1)
+                s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                if SPLIT:
+                    s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok,
+                                          is_async=True)
+                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                    acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
+                                         v_smem1.index(prev), acc1, is_async=True)
+                    mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                    # S_j is done (wgmma retire in order); the P V pair may still run
+                    s_j, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
+                else:
+                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                    mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                    # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
+                    s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
+                mbarrier.arrive(k_empty.index(slot))
+                p, alpha, l_i, m_i = _block_softmax(s_j, m_i, l_i, rows, j, full_blocks, k_len,
+                                                    offset, qk_scale, CAUSAL, BLOCK_N)
+                if SPLIT:
+                    acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+                    alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1))
+                    acc1 = acc1 * gl.expand_dims(alpha1, 1)
+                else:
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(v_empty.index(prev))
+                alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+                acc = acc * gl.expand_dims(alpha0, 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            # Q is no longer read: the loader may bring in the next tile's while this one ends
+            mbarrier.arrive(q_empty.index(WG))
 
-        # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
-        lse = (m_i + gl.log2(l_i)) * LN2
-        gl.store(Lse + off_hz.to(gl.int64) * N_CTX_Q + rows, lse, mask=rows < N_CTX_Q)
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        if TMA_STORE:
-            # The copy engine stores the block from shared memory while this warpgroup moves on
-            # to its next tile; only the next tile's epilogue waits for it (the buffer is reused).
-            tma.store_wait(0)
-            _stage(acc, l_safe, o_smem.index(WG))
-            if SPLIT:
-                _stage(acc1, l_safe, o_smem1.index(WG))
-            fence_async_shared()
-            _store(o_desc, [off_hz, m0, 0], o_smem.index(WG))
-            if SPLIT:
-                _store(o_desc1, [off_hz, m0, D0], o_smem1.index(WG))
-        else:  # an out the copy engine cannot address: register stores
-            o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
-                      + (off_hz % H).to(gl.int64) * stride_oh)
-            _store_rows(acc, l_safe, o_base, stride_om, m0, 0, N_CTX_Q, HEAD_DIM)
-            if SPLIT:
-                _store_rows(acc1, l_safe, o_base, stride_om, m0, D0, N_CTX_Q, HEAD_DIM)
-        it += n_blocks
-        ti += 1
+            if n_blocks > 0:
+                last = (it + n_blocks - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
+                acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+                if SPLIT:
+                    acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
+                                         v_smem1.index(last), acc1, is_async=True)
+                    acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+                else:
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(v_empty.index(last))
+
+            # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
+            lse = (m_i + gl.log2(l_i)) * LN2
+            if VARLEN:  # flash-attn's [heads, total_q]
+                lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
+            else:
+                lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
+            gl.store(lse_row + rows, lse, mask=rows < q_len)
+            l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+            if TMA_STORE:
+                # The copy engine stores the block from shared memory while this warpgroup moves
+                # on to its next tile; only the next tile's epilogue waits for it (the buffer is
+                # reused).
+                tma.store_wait(0)
+                _stage(acc, l_safe, o_smem.index(WG))
+                if SPLIT:
+                    _stage(acc1, l_safe, o_smem1.index(WG))
+                fence_async_shared()
+                _store(o_desc, [off_hz, m0, 0], o_smem.index(WG))
+                if SPLIT:
+                    _store(o_desc1, [off_hz, m0, D0], o_smem1.index(WG))
+            else:  # an out the copy engine cannot address (or a packed one): register stores
+                o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
+                          + (off_hz % H).to(gl.int64) * stride_oh)
+                if VARLEN:  # the sequence's first row
+                    o_base += q_start.to(gl.int64) * stride_om
+                _store_rows(acc, l_safe, o_base, stride_om, m0, 0, q_len, HEAD_DIM)
+                if SPLIT:
+                    _store_rows(acc1, l_safe, o_base, stride_om, m0, D0, q_len, HEAD_DIM)
+            it += n_blocks
+            ti += 1
     if TMA_STORE:
         tma.store_wait(0)  # the last store must have read shared memory before the exit
 
 
 @gluon.jit
-def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
+def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Sched, stride_qm, stride_km, stride_vm,
+                     stride_oz, stride_oh, stride_om,
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
-                     SCHED_STRIDE,
+                     SCHED_STRIDE, NUM_M,
                      HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
-                     TMA_STORE: gl.constexpr):
+                     TMA_STORE: gl.constexpr, VARLEN: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
-    # their count, then their numbers in _tile's order.
+    # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
+    # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
+    # and V rows stride_qm, stride_km and stride_vm apart; those strides are unused otherwise).
     qk_scale = qk_scale.to(gl.float32)
     sched = Sched + gl.program_id(0) * SCHED_STRIDE
     n_hz = BATCH * H
-    num_m = gl.cdiv(N_CTX_Q, NUM_WG * ROWS)
+    num_m = NUM_M
 
     dtype: gl.constexpr = Q.dtype.element_ty
     # Q, the K/V ring and the output staging hold columns [0, BLOCK_D0) of head_dim; a split
@@ -428,17 +489,17 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, Sched, stride_oz, stride_oh, stride_om,
             o_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
     shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
               q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
-              stride_om, sched, n_hz, num_m, HEAD_GROUP, H, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-              qk_scale)
+              stride_om, sched, n_hz, num_m, HEAD_GROUP, H, CuQ, CuK, N_CTX_Q, N_CTX_K,
+              CAUSAL_OFFSET, qk_scale)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty,
-             k_ready, k_empty, v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP,
-             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET)
+             k_ready, k_empty, v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP, CuQ,
+             CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
     gl.warp_specialize([
-        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1)),
-        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1)),
-        (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, BLOCK_D1)),
+        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN)),
+        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN)),
+        (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, BLOCK_D1, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -464,34 +525,59 @@ CONFIGS = {64: (128, 3, 240), 80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2
 # the compiler's and lost 4.6 % there under Triton 3.9 (0.714 against 0.683 ms), where this
 # kernel's schedule is its own (notes/forward.md, "Triton releases").
 MIN_QUERIES = {64: 2049}
+# Packed batches (fused_attention_varlen) take this kernel at these head dims: not at 64, where
+# the Triton kernel is faster on the serving sweep's 16 packed lengths (1.247 against 1.350 ms,
+# 32 / 8 heads; at 128, 1.932 against 2.378 ms; notes/lab/gluon_varlen_h200.txt), nor where
+# the column parts pad head_dim (112: a box would read the neighbouring head's columns).
+PACKED_HEAD_DIMS = frozenset({80, 96, 128, 192, 256})
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 # Shared memory one program may take on sm_90 (227 KB), less 1 KB for the mbarriers and what
 # the compiler adds (504 B at head_dim 128).
 SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 
 
-def supports(q, k, v, out):
+def supports(q, k, v, out, varlen=None):
     """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
     CONFIGS, non-empty q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned
     addresses (the TMA descriptors view each as [batch * heads, seq, head_dim]) and out with
-    unit last stride. Any query and key length."""
+    unit last stride. Any query and key length. A packed batch (`varlen`, as
+    attention_fwd_triton's: the views with batch stride 0 of packed [total, heads, head_dim]
+    tensors) needs a head_dim in PACKED_HEAD_DIMS and in each packed tensor a unit last
+    stride, heads next to each other and rows at 16-byte aligned strides."""
     # cheapest refusals first: this runs on every eager call
     head_dim = q.shape[-1]
-    return (head_dim in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
-            and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
+    if varlen is None:
+        return (head_dim in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
+                and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
+                and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
+                and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
+                and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+                and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
+                and v.data_ptr() % 16 == 0 and device_properties(q.device).major == 9)
+    return (head_dim in PACKED_HEAD_DIMS and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
-            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            and _packed(q) and _packed(k) and _packed(v)
             and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
             and device_properties(q.device).major == 9)
 
 
-def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, config=None,
-                         key=None):
+def _packed(t):
+    # t, the [batch, heads, total, head_dim] view of a packed [total, heads, head_dim] whose
+    # rows the copy engine can read as [total, heads * head_dim] with any row stride
+    _, heads, _, head_dim = t.shape
+    _, stride_h, stride_m, stride_d = t.stride()
+    return (stride_d == 1 and stride_h == head_dim and stride_m >= heads * head_dim
+            and stride_m * t.element_size() % 16 == 0)
+
+
+def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, varlen=None,
+                         config=None, key=None):
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
-    attention_fwd.attention_fwd_triton's: `config` a tuple named by CONFIG_FIELDS instead of
-    the table's (the lab), `key` the dispatch's launch key for this call (built here when
-    None)."""
+    attention_fwd.attention_fwd_triton's (`varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    for a packed batch, q/k/v/out its [batch, heads, total, head_dim] views, lse [heads,
+    total_q]): `config` a tuple named by CONFIG_FIELDS instead of the table's (the lab), `key`
+    the dispatch's launch key for this call (built here when None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is None:
@@ -501,18 +587,21 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
     block_n, stages, regs = config
     dtype = str(q.dtype)
     tile_rows = NUM_WG.value * ROWS.value
-    num_m = -(-q_len // tile_rows)
+    cu_q, cu_k, max_q = (None, None, q_len) if varlen is None else varlen
+    num_m = -(-max_q // tile_rows)
     tiles = batch * heads * num_m
     grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
     group = head_group(q, k)
     sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
-                          kv_len, causal, causal_offset)
-    args = (q, k, v, out, lse, sched, out.stride(0), out.stride(1), out.stride(2),
+                          kv_len, causal, causal_offset, packed=varlen is not None)
+    args = (q, k, v, out, lse, cu_q, cu_k, sched, q.stride(2), k.stride(2), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
             batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
-            group, sched.shape[1])
+            group, sched.shape[1], num_m)
     # Output blocks by TMA store where out is contiguous and its staging buffers fit in shared
     # memory next to Q and the K/V ring: 0.1004 against 0.1088 ms with register stores at
-    # (8,16,1024,128) (notes/forward.md, "TMA, both directions").
+    # (8,16,1024,128) (notes/forward.md, "TMA, both directions"). Not for a packed batch: a
+    # block past its sequence's end would overwrite the next sequence's rows.
     d0, d1 = column_parts(head_dim)
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
     smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
@@ -522,15 +611,17 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, con
                   KV_LAYOUT=_smem_layout(block_n, d0, dtype),
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
-                  TMA_STORE=(out.is_contiguous() and out.data_ptr() % 16 == 0
+                  TMA_STORE=(varlen is None and out.is_contiguous() and out.data_ptr() % 16 == 0
                              and smem + NUM_WG.value * tile_bytes <= SHARED_MEMORY_BYTES),
-                  num_warps=4)
+                  VARLEN=varlen is not None, num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are contiguous and 16-byte aligned (supports): shapes say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(),
                aligned(out, lse), kwargs["TMA_STORE"], sched.shape, causal, causal_offset,
                scale, grid, config)
-    return _launch(key, grid, args, kwargs, per_call=5,
+        if varlen is not None:
+            key += ("varlen", max_q, aligned(cu_q, cu_k))
+    return _launch(key, grid, args, kwargs, per_call=5 if varlen is None else 7,
                    config=dict(zip(CONFIG_FIELDS, config)))
 
 

@@ -46,17 +46,17 @@ def _hopper():
     return None
 
 
-def uses_hopper_kernel(q, k, v, out, scale, window=(-1, -1), softcap=0.0):
+def uses_hopper_kernel(q, k, v, out, scale, window=(-1, -1), softcap=0.0, varlen=None):
     """True when an eager forward of these tensors runs the Gluon Hopper kernel
     (attention_fwd_hopper.py) instead of the Triton one: an sm_90 GPU, a Triton whose Gluon has
     what that kernel uses (gluon_compat), a positive scale (that kernel masks before scaling),
-    no sliding window and no softcap (it has neither) and the inputs it takes (its `supports`).
-    Packed sequences never reach it."""
+    no sliding window and no softcap (it has neither) and the inputs it takes (its `supports`,
+    packed sequences included: `varlen` as attention_fwd's)."""
     if (not q.is_cuda or is_interpreted() or not scale > 0 or window != (-1, -1) or softcap
             or device_properties(q.device).major != 9):
         return False
     hopper = _hopper()
-    return hopper is not None and hopper.supports(q, k, v, out)
+    return hopper is not None and hopper.supports(q, k, v, out, varlen)
 
 
 def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1, -1),
@@ -64,28 +64,30 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1
     """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
     `window`, `softcap` and `varlen` (packed sequences) as attention_fwd.attention_fwd_triton's:
-    those calls run the Triton kernel. `wrap` lets the custom op pass torch.library.wrap_triton
-    so torch.compile sees the launch (always the Triton kernel). Returns what the launch
-    returns (the compiled kernel, when called eagerly).
+    windowed and softcapped calls run the Triton kernel. `wrap` lets the custom op pass
+    torch.library.wrap_triton so torch.compile sees the launch (always the Triton kernel).
+    Returns what the launch returns (the compiled kernel, when called eagerly).
 
     An eager call is looked up first by what fixes the kernel, its config and every argument
     but the five tensors: a repeat launches at once (launch._Bound), skipping the choice of
     kernel and the argument building. Call it with q's device current (the op makes it so): a
     kept launch belongs to the device that was current at its first call."""
-    if wrap is not None or varlen is not None:
+    if wrap is not None:
         return triton_fwd.attention_fwd_triton(q, k, v, out, lse, causal=causal, scale=scale,
                                                causal_offset=causal_offset, window=window,
                                                softcap=softcap, varlen=varlen, wrap=wrap)
-    key = triton_fwd.launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap)
+    key = triton_fwd.launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap,
+                                varlen)
     bound = FORWARD_LAUNCHES.get(key)
     if bound is not None:
-        return bound((q, k, v, out, lse))
-    if uses_hopper_kernel(q, k, v, out, scale, window, softcap):
+        return bound((q, k, v, out, lse) if varlen is None else (q, k, v, out, lse, *varlen[:2]))
+    if uses_hopper_kernel(q, k, v, out, scale, window, softcap, varlen):
         return _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
-                                              causal_offset=causal_offset, key=key)
+                                              causal_offset=causal_offset, varlen=varlen,
+                                              key=key)
     return triton_fwd.attention_fwd_triton(q, k, v, out, lse, causal=causal, scale=scale,
                                            causal_offset=causal_offset, window=window,
-                                           softcap=softcap, key=key)
+                                           softcap=softcap, varlen=varlen, key=key)
 
 
 def launched_forward_kernels():

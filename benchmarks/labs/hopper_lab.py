@@ -10,12 +10,18 @@ Two parts, each optional:
 
     python benchmarks/labs/hopper_lab.py --check --time --shapes 8,16,1024,128 \
         --configs 128,2,240 128,3,232 --out lab.jsonl
+
+With --varlen L1,L2,...: --time times a packed batch of those sequence lengths instead (causal,
+bottom-right per sequence; heads, head_dim and KV heads from each --shapes entry, whose batch and
+length are ignored): the Gluon kernel persistent (its launch), the Gluon kernel with one
+program per tile (the hardware hands tiles out as programs finish), and the Triton kernel.
 """
 
 import argparse
 import json
 import statistics
 import sys
+import types
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -23,7 +29,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from attnscope.attention.reference import attention_reference
 from attnscope.kernels import attention_fwd as fwd
 from attnscope.kernels import attention_fwd_hopper as hop
-from attnscope.profile.flops import attention_flops
+from attnscope.attention.varlen import _as_batched
+from attnscope.kernels import common
+from attnscope.profile.flops import attention_flops, varlen_flops
 
 import rounds  # benchmarks/labs/rounds.py, beside this script
 
@@ -129,6 +137,48 @@ def time_shapes(shapes, configs, repeat, out_path):
                 f.write(json.dumps(row) + "\n")
 
 
+def time_varlen(lengths, shapes, repeat, out_path):
+    rows = []
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    varlen = (cu, cu, max(lengths))
+    for _, h, _, d, hkv in shapes:
+        torch.manual_seed(d)
+        q = torch.randn(sum(lengths), h, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(sum(lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        out = torch.empty_like(q)
+        lse = torch.empty(h, q.shape[0], device="cuda")
+        views = [_as_batched(t, len(lengths)) for t in (q, k, v, out)]
+        kw = dict(causal=True, scale=d ** -0.5, causal_offset=0, varlen=varlen)
+        real = hop.device_properties(q.device)
+        one_per_tile = types.SimpleNamespace(major=9, multi_processor_count=1 << 30,
+                                             L2_cache_size=real.L2_cache_size)
+
+        def gluon_per_tile():  # grid = tiles: the launch's min(tiles, SMs) lifted
+            hop.device_properties = lambda device: one_per_tile
+            try:
+                return hop.attention_fwd_hopper(*views, lse, **kw)
+            finally:
+                hop.device_properties = common.device_properties
+        cands = {"gluon": lambda: hop.attention_fwd_hopper(*views, lse, **kw),
+                 "gluon-per-tile": gluon_per_tile,
+                 "triton": lambda: fwd.attention_fwd_triton(*views, lse, **kw)}
+        flops = varlen_flops(lengths, h, d, causal=True)
+        times = rounds.interleaved(cands, repeat, return_mode="mean", label=" ")
+        for name, t in times.items():
+            ms = statistics.median(t)
+            row = dict(varlen=list(lengths), heads=h, head_dim=d, kv_heads=hkv, impl=name,
+                       median_ms=ms, rounds=t, tflops=flops / ms / 1e9)
+            rows.append(row)
+            print(f"varlen x{len(lengths)} {h},{d} kv{hkv} {name:16s} {ms:.4f} ms "
+                  f"{row['tflops']:6.1f} TFLOP/s rounds {' '.join(f'{x:.4f}' for x in t)}",
+                  flush=True)
+    if out_path:
+        with open(out_path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--check", action="store_true", help="correctness against float64")
@@ -139,6 +189,8 @@ def main(argv=None):
                    help="Gluon configs BLOCK_N,STAGES,REGS to run next to the table's")
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--out", help="append JSON lines here")
+    p.add_argument("--varlen", default=None,
+                   help="L1,L2,...: --time a packed batch of these lengths (see above)")
     a = p.parse_args(argv)
     configs = [None] + [tuple(int(x) for x in c.split(",")) for c in a.configs]
     for c in configs[1:]:
@@ -154,7 +206,10 @@ def main(argv=None):
         for s in a.shapes:
             vals = [int(x) for x in s.split(",")]
             shapes.append(tuple(vals[:4]) + (vals[4] if len(vals) > 4 else vals[1],))
-        time_shapes(shapes, configs, a.repeat, a.out)
+        if a.varlen:
+            time_varlen([int(x) for x in a.varlen.split(",")], shapes, a.repeat, a.out)
+        else:
+            time_shapes(shapes, configs, a.repeat, a.out)
     return 0
 
 
