@@ -98,7 +98,8 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
     h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
     module.device_properties = common.device_properties = lambda device: h200
     kernel = module._attn_fwd_hopper
-    module._launch = lambda key, grid, args, kwargs, **_: kernel.warmup(*args, grid=grid, **kwargs)
+    module._launch = module._launch_packed = (
+        lambda key, grid, args, kwargs, **_: kernel.warmup(*args, grid=grid, **kwargs))
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     config = config or module.CONFIGS[head_dim]
     if varlen:  # two sequences packed into 1024 rows, viewed as the varlen op views them

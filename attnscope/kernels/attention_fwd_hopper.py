@@ -48,6 +48,8 @@ head_dim 256, whose staging buffers do not fit in shared memory (register stores
 
 import functools
 
+import torch
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -132,19 +134,40 @@ def _load(desc, hz, row, col, bar, buf, VARLEN: gl.constexpr, HEAD_DIM: gl.const
 
 
 @gluon.jit
+def _publish(t, ids, ids_ready, ids_empty, fetched, WARPS: gl.constexpr):
+    # The loader hands tile number t to the consumers through slot `fetched` % 2 of ids (a
+    # two-slot ring: ids_ready signals the number is there, ids_empty that both consumers read
+    # it). Returns the count of numbers handed out. WARPS: the calling partition's warps.
+    slot = fetched % 2
+    mbarrier.wait(ids_empty.index(slot), ((fetched // 2) & 1) ^ 1)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    ids.index(slot).store(gl.full([1], t, gl.int32, one))
+    mbarrier.arrive(ids_ready.index(slot))
+    return fetched + 1
+
+
+@gluon.jit
+def _receive(ids, ids_ready, ids_empty, fetched, WARPS: gl.constexpr):
+    # A consumer's side of _publish: the next tile number, and the count read.
+    slot = fetched % 2
+    mbarrier.wait(ids_ready.index(slot), (fetched // 2) & 1)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    t = gl.max(ids.index(slot).load(one), 0)
+    mbarrier.arrive(ids_empty.index(slot))
+    return t, fetched + 1
+
+
+@gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, D1: gl.constexpr, VARLEN: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
      k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, CuQ, CuK, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm) = args
+     N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm, ids, ids_ready, ids_empty,
+     Counter) = args
     # The copy engine's descriptors, made here on the device once per program (_descriptor).
     # (Host-made descriptors cost ~50 us of Triton's launch per call.) A split head_dim has a
     # second set for its columns from D0 on.
-    D0: gl.constexpr = q_smem.shape[2]
     SPLIT: gl.constexpr = D1 > 0
-    elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
-    q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
-    kv_bytes: gl.constexpr = BLOCK_N * (D0 + D1) * elem
     # heads of the descriptors' views: all (batch, head) pairs, or the heads of one packed row
     q_hz = H if VARLEN else n_hz
     kv_hz = q_hz // GROUP
@@ -155,10 +178,29 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
         q_desc1 = _descriptor(Q, q_hz, N_CTX_Q, HEAD_DIM, q_smem1, VARLEN, stride_qm)
         k_desc1 = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem1, VARLEN, stride_km)
         v_desc1 = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem1, VARLEN, stride_vm)
+    D0: gl.constexpr = q_smem.shape[2]
+    elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
+    q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
+    kv_bytes: gl.constexpr = BLOCK_N * (D0 + D1) * elem
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
-    for r in range(gl.load(sched)):
-        t = gl.load(sched + 1 + r)
+    # The tiles: a dense call's from the host's schedule, row `sched` (count, then tile
+    # numbers). A packed batch's are handed out as programs ask for them (the host cannot
+    # schedule what it does not know: the lengths are on the GPU): each program's first tile
+    # is its own number, then the next one not taken, counted by Counter (zero at the launch).
+    # The consumers get each number from here (_publish); one past the last tile ends them.
+    n_tiles = n_hz * num_m
+    r = 0
+    if VARLEN:
+        count = n_tiles
+        t = gl.program_id(0)
+        fetched = _publish(t, ids, ids_ready, ids_empty, 0, 1)
+        more = t < n_tiles
+    else:
+        count = gl.load(sched)
+        t = gl.load(sched + 1)
+        more = r < count
+    while more:
         off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
             VARLEN, NUM_WG * ROWS, BLOCK_N)
@@ -200,6 +242,14 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
                           VARLEN, HEAD_DIM)
             it += n_blocks
             ti += 1
+        r += 1
+        if VARLEN:
+            t = gl.atomic_add(Counter, 1) + gl.num_programs(0)
+            fetched = _publish(gl.minimum(t, n_tiles), ids, ids_ready, ids_empty, fetched, 1)
+            more = t < n_tiles
+        else:
+            more = r < count
+            t = gl.load(sched + 1 + gl.minimum(r, count - 1))
 
 
 @gluon.jit
@@ -251,21 +301,56 @@ def _stage(acc, l_safe, buf):
 
 
 @gluon.jit
-def _store(desc, coord, buf):
-    tma_store(desc, coord, buf.reshape([1, buf.shape[0], buf.shape[1]]))
+def _store(desc, hz, row, col, buf, VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr):
+    # The copy engine's store of the 2-D shared buffer buf into desc (_descriptor's) at rows
+    # from `row`, columns from `col` of head `hz` (as _load's coordinates).
+    if VARLEN:
+        tma_store(desc, [row, hz * HEAD_DIM + col], buf)
+    else:
+        tma_store(desc, [hz, row, col], buf.reshape([1, buf.shape[0], buf.shape[1]]))
 
 
 @gluon.jit
-def _store_rows(acc, l_safe, o_base, stride_om, m0, col0, N_CTX_Q, HEAD_DIM: gl.constexpr):
+def _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, hz, row,
+                   WG: gl.constexpr, VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   SPLIT: gl.constexpr):
+    # A consumer's block (both column parts of a split head_dim) staged in its shared buffers
+    # and stored by the copy engine at head hz, rows from `row` (_store's coordinates). The copy
+    # engine stores it while this warpgroup moves on to its next tile; only the next tile's
+    # epilogue waits for it (the buffers are reused).
+    tma.store_wait(0)
+    _stage(acc, l_safe, o_smem.index(WG))
+    if SPLIT:
+        _stage(acc1, l_safe, o_smem1.index(WG))
+    fence_async_shared()
+    _store(o_desc, hz, row, 0, o_smem.index(WG), VARLEN, HEAD_DIM)
+    if SPLIT:
+        _store(o_desc1, hz, row, acc.shape[1], o_smem1.index(WG), VARLEN, HEAD_DIM)
+
+
+@gluon.jit
+def _store_part(acc, l_safe, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
     # Register stores of one column part (columns col0 on) of a consumer's rows; rows past the
-    # head's end and padding columns past HEAD_DIM are not out's.
+    # sequence's n_rows and padding columns past HEAD_DIM are not out's.
     layout: gl.constexpr = acc.type.layout
     o_rows = m0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     o_cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
               + gl.expand_dims(o_cols, 0))
-    o_mask = gl.expand_dims(o_rows < N_CTX_Q, 1) & gl.expand_dims(o_cols < HEAD_DIM, 0)
+    o_mask = gl.expand_dims(o_rows < n_rows, 1) & gl.expand_dims(o_cols < HEAD_DIM, 0)
     gl.store(o_ptrs, _normalized(acc, l_safe).to(o_base.dtype.element_ty), mask=o_mask)
+
+
+@gluon.jit
+def _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
+                m0, n_rows, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
+    # A consumer's rows [m0, m0 + 64) of (batch, head) off_hz by register stores (both column
+    # parts of a split head_dim); a packed sequence's rows start at q_start.
+    o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
+              + (off_hz % H).to(gl.int64) * stride_oh + gl.cast(q_start, gl.int64) * stride_om)
+    _store_part(acc, l_safe, o_base, stride_om, m0, 0, n_rows, HEAD_DIM)
+    if SPLIT:
+        _store_part(acc1, l_safe, o_base, stride_om, m0, acc.shape[1], n_rows, HEAD_DIM)
 
 
 @gluon.jit
@@ -277,34 +362,51 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
     (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
      k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
-     n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale) = args
-    D0: gl.constexpr = q_smem.shape[2]
+     n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, ids,
+     ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
+    D0: gl.constexpr = q_smem.shape[2]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D0, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = q_smem.dtype
-    q = q_smem.index(WG)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     if SPLIT:
         o_layout1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, D1, 16])
         p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout1,
                                                       k_width=2)
+    q = q_smem.index(WG)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    if SPLIT:
         q1 = q_smem1.index(WG)
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM] (the launch checked); the copy
-        # engine drops the rows of a block that run past the head's end
-        o_desc = _descriptor(Out, n_hz, N_CTX_Q, HEAD_DIM, o_smem, False)
+        # engine drops the rows of a block that run past the head's end. A packed out is
+        # [total rows, heads * HEAD_DIM]: the epilogue stores only blocks inside a sequence
+        # through it.
+        o_desc = _descriptor(Out, H if VARLEN else n_hz, N_CTX_Q, HEAD_DIM, o_smem, VARLEN,
+                             stride_om)
         if SPLIT:
-            o_desc1 = _descriptor(Out, n_hz, N_CTX_Q, HEAD_DIM, o_smem1, False)
-
+            o_desc1 = _descriptor(Out, H if VARLEN else n_hz, N_CTX_Q, HEAD_DIM, o_smem1,
+                                  VARLEN, stride_om)
+        else:  # unused
+            o_desc1 = o_desc
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
-    for r in range(gl.load(sched)):
-        t = gl.load(sched + 1 + r)
+    # the tiles, as the loader walks them (_loader)
+    n_tiles = n_hz * num_m
+    r = 0
+    if VARLEN:
+        count = n_tiles
+        t, fetched = _receive(ids, ids_ready, ids_empty, 0, 4)
+        more = t < n_tiles
+    else:
+        count = gl.load(sched)
+        t = gl.load(sched + 1)
+        more = r < count
+    while more:
         off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
             VARLEN, NUM_WG * ROWS, BLOCK_N)
@@ -324,6 +426,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
             if SPLIT:
                 acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
+            else:  # unused
+                acc1 = acc
 
             mbarrier.wait(q_ready.index(WG), ti & 1)
             if n_blocks > 0:
@@ -401,34 +505,35 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
             gl.store(lse_row + rows, lse, mask=rows < q_len)
             l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-            if TMA_STORE:
-                # The copy engine stores the block from shared memory while this warpgroup moves
-                # on to its next tile; only the next tile's epilogue waits for it (the buffer is
-                # reused).
-                tma.store_wait(0)
-                _stage(acc, l_safe, o_smem.index(WG))
-                if SPLIT:
-                    _stage(acc1, l_safe, o_smem1.index(WG))
-                fence_async_shared()
-                _store(o_desc, [off_hz, m0, 0], o_smem.index(WG))
-                if SPLIT:
-                    _store(o_desc1, [off_hz, m0, D0], o_smem1.index(WG))
-            else:  # an out the copy engine cannot address (or a packed one): register stores
-                o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
-                          + (off_hz % H).to(gl.int64) * stride_oh)
-                if VARLEN:  # the sequence's first row
-                    o_base += q_start.to(gl.int64) * stride_om
-                _store_rows(acc, l_safe, o_base, stride_om, m0, 0, q_len, HEAD_DIM)
-                if SPLIT:
-                    _store_rows(acc1, l_safe, o_base, stride_om, m0, D0, q_len, HEAD_DIM)
+            if TMA_STORE and VARLEN:
+                # the copy engine may store only a block wholly inside its sequence
+                if m0 + ROWS <= q_len:
+                    _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1,
+                                   off_hz % H, q_start + m0, WG, VARLEN, HEAD_DIM, SPLIT)
+                else:
+                    _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om,
+                                off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
+            elif TMA_STORE:  # it drops the rows past a head's end
+                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, off_hz, m0,
+                               WG, VARLEN, HEAD_DIM, SPLIT)
+            else:  # an out the copy engine cannot address
+                _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H,
+                            q_start, m0, q_len, HEAD_DIM, SPLIT)
             it += n_blocks
             ti += 1
+        r += 1
+        if VARLEN:
+            t, fetched = _receive(ids, ids_ready, ids_empty, fetched, 4)
+            more = t < n_tiles
+        else:
+            more = r < count
+            t = gl.load(sched + 1 + gl.minimum(r, count - 1))
     if TMA_STORE:
         tma.store_wait(0)  # the last store must have read shared memory before the exit
 
 
 @gluon.jit
-def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Sched, stride_qm, stride_km, stride_vm,
+def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, stride_km, stride_vm,
                      stride_oz, stride_oh, stride_om,
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
                      SCHED_STRIDE, NUM_M,
@@ -441,6 +546,8 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Sched, stride_qm, stride_km, s
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
     # and V rows stride_qm, stride_km and stride_vm apart; those strides are unused otherwise).
+    # A packed batch's programs take tiles as they go instead (_loader), counted by Counter
+    # (one int32, zero at the launch).
     qk_scale = qk_scale.to(gl.float32)
     sched = Sched + gl.program_id(0) * SCHED_STRIDE
     n_hz = BATCH * H
@@ -477,6 +584,18 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Sched, stride_qm, stride_km, s
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=NUM_WG)
+    # A packed batch's tile numbers, from the loader to the consumers (_publish). (Allocated
+    # only where used: Triton 3.6 fails to lower a kernel with an unused shared buffer.)
+    ids = q_ready  # unused without VARLEN
+    ids_ready = q_ready
+    ids_empty = q_ready
+    if VARLEN:
+        ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        ids_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        ids_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        for i in gl.static_range(2):
+            mbarrier.init(ids_ready.index(i), count=1)
+            mbarrier.init(ids_empty.index(i), count=NUM_WG)
     # warpgroup 0 has the first turn: its turn barrier starts one phase ahead
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
@@ -490,10 +609,11 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Sched, stride_qm, stride_km, s
     shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
               q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
               stride_om, sched, n_hz, num_m, HEAD_GROUP, H, CuQ, CuK, N_CTX_Q, N_CTX_K,
-              CAUSAL_OFFSET, qk_scale)
+              CAUSAL_OFFSET, qk_scale, ids, ids_ready, ids_empty)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty,
              k_ready, k_empty, v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP, CuQ,
-             CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm)
+             CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm, ids,
+             ids_ready, ids_empty, Counter)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
     gl.warp_specialize([
@@ -594,14 +714,17 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     group = head_group(q, k)
     sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
                           kv_len, causal, causal_offset, packed=varlen is not None)
-    args = (q, k, v, out, lse, cu_q, cu_k, sched, q.stride(2), k.stride(2), v.stride(2),
+    # a packed batch's tile counter (_loader), zero at every launch
+    counter = None if varlen is None else torch.zeros(1, dtype=torch.int32, device=q.device)
+    args = (q, k, v, out, lse, cu_q, cu_k, counter, sched, q.stride(2), k.stride(2), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
             group, sched.shape[1], num_m)
     # Output blocks by TMA store where out is contiguous and its staging buffers fit in shared
     # memory next to Q and the K/V ring: 0.1004 against 0.1088 ms with register stores at
-    # (8,16,1024,128) (notes/forward.md, "TMA, both directions"). Not for a packed batch: a
-    # block past its sequence's end would overwrite the next sequence's rows.
+    # (8,16,1024,128) (notes/forward.md, "TMA, both directions"). A packed batch's blocks that
+    # run past their sequence's end leave by register stores (the copy engine would write them
+    # over the next sequence's rows).
     d0, d1 = column_parts(head_dim)
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
     smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
@@ -611,7 +734,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
                   KV_LAYOUT=_smem_layout(block_n, d0, dtype),
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
-                  TMA_STORE=(varlen is None and out.is_contiguous() and out.data_ptr() % 16 == 0
+                  TMA_STORE=((_packed(out) if varlen else out.is_contiguous())
+                             and out.data_ptr() % 16 == 0
                              and smem + NUM_WG.value * tile_bytes <= SHARED_MEMORY_BYTES),
                   VARLEN=varlen is not None, num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
@@ -621,8 +745,9 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
                scale, grid, config)
         if varlen is not None:
             key += ("varlen", max_q, aligned(cu_q, cu_k))
-    return _launch(key, grid, args, kwargs, per_call=5 if varlen is None else 7,
-                   config=dict(zip(CONFIG_FIELDS, config)))
+    launch = _launch if varlen is None else _launch_packed
+    return launch(key, grid, args, kwargs, per_call=5 if varlen is None else 8,
+                  config=dict(zip(CONFIG_FIELDS, config)))
 
 
 def column_parts(head_dim):
@@ -646,3 +771,6 @@ def _smem_layout(rows, block_d, dtype):
 
 
 _launch = FastLaunch(_attn_fwd_hopper, FORWARD_LAUNCHES)  # shared with the Triton forward's
+# Packed batches' launches take a fresh tile counter per call, made above: they are kept apart
+# from the dispatch's FORWARD_LAUNCHES (whose repeats pass only the tensors the caller has).
+_launch_packed = FastLaunch(_attn_fwd_hopper)
