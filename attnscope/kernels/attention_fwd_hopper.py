@@ -549,7 +549,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     # A packed batch's programs take tiles as they go instead (_loader), counted by Counter
     # (one int32, zero at the launch).
     qk_scale = qk_scale.to(gl.float32)
-    sched = Sched + gl.program_id(0) * SCHED_STRIDE
+    sched = Sched + gl.program_id(0) * SCHED_STRIDE  # not read by a packed batch's programs
     n_hz = BATCH * H
     num_m = NUM_M
 
@@ -712,14 +712,17 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     tiles = batch * heads * num_m
     grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
     group = head_group(q, k)
-    sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
-                          kv_len, causal, causal_offset, packed=varlen is not None)
-    # a packed batch's tile counter (_loader), zero at every launch
-    counter = None if varlen is None else torch.zeros(1, dtype=torch.int32, device=q.device)
+    if varlen is None:
+        sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
+                              kv_len, causal, causal_offset)
+        sched_width, counter = sched.shape[1], None
+    else:  # tiles handed out on the device (_loader), counted from zero at every launch
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        sched, sched_width = counter, 0  # a placeholder: the kernel reads no schedule
     args = (q, k, v, out, lse, cu_q, cu_k, counter, sched, q.stride(2), k.stride(2), v.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
-            group, sched.shape[1], num_m)
+            group, sched_width, num_m)
     # Output blocks by TMA store where out is contiguous and its staging buffers fit in shared
     # memory next to Q and the K/V ring: 0.1004 against 0.1088 ms with register stores at
     # (8,16,1024,128) (notes/forward.md, "TMA, both directions"). A packed batch's blocks that
@@ -741,7 +744,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are contiguous and 16-byte aligned (supports): shapes say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(),
-               aligned(out, lse), kwargs["TMA_STORE"], sched.shape, causal, causal_offset,
+               aligned(out, lse), kwargs["TMA_STORE"], sched_width, causal, causal_offset,
                scale, grid, config)
         if varlen is not None:
             key += ("varlen", max_q, aligned(cu_q, cu_k))

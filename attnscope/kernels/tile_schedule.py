@@ -24,7 +24,7 @@ _schedules = {}  # tile_schedule's tables by launch shape
 
 
 def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
-                  causal, causal_offset, packed=False):
+                  causal, causal_offset):
     """Which tiles each persistent program runs: an int32 tensor on `device`, one row per
     program holding its tile count, then its tile numbers (in the launch's tile order, common.
     _grouped_tile) in the order it runs them.
@@ -35,9 +35,7 @@ def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_
     SCHEDULE_MAX_TILES tiles hand the tiles out round-robin instead, each round in the opposite
     direction (by the same cost model that leaves the busiest program 17 % above the mean at
     (8,16,1024,128); list scheduling measured 0.0949 against 0.1006 ms there and 1.0099 against
-    1.0783 ms at (4,32,4096,128)). So does a `packed` batch (variable-length sequences): the
-    host does not know its lengths (they are on the GPU), so it has no costs to schedule by;
-    num_m is then the longest sequence's and the tiles past a sequence's end cost nothing.
+    1.0783 ms at (4,32,4096,128)).
 
     Made once per launch shape and kept for the life of the process (never evicted: a captured
     CUDA graph, or a kernel still running on another stream, holds its address). The first
@@ -46,8 +44,6 @@ def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_
     tiles = n_hz * num_m
     if tiles <= n_programs:  # at most a tile a program: program p runs tile p, whatever the costs
         key = (device, tiles, n_programs)
-    elif packed:
-        key = (device, tiles, n_programs, "round-robin")
     else:
         key = (device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
                causal_offset)
@@ -59,8 +55,8 @@ def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_
                 "during CUDA-graph capture; its tile schedule is copied to the GPU on first use. "
                 "Call the op once with these shapes before capturing (a warm-up run).")
         rows = (_list_schedule(n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
-                               causal, causal_offset)
-                if tiles <= SCHEDULE_MAX_TILES and not packed else _round_robin(tiles, n_programs))
+                               causal, causal_offset) if tiles <= SCHEDULE_MAX_TILES
+                else _round_robin(tiles, n_programs))
         width = 1 + max(len(run) for run in rows)
         host = torch.tensor([[len(run)] + run + [0] * (width - 1 - len(run)) for run in rows],
                             dtype=torch.int32)
