@@ -26,20 +26,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Runs in a fresh interpreter with TRITON_INTERPRET=0 (this process has the interpreter on, and
 # Triton reads that once, at import): compile the Gluon kernel as a launch would, through
-# benchmarks/sass_offline.py's offline driver, at each head_dim given, and count what the PTX
-# and SASS hold.
+# benchmarks/sass_offline.py's offline driver, at each head_dim given ("p128": its packed-batch
+# variant, fused_attention_varlen's), and count what the PTX and SASS hold.
 _COMPILE = r"""
 import json, re, sys
 sys.path.insert(0, sys.argv[1])
 import sass_offline
 result = {}
-for head_dim in map(int, sys.argv[2:]):
-    compiled = sass_offline.compile_gluon(head_dim, None, "bf16")
+for name in sys.argv[2:]:
+    compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
+                                          varlen=name.startswith("p"))
     ptx = compiled.asm["ptx"]
-    counts = result[head_dim] = {"ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
+    counts = result[name] = {"ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
         ("wgmma", r"wgmma\.mma_async"), ("tma_load", r"cp\.async\.bulk\.tensor\.\dd\.shared"),
         ("tma_store", r"cp\.async\.bulk\.tensor\.\dd\.global"), ("mbarrier", r"mbarrier\."),
-        ("setmaxnreg", r"setmaxnreg"))}}
+        ("setmaxnreg", r"setmaxnreg"), ("atomic", r"\b(atom|red)\.global"))}}
     try:
         sass = sass_offline.cuobjdump(compiled, "-sass")
         usage = sass_offline.cuobjdump(compiled, "-res-usage")
@@ -60,6 +61,8 @@ print(json.dumps(result))
 # 192 (128 + 64 with 64-key blocks) and 256 (64-key blocks, register stores: the output's
 # staging buffers do not fit in shared memory).
 COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
+# and its packed-batch variant: one column part, two, and register stores only
+COMPILED_PACKED_HEAD_DIMS = (128, 96, 256)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,8 @@ def hopper_compile():
                     "Hopper kernel would fall back to the Triton kernel on every H200")
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "benchmarks"),
-                          *map(str, COMPILED_HEAD_DIMS)],
+                          *map(str, COMPILED_HEAD_DIMS),
+                          *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS)],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -88,10 +92,13 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # mbarriers between them; a register split between the partitions (setmaxnreg); no register
     # spills to local memory. Counts of 3.6's SASS at head_dim 128 (benchmarks/sass_offline.py
     # --gluon --head-dim 128): HGMMA 64, UTMALDG 8, UTMASTG 2; 3.7.1 and 3.9.0 give the same.
+    # The packed-batch variant ("p" + head_dim) also takes its tiles from a global counter
+    # (an atomic add) and stores blocks inside a sequence by TMA.
     for head_dim, counts in hopper_compile.items():
         ptx = counts["ptx"]
-        tma_store = int(head_dim) != 256  # 256: register stores
+        tma_store = not head_dim.endswith("256")  # 256: register stores
         assert ptx["wgmma"] > 0 and ptx["tma_load"] > 0, (head_dim, ptx)
+        assert (ptx["atomic"] > 0) == head_dim.startswith("p"), (head_dim, ptx)
         assert (ptx["tma_store"] > 0) == tma_store, (head_dim, ptx)
         assert ptx["mbarrier"] > 0 and ptx["setmaxnreg"] > 0, (head_dim, ptx)
         if "sass" not in counts:
