@@ -187,6 +187,33 @@ def test_packed_head_dims_are_whole_column_parts():
     assert all(sum(hopper.column_parts(d)) == d for d in hopper.PACKED_HEAD_DIMS)
 
 
+def test_packed_layouts_the_copy_engine_reads():
+    # The Gluon kernel sees a packed tensor as [total, heads * head_dim] rows: its heads must be
+    # adjacent with unit last stride, and its rows 16-byte multiples apart (any such stride: a
+    # slice of a fused QKV projection qualifies). Checked on the views the op builds.
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    qkv = torch.zeros(10, 3, 4, 128, dtype=torch.float16)
+    assert hopper._packed(_as_batched(torch.zeros(10, 4, 128, dtype=torch.float16), 2))
+    assert hopper._packed(_as_batched(qkv[:, 0], 2))  # rows 3 * 4 * 128 apart
+    assert not hopper._packed(_as_batched(qkv[:, :, 0], 2))  # heads 4 * 128 apart
+    assert not hopper._packed(_as_batched(qkv[:, 0, :, :64], 2))  # heads 128 apart, 64 wide
+    odd = torch.zeros(10, 4 * 80 + 4, dtype=torch.float16)[:, :320].view(10, 4, 80)
+    assert not hopper._packed(_as_batched(odd, 2))  # rows 648 bytes apart: not 16-byte aligned
+
+
+def test_packed_launch_key_holds_the_longest_sequence():
+    # The packed launch's grid follows max_seqlen_q and its lengths' pointers are per call: a
+    # kept launch is found again only for the same longest sequence and pointer alignment.
+    from attnscope.kernels.attention_fwd import launch_key
+    q, k, v, cu_q, cu_k = packed([3, 5], [4, 6], 2, 1, 16, torch.float32, CPU)
+    views = [_as_batched(t, 2) for t in (q, k, v, q)]
+    lse = torch.empty(2, 8)
+    args = (*views, lse, True, 0, 0.25, (-1, -1), 0.0)
+    assert launch_key(*args, (cu_q, cu_k, 5)) == launch_key(*args, (cu_q.clone(), cu_k, 5))
+    assert launch_key(*args, (cu_q, cu_k, 5)) != launch_key(*args, (cu_q, cu_k, 6))
+    assert launch_key(*args, (cu_q, cu_k, 5)) != launch_key(*args)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 def test_gpu_gluon_kernel_strided_rows():
