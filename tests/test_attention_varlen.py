@@ -162,8 +162,9 @@ def test_gpu_realistic(causal, window, softcap, head_dim, dtype):
 # The Gluon kernel takes packed batches on sm_90 (attention_fwd_hopper.supports): lengths with
 # empty sequences on either side, fewer keys than queries (rows that see no key), ragged tiles
 # and K/V blocks that run into the next sequence's rows (masked), more tiles than SMs
-# (the persistent loop), GQA; the longest sequence reaches head_dim 64's MIN_QUERIES.
-GLUON_LENGTHS_Q = [0, 1, 127, 128, 1000, 2500, 77, 300]
+# (the persistent loop, tiles handed out on the device), GQA; the tile grid 0.40 full
+# (PACKED_MIN_FILL).
+GLUON_LENGTHS_Q = [0, 1, 127, 128, 1000, 2500, 2077, 2300]
 GLUON_LENGTHS_K = [5, 0, 300, 128, 999, 2500, 2049, 64]
 
 
@@ -199,6 +200,20 @@ def test_packed_layouts_the_copy_engine_reads():
     assert not hopper._packed(_as_batched(qkv[:, 0, :, :64], 2))  # heads 128 apart, 64 wide
     odd = torch.zeros(10, 4 * 80 + 4, dtype=torch.float16)[:, :320].view(10, 4, 80)
     assert not hopper._packed(_as_batched(odd, 2))  # rows 648 bytes apart: not 16-byte aligned
+
+
+def test_packed_tile_grid_rule():
+    # (batch, heads, total_q, max_q): the share of a 128-row tile grid padded to the longest
+    # sequence that holds queries, against PACKED_MIN_FILL; and an int32 tile count
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    lengths = [3428, 2523, 272, 3296, 2973, 3291, 2442, 1429, 3916, 1815, 1608, 3235, 3041, 3191,
+               553, 1494]  # the serving sweep's: 0.62 full
+    assert hopper.packed_grid_ok(16, 32, sum(lengths), max(lengths))
+    assert hopper.packed_grid_ok(8, 32, 8 * 2048, 2048)  # equal lengths: full
+    assert hopper.packed_grid_ok(8, 8, sum(GLUON_LENGTHS_Q), max(GLUON_LENGTHS_Q))
+    assert not hopper.packed_grid_ok(256, 32, 32768 + 255 * 128, 32768)  # 0.5 % full
+    assert hopper.packed_grid_ok(4, 1, 512, 512) and not hopper.packed_grid_ok(4, 1, 511, 512)
+    assert not hopper.packed_grid_ok(1 << 16, 1 << 10, 1 << 32, 1 << 16)  # 2^32 tiles
 
 
 def test_packed_launch_key_holds_the_longest_sequence():
@@ -244,4 +259,5 @@ def test_gpu_gluon_kernel_only_takes_what_it_supports():
     assert takes(128, [300, 5])
     assert not takes(112, [300, 5])  # padded to 128: a box would read the next head's columns
     assert not takes(64, [4096, 5])  # the Triton kernel is faster there
+    assert not takes(128, [2048] + [1] * 31)  # a tile grid 3 % full (PACKED_MIN_FILL)
     assert not takes(128, [300, 5], torch.float32)

@@ -50,14 +50,16 @@ Packed batches (fused_attention_varlen, VARLEN) at head_dim 80, 96, 128, 192 and
 multiple apart (slices of a fused QKV projection), are seen by the copy engine as [total, heads *
 head_dim] and a tile reads its sequence's bounds from the cumulative lengths, aligned bottom-right
 under the causal mask. A block that runs past its sequence's end reads the next sequence's rows:
-keys past the end are masked to -inf (their V rows are multiplied by zero, so only an inf or
-NaN there would reach this sequence), query rows past it are computed and never stored. Output blocks wholly inside their sequence leave by TMA store, a
-sequence's ragged last block by register stores. The tiles (those of the longest sequence for
-every sequence, shorter ones' extra tiles empty) are handed out on the device as programs ask
-for them, from a counter zeroed at each launch, since the host does not know the lengths (they
-are on the GPU) to schedule by: the loader takes the next tile number and passes it to the
-consumers through shared memory. Against the host's round-robin this took the serving sweep's
-packed row from 1.93 to 1.78 ms (notes/lab/gluon_varlen_h200.txt).
+keys past the end are masked to -inf (their V rows are multiplied by zero, so only an inf or NaN
+there would reach this sequence), query rows past it are computed and never stored. Output blocks
+wholly inside their sequence leave by TMA store where the staging buffers fit (all but head_dim
+256), a sequence's ragged last block by register stores. The tiles (those of the longest sequence
+for every sequence, shorter ones' extra tiles empty) are handed out on the device as programs ask
+for them, from a counter zeroed at each launch, since the host does not know the lengths (they are
+on the GPU) to schedule by: the loader takes the next tile number and passes it to the consumers
+through shared memory. Against the host's round-robin this took the serving sweep's packed row from
+1.956 to 1.770 ms in one job (notes/lab/gluon_varlen_h200.txt). An empty tile still costs a hand-
+off, so batches whose tile grid is mostly empty stay on the Triton kernel (PACKED_MIN_FILL).
 """
 
 import functools
@@ -90,7 +92,8 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
     # offset. A packed batch (VARLEN) reads its sequence's bounds from the cumulative lengths,
     # aligned bottom-right; its tiles past their sequence's last query are not `valid` (the
     # grid covers the longest sequence) and nobody works on them. Which program runs which
-    # tiles is the host's schedule (tile_schedule).
+    # tiles: the host's schedule (tile_schedule), or for a packed batch the device's hand-out
+    # (_loader).
     off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
     first_row = m * BLOCK_M
     if VARLEN:
@@ -660,11 +663,23 @@ CONFIGS = {64: (128, 3, 240), 80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2
 # kernel's schedule is its own (notes/forward.md, "Triton releases").
 MIN_QUERIES = {64: 2049}
 # Packed batches (fused_attention_varlen) take this kernel at these head dims: not at 64, where
-# the Triton kernel is faster on the serving sweep's 16 packed lengths (1.247 against 1.350 ms,
-# 32 / 8 heads; at 128, 1.932 against 2.378 ms; notes/lab/gluon_varlen_h200.txt), nor where
-# the column parts pad head_dim (112: a box would read the neighbouring head's columns).
+# the Triton kernel was faster on the serving sweep's 16 packed lengths (1.247 against 1.350 ms,
+# 32 / 8 heads, measured with the host's round-robin tiles, before the device hand-out that
+# gained 6-13 % at the other head dims: to be measured again; at 128, 1.932 against 2.378 ms;
+# notes/lab/gluon_varlen_h200.txt), nor where the column parts pad head_dim (112: a box would
+# read the neighbouring head's columns).
 PACKED_HEAD_DIMS = frozenset({80, 96, 128, 192, 256})
+# ... and only where at least this share of their tile grid (every sequence padded to the longest,
+# in 128-row tiles) holds queries, as the host can tell from the packed length. An empty tile
+# still takes a program a tile handout and its consumers a hand-off and the lengths' loads (of
+# the order of a microsecond, where a tile of queries takes ten or more), so a grid of mostly
+# empty tiles (one long sequence among many short ones) could cost more than the Triton kernel,
+# whose empty programs exit in hardware. Not measured: the serving sweep's batch fills 0.62 of
+# its grid; this bound is an estimate of where the empty tiles would cost what the Gluon kernel
+# gains (notes/serving.md, "Packed sequences").
+PACKED_MIN_FILL = 0.25
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
+TILE_ROWS = NUM_WG.value * ROWS.value  # query rows a tile covers
 # Shared memory one program may take on sm_90 (227 KB), less 1 KB for the mbarriers and what
 # the compiler adds (504 B at head_dim 128).
 SHARED_MEMORY_BYTES = 227 * 1024 - 1024
@@ -676,8 +691,9 @@ def supports(q, k, v, out, varlen=None):
     addresses (the TMA descriptors view each as [batch * heads, seq, head_dim]) and out with
     unit last stride. Any query and key length. A packed batch (`varlen`, as
     attention_fwd_triton's: the views with batch stride 0 of packed [total, heads, head_dim]
-    tensors) needs a head_dim in PACKED_HEAD_DIMS and in each packed tensor a unit last
-    stride, heads next to each other and rows at 16-byte aligned strides."""
+    tensors) needs a head_dim in PACKED_HEAD_DIMS, a tile grid at least PACKED_MIN_FILL full and
+    in each packed tensor a unit last stride, heads next to each other and rows at 16-byte
+    aligned strides."""
     # cheapest refusals first: this runs on every eager call
     head_dim = q.shape[-1]
     if varlen is None:
@@ -689,11 +705,20 @@ def supports(q, k, v, out, varlen=None):
                 and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
                 and v.data_ptr() % 16 == 0 and device_properties(q.device).major == 9)
     return (head_dim in PACKED_HEAD_DIMS and str(q.dtype) in _GL_DTYPES and q.is_cuda
+            and packed_grid_ok(*q.shape[:3], varlen[2])
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
             and _packed(q) and _packed(k) and _packed(v)
             and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
             and device_properties(q.device).major == 9)
+
+
+def packed_grid_ok(batch, heads, total_q, max_q):
+    """Whether a packed batch of `batch` sequences, `total_q` query rows in all, the longest
+    max_q, fills at least PACKED_MIN_FILL of the kernel's tile grid (every sequence padded to
+    the longest, in TILE_ROWS-row tiles), and the grid's tile count fits the kernel's int32."""
+    grid_rows = batch * -(-max_q // TILE_ROWS) * TILE_ROWS  # a head's tile grid, in rows
+    return total_q >= PACKED_MIN_FILL * grid_rows and heads * grid_rows // TILE_ROWS < 2 ** 31
 
 
 def _packed(t):
@@ -720,7 +745,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     block_n, stages, regs = config
     dtype = str(q.dtype)
-    tile_rows = NUM_WG.value * ROWS.value
+    tile_rows = TILE_ROWS
     cu_q, cu_k, max_q = (None, None, q_len) if varlen is None else varlen
     num_m = -(-max_q // tile_rows)
     tiles = batch * heads * num_m
@@ -760,8 +785,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(),
                aligned(out, lse), kwargs["TMA_STORE"], sched_width, causal, causal_offset,
                scale, grid, config)
-        if varlen is not None:
-            key += ("varlen", max_q, aligned(cu_q, cu_k))
+        if varlen is not None:  # and packed rows may be any 16-byte multiple apart
+            key += ("varlen", max_q, aligned(cu_q, cu_k), q.stride(), k.stride(), v.stride())
     launch = _launch if varlen is None else _launch_packed
     return launch(key, grid, args, kwargs, per_call=5 if varlen is None else 8,
                   config=dict(zip(CONFIG_FIELDS, config)))

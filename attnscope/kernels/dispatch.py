@@ -70,8 +70,10 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1
 
     An eager call is looked up first by what fixes the kernel, its config and every argument
     but the five tensors: a repeat launches at once (launch._Bound), skipping the choice of
-    kernel and the argument building. Call it with q's device current (the op makes it so): a
-    kept launch belongs to the device that was current at its first call."""
+    kernel and the argument building. (Not a packed batch the Gluon kernel runs: each of its
+    launches takes a fresh tile counter, so it goes through attention_fwd_hopper every call,
+    whose own kept launch then skips Triton's dispatch.) Call it with q's device current (the
+    op makes it so): a kept launch belongs to the device that was current at its first call."""
     if wrap is not None:
         return triton_fwd.attention_fwd_triton(q, k, v, out, lse, causal=causal, scale=scale,
                                                causal_offset=causal_offset, window=window,

@@ -35,6 +35,8 @@ def missing():
         "gluon.jit": gluon, "gl.warp_specialize": gl, "gl.NVMMADistributedLayout": gl,
         "gl.NVMMASharedLayout": gl, "gl.DotOperandLayout": gl, "gl.SliceLayout": gl,
         "gl.allocate_shared_memory": gl, "gl.convert_layout": gl, "gl.static_range": gl,
+        "gl.BlockedLayout": gl, "gl.SwizzledSharedLayout": gl, "gl.atomic_add": gl,
+        "gl.num_programs": gl,
         "hopper.warpgroup_mma": hopper, "hopper.warpgroup_mma_wait": hopper,
         "hopper.fence_async_shared": hopper, "mbarrier.MBarrierLayout": mbarrier,
         "mbarrier.init": mbarrier, "mbarrier.wait": mbarrier, "mbarrier.expect": mbarrier,
