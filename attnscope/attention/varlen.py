@@ -166,7 +166,10 @@ def fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]. max_seqlen_q/k: the longest sequence's lengths
     (they size the grid). Sequences may be empty (length 0 in q or k). On CPU the cumulative
     lengths are checked (start 0, non-decreasing, end at total, maxima); on CUDA they are not,
-    as in flash-attn, since that needs a read back from the device on every call.
+    as in flash-attn, since that needs a read back from the device on every call: lengths that
+    break those rules there give undefined results (the sm_90 kernel may not return).
+    On sm_90 a packed block reads on into the next sequence's rows, masked: an inf or NaN in
+    one sequence's v can reach the output of the sequence before it (notes/serving.md).
 
     causal aligns each sequence bottom-right, as flash-attn's varlen: with q_len 2 and kv_len 5
     its query rows see keys 0-3 and 0-4; rows of a sequence with more queries than keys that
