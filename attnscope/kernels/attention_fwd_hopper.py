@@ -99,9 +99,11 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
     if VARLEN:
         b = off_hz // H
         q_start = gl.load(CuQ + b)
-        q_len = gl.load(CuQ + b + 1) - q_start
+        # (clamped: lengths that decrease are the caller's error, but must not make the
+        # block counts negative, which would put the rings' phases out of step)
+        q_len = gl.maximum(gl.load(CuQ + b + 1) - q_start, 0)
         k_start = gl.load(CuK + b)
-        k_len = gl.load(CuK + b + 1) - k_start
+        k_len = gl.maximum(gl.load(CuK + b + 1) - k_start, 0)
         offset = CAUSAL_OFFSET + k_len - q_len
         valid = first_row < q_len
     else:
@@ -148,6 +150,24 @@ def _load(desc, hz, row, col, bar, buf, VARLEN: gl.constexpr, HEAD_DIM: gl.const
         tma_load(desc, [row, hz * HEAD_DIM + col], bar, buf)
     else:
         tma_load(desc, [hz, row, col], bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
+
+
+@gluon.jit
+def _with_queries(t, Counter, n_tiles, n_hz, num_m, head_group, H, CuQ):
+    # Tile t of a packed batch's handout if it holds queries, else the next one taken from
+    # Counter that does (n_tiles or past it: none left). Tiles past a sequence's last query
+    # (the grid covers the longest sequence) are skipped here, in the loader, so the consumers
+    # never wait for one.
+    empty = t < n_tiles
+    while empty:
+        off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
+        b = off_hz // H
+        q_len = gl.load(CuQ + b + 1) - gl.load(CuQ + b)
+        empty = m * (NUM_WG * ROWS) >= q_len
+        if empty:
+            t = gl.atomic_add(Counter, 1) + gl.num_programs(0)
+            empty = t < n_tiles
+    return t
 
 
 @gluon.jit
@@ -210,7 +230,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
     r = 0
     if VARLEN:
         count = n_tiles
-        t = gl.program_id(0)
+        t = _with_queries(gl.program_id(0), Counter, n_tiles, n_hz, num_m, head_group, H, CuQ)
         fetched = _publish(t, ids, ids_ready, ids_empty, 0, 1)
         more = t < n_tiles
     else:
@@ -261,7 +281,8 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
             ti += 1
         r += 1
         if VARLEN:
-            t = gl.atomic_add(Counter, 1) + gl.num_programs(0)
+            t = _with_queries(gl.atomic_add(Counter, 1) + gl.num_programs(0), Counter, n_tiles,
+                              n_hz, num_m, head_group, H, CuQ)
             fetched = _publish(gl.minimum(t, n_tiles), ids, ids_ready, ids_empty, fetched, 1)
             more = t < n_tiles
         else:
