@@ -13,8 +13,9 @@ Two parts, each optional:
 
 With --varlen L1,L2,...: --time times a packed batch of those sequence lengths instead (causal,
 bottom-right per sequence; heads, head_dim and KV heads from each --shapes entry, whose batch and
-length are ignored): the Gluon kernel persistent (its launch), the Gluon kernel with one
-program per tile (the hardware hands tiles out as programs finish), and the Triton kernel.
+length are ignored): the Gluon kernel persistent (its launch, whatever the op's routing rules
+say), the Gluon kernel with one program per tile (the hardware hands tiles out as programs
+finish), the Triton kernel, and FA4's varlen kernel where it is installed.
 """
 
 import argparse
@@ -29,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from attnscope.attention.reference import attention_reference
 from attnscope.kernels import attention_fwd as fwd
 from attnscope.kernels import attention_fwd_hopper as hop
+from attnscope.attention import registry
 from attnscope.attention.varlen import _as_batched
 from attnscope.kernels import common
 from attnscope.profile.flops import attention_flops, varlen_flops
@@ -163,6 +165,12 @@ def time_varlen(lengths, shapes, repeat, out_path):
         cands = {"gluon": lambda: hop.attention_fwd_hopper(*views, lse, **kw),
                  "gluon-per-tile": gluon_per_tile,
                  "triton": lambda: fwd.attention_fwd_triton(*views, lse, **kw)}
+        fa4 = registry.get("fa4")
+        ok, why = fa4.available(q.device)
+        if ok:
+            cands["fa4"] = fa4.prepare_varlen(q, k, v, cu, cu, max(lengths), max(lengths))
+        else:
+            print(f"fa4 not timed: {why}", flush=True)
         flops = varlen_flops(lengths, h, d, causal=True)
         times = rounds.interleaved(cands, repeat, return_mode="mean", label=" ")
         for name, t in times.items():
