@@ -739,7 +739,9 @@ def packed_grid_ok(batch, heads, total_q, max_q):
     max_q, fills at least PACKED_MIN_FILL of the kernel's tile grid (every sequence padded to
     the longest, in TILE_ROWS-row tiles), and the grid's tile count fits the kernel's int32."""
     grid_rows = batch * -(-max_q // TILE_ROWS) * TILE_ROWS  # a head's tile grid, in rows
-    return total_q >= PACKED_MIN_FILL * grid_rows and heads * grid_rows // TILE_ROWS < 2 ** 31
+    # (the hand-out's tile numbers reach the tile count plus the program count: room for both)
+    return (total_q >= PACKED_MIN_FILL * grid_rows
+            and heads * grid_rows // TILE_ROWS < 2 ** 31 - 2 ** 16)
 
 
 def _packed(t):
