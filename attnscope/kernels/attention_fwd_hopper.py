@@ -58,8 +58,10 @@ for every sequence, shorter ones' extra tiles empty) are handed out on the devic
 for them, from a counter zeroed at each launch, since the host does not know the lengths (they are
 on the GPU) to schedule by: the loader takes the next tile number and passes it to the consumers
 through shared memory. Against the host's round-robin this took the serving sweep's packed row from
-1.956 to 1.770 ms in one job (notes/lab/gluon_varlen_h200.txt). An empty tile still costs a hand-
-off, so batches whose tile grid is mostly empty stay on the Triton kernel (PACKED_MIN_FILL).
+1.956 to 1.770 ms in one job (notes/lab/gluon_varlen_h200.txt). The loader skips the tiles past a
+sequence's end before the hand-off (_with_queries), but each still costs it an atomic and the
+lengths' loads, so batches whose tile grid is mostly empty stay on the Triton kernel
+(PACKED_MIN_FILL).
 """
 
 import functools
@@ -223,15 +225,16 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
     ti = 0
     # The tiles: a dense call's from the host's schedule, row `sched` (count, then tile
     # numbers). A packed batch's are handed out as programs ask for them (the host cannot
-    # schedule what it does not know: the lengths are on the GPU): each program's first tile
-    # is its own number, then the next one not taken, counted by Counter (zero at the launch).
+    # schedule what it does not know: the lengths are on the GPU): each program's first
+    # candidate is its own number, then the next one not taken, counted by Counter (zero at
+    # the launch); candidates past their sequence's last query are skipped (_with_queries).
     # The consumers get each number from here (_publish); one past the last tile ends them.
     n_tiles = n_hz * num_m
     r = 0
     if VARLEN:
         count = n_tiles
         t = _with_queries(gl.program_id(0), Counter, n_tiles, n_hz, num_m, head_group, H, CuQ)
-        fetched = _publish(t, ids, ids_ready, ids_empty, 0, 1)
+        fetched = _publish(gl.minimum(t, n_tiles), ids, ids_ready, ids_empty, 0, 1)
         more = t < n_tiles
     else:
         count = gl.load(sched)
@@ -692,8 +695,8 @@ MIN_QUERIES = {64: 2049}
 PACKED_HEAD_DIMS = frozenset({80, 96, 128, 192, 256})
 # ... and only where at least this share of their tile grid (every sequence padded to the longest,
 # in 128-row tiles) holds queries, as the host can tell from the packed length. An empty tile
-# still takes a program a tile handout and its consumers a hand-off and the lengths' loads (of
-# the order of a microsecond, where a tile of queries takes ten or more), so a grid of mostly
+# still takes the loader an atomic and the lengths' loads before it finds the next tile with
+# queries (of the order of a microsecond, where a tile of queries takes ten), so a grid of mostly
 # empty tiles (one long sequence among many short ones) could cost more than the Triton kernel,
 # whose empty programs exit in hardware. Not measured: the serving sweep's batch fills 0.62 of
 # its grid; this bound is an estimate of where the empty tiles would cost what the Gluon kernel
