@@ -261,3 +261,39 @@ def test_gpu_gluon_kernel_only_takes_what_it_supports():
     assert not takes(64, [4096, 5])  # the Triton kernel is faster there
     assert not takes(128, [2048] + [1] * 31)  # a tile grid 3 % full (PACKED_MIN_FILL)
     assert not takes(128, [300, 5], torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_gluon_kernel_mostly_empty_grid(causal):
+    # One long sequence among many of one row: the op routes this grid (3 % full) to the Triton
+    # kernel, so the Gluon launch is called directly. Most programs find no tile with queries
+    # and hand their consumers only the end.
+    from attnscope.kernels import attention_fwd_hopper as hopper
+    lengths = [2048] + [1] * 31 + [300]
+    q, k, v, cu_q, cu_k = packed(lengths, lengths, 4, 2, 128, torch.bfloat16, "cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((4, q.shape[0]), float("nan"), device="cuda")
+    views = [_as_batched(t, len(lengths)) for t in (q, k, v, out)]
+    hopper.attention_fwd_hopper(*views, lse, causal=causal, scale=128 ** -0.5, causal_offset=0,
+                                varlen=(cu_q, cu_k, max(lengths)))
+    ref = attention_reference_varlen(q.double(), k.double(), v.double(), cu_q, cu_k,
+                                     causal=causal)
+    low = attention_reference_varlen(q, k, v, cu_q, cu_k, causal=causal, dtype=torch.bfloat16)
+    floor = {d: f for d, f, _ in GPU_DTYPES}[torch.bfloat16]
+    assert not out.isnan().any()
+    assert (out.double() - ref).abs().max() <= 2 * (low.double() - ref).abs().max() + floor
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_gpu_gluon_kernel_returns_on_decreasing_lengths():
+    # Cumulative lengths that decrease break the op's contract (unchecked on CUDA): the result
+    # is undefined, but the kernel must return (negative lengths are clamped at 0, so no block
+    # count goes negative and the rings stay in step).
+    q, k, v, cu_q, cu_k = packed([300, 700], [300, 700], 4, 2, 128, torch.bfloat16, "cuda")
+    cu_k = torch.tensor([0, 1000, 300], dtype=torch.int32, device="cuda")
+    out = fused_attention_varlen(q, k, v, cu_q, cu_k, 700, 1000, causal=False)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape
