@@ -175,6 +175,37 @@ def _receive(ids, ids_ready, ids_empty, fetched, WARPS: gl.constexpr):
 
 
 @gluon.jit
+def _tile_number(r, count, fetched, sched, Counter, ids, ids_ready, ids_empty, n_tiles,
+                 FIRST: gl.constexpr, VARLEN: gl.constexpr, LOADER: gl.constexpr):
+    # Tile r of this program's walk, as the loader (LOADER) and the consumers both take it, so
+    # they walk the same tiles. Dense: entry r of the host's schedule, row `sched` (its count,
+    # FIRST reads it, then its tile numbers). Packed: the loader takes its own number first,
+    # then the next one not taken from Counter, and hands each to the consumers (_publish,
+    # _receive; `fetched` counts the numbers handed over). Returns (tile number, count,
+    # fetched, whether it is a tile: a number past the last ends the walk).
+    if VARLEN:
+        if LOADER:
+            if FIRST:  # below n_tiles: the grid has at most a program a tile
+                t = gl.program_id(0)
+                fetched = _publish(t, ids, ids_ready, ids_empty, fetched, 1)
+            else:
+                t = gl.atomic_add(Counter, 1) + gl.num_programs(0)
+                fetched = _publish(gl.minimum(t, n_tiles), ids, ids_ready, ids_empty, fetched,
+                                   1)
+        else:
+            t, fetched = _receive(ids, ids_ready, ids_empty, fetched, 4)
+        more = t < n_tiles
+    else:
+        if FIRST:
+            count = gl.load(sched)
+            t = gl.load(sched + 1)
+        else:
+            t = gl.load(sched + 1 + gl.minimum(r, count - 1))
+        more = r < count
+    return t, count, fetched, more
+
+
+@gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, D1: gl.constexpr, VARLEN: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
@@ -201,22 +232,13 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
     kv_bytes: gl.constexpr = BLOCK_N * (D0 + D1) * elem
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
-    # The tiles: a dense call's from the host's schedule, row `sched` (count, then tile
-    # numbers). A packed batch's are handed out as programs ask for them (the host cannot
-    # schedule what it does not know: the lengths are on the GPU): each program's first tile
-    # is its own number, then the next one not taken, counted by Counter (zero at the launch).
-    # The consumers get each number from here (_publish); one past the last tile ends them.
+    # The tiles: a dense call's from the host's schedule; a packed batch's handed out as
+    # programs ask for them (the host cannot schedule what it does not know: the lengths are
+    # on the GPU), from here to the consumers (_tile_number).
     n_tiles = n_hz * num_m
     r = 0
-    if VARLEN:
-        count = n_tiles
-        t = gl.program_id(0)
-        fetched = _publish(t, ids, ids_ready, ids_empty, 0, 1)
-        more = t < n_tiles
-    else:
-        count = gl.load(sched)
-        t = gl.load(sched + 1)
-        more = r < count
+    t, count, fetched, more = _tile_number(r, 0, 0, sched, Counter, ids, ids_ready, ids_empty,
+                                           n_tiles, True, VARLEN, True)
     while more:
         off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
@@ -260,13 +282,8 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
             it += n_blocks
             ti += 1
         r += 1
-        if VARLEN:
-            t = gl.atomic_add(Counter, 1) + gl.num_programs(0)
-            fetched = _publish(gl.minimum(t, n_tiles), ids, ids_ready, ids_empty, fetched, 1)
-            more = t < n_tiles
-        else:
-            more = r < count
-            t = gl.load(sched + 1 + gl.minimum(r, count - 1))
+        t, count, fetched, more = _tile_number(r, count, fetched, sched, Counter, ids, ids_ready,
+                                               ids_empty, n_tiles, False, VARLEN, True)
 
 
 @gluon.jit
@@ -412,17 +429,11 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             o_desc1 = o_desc
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
-    # the tiles, as the loader walks them (_loader)
+    # the tiles, as the loader walks them (_tile_number)
     n_tiles = n_hz * num_m
     r = 0
-    if VARLEN:
-        count = n_tiles
-        t, fetched = _receive(ids, ids_ready, ids_empty, 0, 4)
-        more = t < n_tiles
-    else:
-        count = gl.load(sched)
-        t = gl.load(sched + 1)
-        more = r < count
+    t, count, fetched, more = _tile_number(r, 0, 0, sched, 0, ids, ids_ready, ids_empty,
+                                           n_tiles, True, VARLEN, False)
     while more:
         off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
@@ -539,12 +550,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             it += n_blocks
             ti += 1
         r += 1
-        if VARLEN:
-            t, fetched = _receive(ids, ids_ready, ids_empty, fetched, 4)
-            more = t < n_tiles
-        else:
-            more = r < count
-            t = gl.load(sched + 1 + gl.minimum(r, count - 1))
+        t, count, fetched, more = _tile_number(r, count, fetched, sched, 0, ids, ids_ready,
+                                               ids_empty, n_tiles, False, VARLEN, False)
     if TMA_STORE:
         tma.store_wait(0)  # the last store must have read shared memory before the exit
 
