@@ -120,7 +120,7 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
 
 @gluon.jit
 def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem, VARLEN: gl.constexpr,
-                row_stride=0):
+                row_stride):
     # The copy engine's view of ptr whose blocks are one buffer of the ring `smem` ([buffers,
     # rows, width]). Dense: [heads, seq, HEAD_DIM], rows x width boxes at (head, row, column), so
     # a block past a head's end or columns past HEAD_DIM read as zeros. Packed (VARLEN, n_hz the
@@ -704,18 +704,14 @@ def supports(q, k, v, out, varlen=None):
     # cheapest refusals first: this runs on every eager call
     head_dim = q.shape[-1]
     if varlen is None:
-        return (head_dim in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
-                and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
-                and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
-                and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
-                and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-                and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
-                and v.data_ptr() % 16 == 0 and device_properties(q.device).major == 9)
-    return (head_dim in PACKED_HEAD_DIMS and str(q.dtype) in _GL_DTYPES and q.is_cuda
-            and packed_grid_ok(*q.shape[:3], varlen[2])
+        shape_ok = head_dim in CONFIGS and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
+    else:
+        shape_ok = head_dim in PACKED_HEAD_DIMS and packed_grid_ok(*q.shape[:3], varlen[2])
+    return (shape_ok and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
-            and _packed(q) and _packed(k) and _packed(v)
+            and (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() if varlen is None
+                 else _packed(q) and _packed(k) and _packed(v))
             and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
             and device_properties(q.device).major == 9)
 
