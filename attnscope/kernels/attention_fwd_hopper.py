@@ -750,14 +750,13 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     block_n, stages, regs = config
     dtype = str(q.dtype)
-    tile_rows = TILE_ROWS
     cu_q, cu_k, max_q = (None, None, q_len) if varlen is None else varlen
-    num_m = -(-max_q // tile_rows)
+    num_m = -(-max_q // TILE_ROWS)
     tiles = batch * heads * num_m
     grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
     group = head_group(q, k)
     if varlen is None:
-        sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
+        sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], TILE_ROWS, block_n,
                               kv_len, causal, causal_offset)
         sched_width, counter = sched.shape[1], None
     else:  # tiles handed out on the device (_loader), counted from zero at every launch
