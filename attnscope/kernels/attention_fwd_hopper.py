@@ -124,7 +124,7 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
 
 @gluon.jit
 def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem, VARLEN: gl.constexpr,
-                row_stride=0):
+                row_stride):
     # The copy engine's view of ptr whose blocks are one buffer of the ring `smem` ([buffers,
     # rows, width]). Dense: [heads, seq, HEAD_DIM], rows x width boxes at (head, row, column), so
     # a block past a head's end or columns past HEAD_DIM read as zeros. Packed (VARLEN, n_hz the
@@ -197,6 +197,38 @@ def _receive(ids, ids_ready, ids_empty, fetched, WARPS: gl.constexpr):
 
 
 @gluon.jit
+def _tile_number(r, count, fetched, sched, Counter, ids, ids_ready, ids_empty, n_tiles, n_hz,
+                 num_m, head_group, H, CuQ, FIRST: gl.constexpr, VARLEN: gl.constexpr,
+                 LOADER: gl.constexpr):
+    # Tile r of this program's walk, as the loader (LOADER) and the consumers both take it, so
+    # they walk the same tiles. Dense: entry r of the host's schedule, row `sched` (its count,
+    # FIRST reads it, then its tile numbers). Packed: the loader takes its own number first,
+    # then the next one not taken from Counter, skips those past their sequence's last query
+    # (_with_queries), and hands each to the consumers (_publish,
+    # _receive; `fetched` counts the numbers handed over). Returns (tile number, count,
+    # fetched, whether it is a tile: a number past the last ends the walk).
+    if VARLEN:
+        if LOADER:
+            if FIRST:
+                t = gl.program_id(0)
+            else:
+                t = gl.atomic_add(Counter, 1) + gl.num_programs(0)
+            t = _with_queries(t, Counter, n_tiles, n_hz, num_m, head_group, H, CuQ)
+            fetched = _publish(gl.minimum(t, n_tiles), ids, ids_ready, ids_empty, fetched, 1)
+        else:
+            t, fetched = _receive(ids, ids_ready, ids_empty, fetched, 4)
+        more = t < n_tiles
+    else:
+        if FIRST:
+            count = gl.load(sched)
+            t = gl.load(sched + 1)
+        else:
+            t = gl.load(sched + 1 + gl.minimum(r, count - 1))
+        more = r < count
+    return t, count, fetched, more
+
+
+@gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, D1: gl.constexpr, VARLEN: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
@@ -223,23 +255,14 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
     kv_bytes: gl.constexpr = BLOCK_N * (D0 + D1) * elem
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
-    # The tiles: a dense call's from the host's schedule, row `sched` (count, then tile
-    # numbers). A packed batch's are handed out as programs ask for them (the host cannot
-    # schedule what it does not know: the lengths are on the GPU): each program's first
-    # candidate is its own number, then the next one not taken, counted by Counter (zero at
-    # the launch); candidates past their sequence's last query are skipped (_with_queries).
-    # The consumers get each number from here (_publish); one past the last tile ends them.
+    # The tiles: a dense call's from the host's schedule; a packed batch's handed out as
+    # programs ask for them (the host cannot schedule what it does not know: the lengths are
+    # on the GPU), from here to the consumers (_tile_number).
     n_tiles = n_hz * num_m
     r = 0
-    if VARLEN:
-        count = n_tiles
-        t = _with_queries(gl.program_id(0), Counter, n_tiles, n_hz, num_m, head_group, H, CuQ)
-        fetched = _publish(gl.minimum(t, n_tiles), ids, ids_ready, ids_empty, 0, 1)
-        more = t < n_tiles
-    else:
-        count = gl.load(sched)
-        t = gl.load(sched + 1)
-        more = r < count
+    t, count, fetched, more = _tile_number(r, 0, 0, sched, Counter, ids, ids_ready, ids_empty,
+                                           n_tiles, n_hz, num_m, head_group, H, CuQ, True,
+                                           VARLEN, True)
     while more:
         off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
@@ -283,14 +306,9 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
             it += n_blocks
             ti += 1
         r += 1
-        if VARLEN:
-            t = _with_queries(gl.atomic_add(Counter, 1) + gl.num_programs(0), Counter, n_tiles,
-                              n_hz, num_m, head_group, H, CuQ)
-            fetched = _publish(gl.minimum(t, n_tiles), ids, ids_ready, ids_empty, fetched, 1)
-            more = t < n_tiles
-        else:
-            more = r < count
-            t = gl.load(sched + 1 + gl.minimum(r, count - 1))
+        t, count, fetched, more = _tile_number(r, count, fetched, sched, Counter, ids, ids_ready,
+                                               ids_empty, n_tiles, n_hz, num_m, head_group, H,
+                                               CuQ, False, VARLEN, True)
 
 
 @gluon.jit
@@ -436,17 +454,12 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             o_desc1 = o_desc
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
-    # the tiles, as the loader walks them (_loader)
+    # the tiles, as the loader walks them (_tile_number)
     n_tiles = n_hz * num_m
     r = 0
-    if VARLEN:
-        count = n_tiles
-        t, fetched = _receive(ids, ids_ready, ids_empty, 0, 4)
-        more = t < n_tiles
-    else:
-        count = gl.load(sched)
-        t = gl.load(sched + 1)
-        more = r < count
+    t, count, fetched, more = _tile_number(r, 0, 0, sched, 0, ids, ids_ready, ids_empty,
+                                           n_tiles, n_hz, num_m, head_group, H, CuQ, True,
+                                           VARLEN, False)
     while more:
         off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
@@ -563,12 +576,9 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             it += n_blocks
             ti += 1
         r += 1
-        if VARLEN:
-            t, fetched = _receive(ids, ids_ready, ids_empty, fetched, 4)
-            more = t < n_tiles
-        else:
-            more = r < count
-            t = gl.load(sched + 1 + gl.minimum(r, count - 1))
+        t, count, fetched, more = _tile_number(r, count, fetched, sched, 0, ids, ids_ready,
+                                               ids_empty, n_tiles, n_hz, num_m, head_group, H,
+                                               CuQ, False, VARLEN, False)
     if TMA_STORE:
         tma.store_wait(0)  # the last store must have read shared memory before the exit
 
@@ -721,18 +731,14 @@ def supports(q, k, v, out, varlen=None):
     # cheapest refusals first: this runs on every eager call
     head_dim = q.shape[-1]
     if varlen is None:
-        return (head_dim in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
-                and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
-                and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
-                and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
-                and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-                and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
-                and v.data_ptr() % 16 == 0 and device_properties(q.device).major == 9)
-    return (head_dim in PACKED_HEAD_DIMS and str(q.dtype) in _GL_DTYPES and q.is_cuda
-            and packed_grid_ok(*q.shape[:3], varlen[2])
+        shape_ok = head_dim in CONFIGS and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
+    else:
+        shape_ok = head_dim in PACKED_HEAD_DIMS and packed_grid_ok(*q.shape[:3], varlen[2])
+    return (shape_ok and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
-            and _packed(q) and _packed(k) and _packed(v)
+            and (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() if varlen is None
+                 else _packed(q) and _packed(k) and _packed(v))
             and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
             and device_properties(q.device).major == 9)
 
@@ -771,14 +777,13 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     block_n, stages, regs = config
     dtype = str(q.dtype)
-    tile_rows = TILE_ROWS
     cu_q, cu_k, max_q = (None, None, q_len) if varlen is None else varlen
-    num_m = -(-max_q // tile_rows)
+    num_m = -(-max_q // TILE_ROWS)
     tiles = batch * heads * num_m
     grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
     group = head_group(q, k)
     if varlen is None:
-        sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
+        sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], TILE_ROWS, block_n,
                               kv_len, causal, causal_offset)
         sched_width, counter = sched.shape[1], None
     else:  # tiles handed out on the device (_loader), counted from zero at every launch

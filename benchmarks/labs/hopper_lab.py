@@ -124,15 +124,25 @@ def time_shapes(shapes, configs, repeat, out_path):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
         cands["cudnn"] = cudnn
-        # do_bench's mean per round (its default), the median over the rounds
-        times = rounds.interleaved(cands, repeat, return_mode="mean", label=" ")
-        for name, t in times.items():
-            ms = statistics.median(t)
-            row = dict(shape=[b, h, s, d], kv_heads=hkv, impl=name, median_ms=ms,
-                       rounds=t, tflops=flops / ms / 1e9)
-            rows.append(row)
-            print(f"{b},{h},{s},{d} kv{hkv} {name:28s} {ms:.4f} ms {row['tflops']:6.1f} TFLOP/s "
-                  f"rounds {' '.join(f'{x:.4f}' for x in t)}", flush=True)
+        rows += _time(cands, repeat, flops, f"{b},{h},{s},{d} kv{hkv}", shape=[b, h, s, d],
+                      kv_heads=hkv)
+    _append(rows, out_path)
+
+
+def _time(cands, repeat, flops, label, **fields):
+    """Rows (`fields`, then impl, median_ms, rounds, tflops) of the candidates timed in
+    interleaved rounds: do_bench's mean per round (its default), the median over the rounds;
+    each printed after `label`."""
+    rows = []
+    for name, t in rounds.interleaved(cands, repeat, return_mode="mean", label=" ").items():
+        ms = statistics.median(t)
+        rows.append(dict(fields, impl=name, median_ms=ms, rounds=t, tflops=flops / ms / 1e9))
+        print(f"{label} {name:28s} {ms:.4f} ms {rows[-1]['tflops']:6.1f} TFLOP/s "
+              f"rounds {' '.join(f'{x:.4f}' for x in t)}", flush=True)
+    return rows
+
+
+def _append(rows, out_path):
     if out_path:
         with open(out_path, "a") as f:
             for row in rows:
@@ -171,20 +181,10 @@ def time_varlen(lengths, shapes, repeat, out_path):
             cands["fa4"] = fa4.prepare_varlen(q, k, v, cu, cu, max(lengths), max(lengths))
         else:
             print(f"fa4 not timed: {why}", flush=True)
-        flops = varlen_flops(lengths, h, d, causal=True)
-        times = rounds.interleaved(cands, repeat, return_mode="mean", label=" ")
-        for name, t in times.items():
-            ms = statistics.median(t)
-            row = dict(varlen=list(lengths), heads=h, head_dim=d, kv_heads=hkv, impl=name,
-                       median_ms=ms, rounds=t, tflops=flops / ms / 1e9)
-            rows.append(row)
-            print(f"varlen x{len(lengths)} {h},{d} kv{hkv} {name:16s} {ms:.4f} ms "
-                  f"{row['tflops']:6.1f} TFLOP/s rounds {' '.join(f'{x:.4f}' for x in t)}",
-                  flush=True)
-    if out_path:
-        with open(out_path, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        rows += _time(cands, repeat, varlen_flops(lengths, h, d, causal=True),
+                      f"varlen x{len(lengths)} {h},{d} kv{hkv}", varlen=list(lengths), heads=h,
+                      head_dim=d, kv_heads=hkv)
+    _append(rows, out_path)
 
 
 def main(argv=None):
