@@ -108,7 +108,7 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
         cu = torch.tensor([0, 300, 1024], dtype=torch.int32)
         return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(4, 1024),
                                            causal=True, scale=head_dim ** -0.5, causal_offset=0,
-                                           varlen=(cu, cu, 724), config=config)
+                                           varlen=(cu, cu, 724, 724), config=config)
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
     return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, 1024),
                                        causal=True, scale=head_dim ** -0.5, causal_offset=0,

@@ -162,8 +162,7 @@ def test_gpu_realistic(causal, window, softcap, head_dim, dtype):
 # The Gluon kernel takes packed batches on sm_90 (attention_fwd_hopper.supports): lengths with
 # empty sequences on either side, fewer keys than queries (rows that see no key), ragged tiles
 # and K/V blocks that run into the next sequence's rows (masked), more tiles than SMs
-# (the persistent loop, tiles handed out on the device), GQA; the tile grid 0.40 full
-# (PACKED_MIN_FILL).
+# (the persistent loop, tiles handed out on the device), GQA.
 GLUON_LENGTHS_Q = [0, 1, 127, 128, 1000, 2500, 2077, 2300]
 GLUON_LENGTHS_K = [5, 0, 300, 128, 999, 2500, 2049, 64]
 
@@ -202,18 +201,13 @@ def test_packed_layouts_the_copy_engine_reads():
     assert not hopper._packed(_as_batched(odd, 2))  # rows 648 bytes apart: not 16-byte aligned
 
 
-def test_packed_tile_grid_rule():
-    # (batch, heads, total_q, max_q): the share of a 128-row tile grid padded to the longest
-    # sequence that holds queries, against PACKED_MIN_FILL; and an int32 tile count
+def test_packed_tile_count_rule():
+    # (batch, heads, max_q): the kernel's tile numbers, (batch * heads) x 128-row blocks of the
+    # longest sequence, must fit int32 with room for the hand-out's program count
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
-    lengths = [3428, 2523, 272, 3296, 2973, 3291, 2442, 1429, 3916, 1815, 1608, 3235, 3041, 3191,
-               553, 1494]  # the serving sweep's: 0.62 full
-    assert hopper.packed_grid_ok(16, 32, sum(lengths), max(lengths))
-    assert hopper.packed_grid_ok(8, 32, 8 * 2048, 2048)  # equal lengths: full
-    assert hopper.packed_grid_ok(8, 8, sum(GLUON_LENGTHS_Q), max(GLUON_LENGTHS_Q))
-    assert not hopper.packed_grid_ok(256, 32, 32768 + 255 * 128, 32768)  # 0.5 % full
-    assert hopper.packed_grid_ok(4, 1, 512, 512) and not hopper.packed_grid_ok(4, 1, 511, 512)
-    assert not hopper.packed_grid_ok(1 << 16, 1 << 10, 1 << 32, 1 << 16)  # 2^32 tiles
+    assert hopper.packed_tiles_ok(256, 32, 32768)  # one long sequence among short ones
+    assert hopper.packed_tiles_ok(1 << 14, 64, 1 << 16)  # 2^29 tiles
+    assert not hopper.packed_tiles_ok(1 << 16, 1 << 10, 1 << 16)  # 2^35 tiles
 
 
 def test_packed_launch_key_holds_the_longest_sequence():
@@ -239,7 +233,7 @@ def test_gpu_gluon_kernel_strided_rows():
     qkv = torch.randn(sum(lengths), 3, 4, 128, dtype=torch.bfloat16, device="cuda")
     q, k, v = qkv.unbind(1)
     views = [_as_batched(t, len(lengths)) for t in (q, k, v)]
-    varlen = (cu, cu, max(lengths))
+    varlen = (cu, cu, max(lengths), max(lengths))
     assert dispatch.uses_hopper_kernel(*views, torch.empty_like(views[0]), 0.1, varlen=varlen)
     out = fused_attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths))
     ref = attention_reference_varlen(q.double(), k.double(), v.double(), cu, cu)
@@ -255,29 +249,40 @@ def test_gpu_gluon_kernel_only_takes_what_it_supports():
         q, k, v, cu_q, cu_k = packed(lengths, lengths, 4, 2, head_dim, dtype, "cuda")
         views = [_as_batched(t, len(lengths)) for t in (q, k, v)]
         return dispatch.uses_hopper_kernel(*views, torch.empty_like(views[0]), 0.1,
-                                           varlen=(cu_q, cu_k, max(lengths)))
+                                           varlen=(cu_q, cu_k, max(lengths), max(lengths)))
     assert takes(128, [300, 5])
     assert not takes(112, [300, 5])  # padded to 128: a box would read the next head's columns
     assert not takes(64, [4096, 5])  # the Triton kernel is faster there
-    assert not takes(128, [2048] + [1] * 31)  # a tile grid 3 % full (PACKED_MIN_FILL)
+    assert takes(128, [2048] + [1] * 31)  # a mostly empty tile grid: no tile is handed out empty
     assert not takes(128, [300, 5], torch.float32)
+
+
+def _many_lengths():
+    # 97 sequences (the loader reads 32 lengths a step: three steps and one more), seeded, a
+    # tenth of them empty, keys at least as many as queries (a cache before new queries)
+    g = torch.Generator().manual_seed(20)
+    q = torch.randint(1, 400, (97,), generator=g)
+    q[torch.randperm(97, generator=g)[:10]] = 0
+    return q.tolist(), (q + torch.randint(0, 300, (97,), generator=g)).tolist()
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_gluon_kernel_mostly_empty_grid(causal):
-    # One long sequence among many of one row: the op routes this grid (3 % full) to the Triton
-    # kernel, so the Gluon launch is called directly. Most programs find no tile with queries
-    # and hand their consumers only the end.
-    from attnscope.kernels import attention_fwd_hopper as hopper
-    lengths = [2048] + [1] * 31 + [300]
-    q, k, v, cu_q, cu_k = packed(lengths, lengths, 4, 2, 128, torch.bfloat16, "cuda")
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((4, q.shape[0]), float("nan"), device="cuda")
-    views = [_as_batched(t, len(lengths)) for t in (q, k, v, out)]
-    hopper.attention_fwd_hopper(*views, lse, causal=causal, scale=128 ** -0.5, causal_offset=0,
-                                varlen=(cu_q, cu_k, max(lengths)))
+@pytest.mark.parametrize("lengths", [
+    ([2048] + [1] * 31 + [300],) * 2,  # one long sequence among many of one row
+    _many_lengths(),
+], ids=["one-long", "97-sequences"])
+def test_gpu_gluon_kernel_many_sequences(causal, lengths):
+    # Tile grids (every sequence padded to the longest) mostly empty: the hand-out numbers only
+    # the tiles that hold queries, walking the lengths 32 at a time (_packed_tile)
+    lengths_q, lengths_k = lengths
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 128, torch.bfloat16, "cuda")
+    views = [_as_batched(t, len(lengths_q)) for t in (q, k, v)]
+    assert dispatch.uses_hopper_kernel(*views, torch.empty_like(views[0]), 0.1,
+                                       varlen=(cu_q, cu_k, max(lengths_q), max(lengths_k)))
+    out = fused_attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                 causal=causal)
     ref = attention_reference_varlen(q.double(), k.double(), v.double(), cu_q, cu_k,
                                      causal=causal)
     low = attention_reference_varlen(q, k, v, cu_q, cu_k, causal=causal, dtype=torch.bfloat16)

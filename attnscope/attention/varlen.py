@@ -104,7 +104,8 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     with fused._on_device(q.device):
         kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale, causal_offset=0,
                               window=(window_left, window_right), softcap=softcap,
-                              varlen=(cu_seqlens_q, cu_seqlens_k, max(max_seqlen_q, 1)),
+                              varlen=(cu_seqlens_q, cu_seqlens_k, max(max_seqlen_q, 1),
+                                      max(max_seqlen_k, 1)),
                               wrap=fused._launch_wrap(q))
     return out, lse
 

@@ -53,15 +53,14 @@ under the causal mask. A block that runs past its sequence's end reads the next 
 keys past the end are masked to -inf (their V rows are multiplied by zero, so only an inf or NaN
 there would reach this sequence), query rows past it are computed and never stored. Output blocks
 wholly inside their sequence leave by TMA store where the staging buffers fit (all but head_dim
-256), a sequence's ragged last block by register stores. The tiles (those of the longest sequence
-for every sequence, shorter ones' extra tiles empty) are handed out on the device as programs ask
-for them, from a counter zeroed at each launch, since the host does not know the lengths (they are
-on the GPU) to schedule by: the loader takes the next tile number and passes it to the consumers
-through shared memory. Against the host's round-robin this took the serving sweep's packed row from
-1.956 to 1.770 ms in one job (notes/lab/gluon_varlen_h200.txt). The loader skips the tiles past a
-sequence's end before the hand-off (_with_queries), but each still costs it an atomic and the
-lengths' loads, so batches whose tile grid is mostly empty stay on the Triton kernel
-(PACKED_MIN_FILL).
+256), a sequence's ragged last block by register stores. The tiles are handed out on the device
+as programs ask for them, from a counter zeroed at each launch, since the host does not know the
+lengths (they are on the GPU) to schedule by: the loader takes the next number, finds the sequence
+and tile it stands for (_packed_tile: the numbers count only tiles that hold queries, sequence
+after sequence, each sequence's heads in groups that share L2 and their last query block first)
+and passes the tile to the consumers through shared memory. Against the host's round-robin this
+took the serving sweep's packed row from 1.956 to 1.770 ms in one job
+(notes/lab/gluon_varlen_h200.txt).
 """
 
 import functools
@@ -82,6 +81,10 @@ from attnscope.kernels.tile_schedule import tile_schedule
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
 NUM_WG = gl.constexpr(2)  # consumer warpgroups: 128-row tiles
+# The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
+# at a time (_packed_tile): at 24 it spilled at head_dim 256 (offline, Triton 3.6); the dense
+# kernel's code is the same at 24, 32 and 40.
+LOADER_REGS = gl.constexpr(32)
 
 
 @gluon.jit
@@ -96,7 +99,11 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
     # grid covers the longest sequence) and nobody works on them. Which program runs which
     # tiles: the host's schedule (tile_schedule), or for a packed batch the device's hand-out
     # (_loader).
-    off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
+    if VARLEN:  # the hand-out's tile numbers (_packed_tile)
+        off_hz = t // num_m
+        m = t % num_m
+    else:
+        off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
     first_row = m * BLOCK_M
     if VARLEN:
         b = off_hz // H
@@ -155,21 +162,47 @@ def _load(desc, hz, row, col, bar, buf, VARLEN: gl.constexpr, HEAD_DIM: gl.const
 
 
 @gluon.jit
-def _with_queries(t, Counter, n_tiles, n_hz, num_m, head_group, H, CuQ):
-    # Tile t of a packed batch's handout if it holds queries, else the next one taken from
-    # Counter that does (n_tiles or past it: none left). Tiles past a sequence's last query
-    # (the grid covers the longest sequence) are skipped here, in the loader, so the consumers
-    # never wait for one.
-    empty = t < n_tiles
-    while empty:
-        off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
-        b = off_hz // H
-        q_len = gl.load(CuQ + b + 1) - gl.load(CuQ + b)
-        empty = m * (NUM_WG * ROWS) >= q_len
-        if empty:
-            t = gl.atomic_add(Counter, 1) + gl.num_programs(0)
-            empty = t < n_tiles
-    return t
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _packed_tile(k, seq, seq_first, batch, H, num_m, head_group, CuQ, n_tiles,
+                 BLOCK_M: gl.constexpr):
+    # Hand-out number k of a packed batch as a tile number (off_hz * num_m + query block, as
+    # _tile reads it), n_tiles where k is past the last tile. The numbers walk the sequences in
+    # order and, within one, its heads' query blocks (none past its end) in _grouped_tile's
+    # order, so no number is spent on an empty tile. (seq, seq_first): the sequence this
+    # program's last number fell in and that sequence's first number; the walk goes on from
+    # there (a program's numbers only grow), 32 sequences' lengths a step, one a lane. Returns
+    # the tile number and the new (seq, seq_first).
+    lanes = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    seq = gl.to_tensor(seq)  # (the first call's are constant zeros)
+    seq_first = gl.to_tensor(seq_first)
+    tiles = gl.to_tensor(0)  # the tiles of sequence `seq` once found
+    searching = seq < batch
+    while searching:
+        inside = seq + lanes < batch
+        lo = gl.load(CuQ + seq + lanes, mask=inside, other=0)
+        hi = gl.load(CuQ + seq + lanes + 1, mask=inside, other=0)
+        n = H * gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_M)  # each sequence's tiles (0 past batch)
+        ends = seq_first + gl.associative_scan(n, 0, _add)  # the number after each's last
+        at = gl.min(gl.where(ends > k, lanes, 32), 0)  # the first sequence that holds k
+        if at < 32:
+            seq_first = seq_first + gl.sum(gl.where(lanes < at, n, 0), 0)
+            tiles = gl.sum(gl.where(lanes == at, n, 0), 0)
+            seq = seq + at
+            searching = False
+        else:
+            seq_first = seq_first + gl.sum(n, 0)
+            seq = seq + 32
+            searching = seq < batch
+    if seq < batch:
+        head, m = _grouped_tile(k - seq_first, H, tiles // H, head_group)
+        t = (seq * H + head) * num_m + m
+    else:
+        t = n_tiles
+    return t, seq, seq_first
 
 
 @gluon.jit
@@ -197,24 +230,26 @@ def _receive(ids, ids_ready, ids_empty, fetched, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _tile_number(r, count, fetched, sched, Counter, ids, ids_ready, ids_empty, n_tiles, n_hz,
-                 num_m, head_group, H, CuQ, FIRST: gl.constexpr, VARLEN: gl.constexpr,
-                 LOADER: gl.constexpr):
+def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_ready, ids_empty,
+                 n_tiles, batch, H, num_m, head_group, CuQ, FIRST: gl.constexpr,
+                 VARLEN: gl.constexpr, LOADER: gl.constexpr):
     # Tile r of this program's walk, as the loader (LOADER) and the consumers both take it, so
     # they walk the same tiles. Dense: entry r of the host's schedule, row `sched` (its count,
-    # FIRST reads it, then its tile numbers). Packed: the loader takes its own number first,
-    # then the next one not taken from Counter, skips those past their sequence's last query
-    # (_with_queries), and hands each to the consumers (_publish,
-    # _receive; `fetched` counts the numbers handed over). Returns (tile number, count,
-    # fetched, whether it is a tile: a number past the last ends the walk).
+    # FIRST reads it, then its tile numbers). Packed: the loader takes hand-out number
+    # program_id first, then the next one not taken from Counter, turns it into a tile
+    # (_packed_tile, from the sequence cursor seq, seq_first) and hands that to the consumers
+    # (_publish, _receive; `fetched` counts the numbers handed over). Returns (tile number,
+    # count, fetched, seq, seq_first, whether it is a tile: a number past the last ends the
+    # walk).
     if VARLEN:
         if LOADER:
             if FIRST:
-                t = gl.program_id(0)
+                k = gl.program_id(0)
             else:
-                t = gl.atomic_add(Counter, 1) + gl.num_programs(0)
-            t = _with_queries(t, Counter, n_tiles, n_hz, num_m, head_group, H, CuQ)
-            fetched = _publish(gl.minimum(t, n_tiles), ids, ids_ready, ids_empty, fetched, 1)
+                k = gl.atomic_add(Counter, 1) + gl.num_programs(0)
+            t, seq, seq_first = _packed_tile(k, seq, seq_first, batch, H, num_m, head_group,
+                                             CuQ, n_tiles, NUM_WG * ROWS)
+            fetched = _publish(t, ids, ids_ready, ids_empty, fetched, 1)
         else:
             t, fetched = _receive(ids, ids_ready, ids_empty, fetched, 4)
         more = t < n_tiles
@@ -225,7 +260,7 @@ def _tile_number(r, count, fetched, sched, Counter, ids, ids_ready, ids_empty, n
         else:
             t = gl.load(sched + 1 + gl.minimum(r, count - 1))
         more = r < count
-    return t, count, fetched, more
+    return t, count, fetched, seq, seq_first, more
 
 
 @gluon.jit
@@ -260,9 +295,10 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
     # on the GPU), from here to the consumers (_tile_number).
     n_tiles = n_hz * num_m
     r = 0
-    t, count, fetched, more = _tile_number(r, 0, 0, sched, Counter, ids, ids_ready, ids_empty,
-                                           n_tiles, n_hz, num_m, head_group, H, CuQ, True,
-                                           VARLEN, True)
+    batch = n_hz // H
+    t, count, fetched, seq, seq_first, more = _tile_number(
+        r, 0, 0, 0, 0, sched, Counter, ids, ids_ready, ids_empty, n_tiles, batch, H, num_m,
+        head_group, CuQ, True, VARLEN, True)
     while more:
         off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
@@ -306,9 +342,9 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
             it += n_blocks
             ti += 1
         r += 1
-        t, count, fetched, more = _tile_number(r, count, fetched, sched, Counter, ids, ids_ready,
-                                               ids_empty, n_tiles, n_hz, num_m, head_group, H,
-                                               CuQ, False, VARLEN, True)
+        t, count, fetched, seq, seq_first, more = _tile_number(
+            r, count, fetched, seq, seq_first, sched, Counter, ids, ids_ready, ids_empty,
+            n_tiles, batch, H, num_m, head_group, CuQ, False, VARLEN, True)
 
 
 @gluon.jit
@@ -457,9 +493,9 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     # the tiles, as the loader walks them (_tile_number)
     n_tiles = n_hz * num_m
     r = 0
-    t, count, fetched, more = _tile_number(r, 0, 0, sched, 0, ids, ids_ready, ids_empty,
-                                           n_tiles, n_hz, num_m, head_group, H, CuQ, True,
-                                           VARLEN, False)
+    t, count, fetched, seq, seq_first, more = _tile_number(
+        r, 0, 0, 0, 0, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0, H, num_m, head_group,
+        CuQ, True, VARLEN, False)
     while more:
         off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
@@ -576,9 +612,9 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             it += n_blocks
             ti += 1
         r += 1
-        t, count, fetched, more = _tile_number(r, count, fetched, sched, 0, ids, ids_ready,
-                                               ids_empty, n_tiles, n_hz, num_m, head_group, H,
-                                               CuQ, False, VARLEN, False)
+        t, count, fetched, seq, seq_first, more = _tile_number(
+            r, count, fetched, seq, seq_first, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0,
+            H, num_m, head_group, CuQ, False, VARLEN, False)
     if TMA_STORE:
         tma.store_wait(0)  # the last store must have read shared memory before the exit
 
@@ -671,7 +707,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN)),
         (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN)),
         (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, BLOCK_D1, VARLEN)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # (BLOCK_N, STAGES, consumer registers) per head_dim, measured on the H200 with
@@ -697,21 +733,11 @@ CONFIGS = {64: (128, 3, 240), 80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2
 # kernel's schedule is its own (notes/forward.md, "Triton releases").
 MIN_QUERIES = {64: 2049}
 # Packed batches (fused_attention_varlen) take this kernel at these head dims: not at 64, where
-# the Triton kernel was faster on the serving sweep's 16 packed lengths (1.247 against 1.350 ms,
-# 32 / 8 heads, measured with the host's round-robin tiles, before the device hand-out that
-# gained 6-13 % at the other head dims: to be measured again; at 128, 1.932 against 2.378 ms;
+# the Triton kernel was faster on the serving sweep's 16 packed lengths (1.236 against 1.277 ms
+# with the device hand-out, 32 / 8 heads; at 128, 2.311 against 1.743;
 # notes/lab/gluon_varlen_h200.txt), nor where the column parts pad head_dim (112: a box would
 # read the neighbouring head's columns).
 PACKED_HEAD_DIMS = frozenset({80, 96, 128, 192, 256})
-# ... and only where at least this share of their tile grid (every sequence padded to the longest,
-# in 128-row tiles) holds queries, as the host can tell from the packed length. An empty tile
-# still takes the loader an atomic and the lengths' loads before it finds the next tile with
-# queries (of the order of a microsecond, where a tile of queries takes ten), so a grid of mostly
-# empty tiles (one long sequence among many short ones) could cost more than the Triton kernel,
-# whose empty programs exit in hardware. Not measured: the serving sweep's batch fills 0.62 of
-# its grid; this bound is an estimate of where the empty tiles would cost what the Gluon kernel
-# gains (notes/serving.md, "Packed sequences").
-PACKED_MIN_FILL = 0.25
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 TILE_ROWS = NUM_WG.value * ROWS.value  # query rows a tile covers
 # Shared memory one program may take on sm_90 (227 KB), less 1 KB for the mbarriers and what
@@ -725,15 +751,15 @@ def supports(q, k, v, out, varlen=None):
     addresses (the TMA descriptors view each as [batch * heads, seq, head_dim]) and out with
     unit last stride. Any query and key length. A packed batch (`varlen`, as
     attention_fwd_triton's: the views with batch stride 0 of packed [total, heads, head_dim]
-    tensors) needs a head_dim in PACKED_HEAD_DIMS, a tile grid at least PACKED_MIN_FILL full and
-    in each packed tensor a unit last stride, heads next to each other and rows at 16-byte
-    aligned strides."""
+    tensors) needs a head_dim in PACKED_HEAD_DIMS, a tile count within the kernel's int32
+    (packed_tiles_ok) and in each packed tensor a unit last stride, heads next to each other
+    and rows at 16-byte aligned strides."""
     # cheapest refusals first: this runs on every eager call
     head_dim = q.shape[-1]
     if varlen is None:
         shape_ok = head_dim in CONFIGS and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
     else:
-        shape_ok = head_dim in PACKED_HEAD_DIMS and packed_grid_ok(*q.shape[:3], varlen[2])
+        shape_ok = head_dim in PACKED_HEAD_DIMS and packed_tiles_ok(*q.shape[:2], varlen[2])
     return (shape_ok and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
@@ -743,14 +769,11 @@ def supports(q, k, v, out, varlen=None):
             and device_properties(q.device).major == 9)
 
 
-def packed_grid_ok(batch, heads, total_q, max_q):
-    """Whether a packed batch of `batch` sequences, `total_q` query rows in all, the longest
-    max_q, fills at least PACKED_MIN_FILL of the kernel's tile grid (every sequence padded to
-    the longest, in TILE_ROWS-row tiles), and the grid's tile count fits the kernel's int32."""
-    grid_rows = batch * -(-max_q // TILE_ROWS) * TILE_ROWS  # a head's tile grid, in rows
-    # (the hand-out's tile numbers reach the tile count plus the program count: room for both)
-    return (total_q >= PACKED_MIN_FILL * grid_rows
-            and heads * grid_rows // TILE_ROWS < 2 ** 31 - 2 ** 16)
+def packed_tiles_ok(batch, heads, max_q):
+    """Whether the tile numbers of a packed batch of `batch` sequences, the longest max_q, fit
+    the kernel's int32: (batch * heads + head) * query blocks of the longest + query block
+    (_packed_tile), and the hand-out's numbers, up to the tiles plus the program count."""
+    return batch * heads * -(-max_q // TILE_ROWS) < 2 ** 31 - 2 ** 16
 
 
 def _packed(t):
@@ -765,8 +788,8 @@ def _packed(t):
 def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, varlen=None,
                          config=None, key=None):
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
-    attention_fwd.attention_fwd_triton's (`varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
-    for a packed batch, q/k/v/out its [batch, heads, total, head_dim] views, lse [heads,
+    attention_fwd.attention_fwd_triton's (`varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) for a packed batch, q/k/v/out its [batch, heads, total, head_dim] views, lse [heads,
     total_q]): `config` a tuple named by CONFIG_FIELDS instead of the table's (the lab), `key`
     the dispatch's launch key for this call (built here when None)."""
     batch, heads, q_len, head_dim = q.shape
@@ -777,11 +800,12 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     block_n, stages, regs = config
     dtype = str(q.dtype)
-    cu_q, cu_k, max_q = (None, None, q_len) if varlen is None else varlen
+    cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
     num_m = -(-max_q // TILE_ROWS)
     tiles = batch * heads * num_m
     grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
-    group = head_group(q, k)
+    # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
+    group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
     if varlen is None:
         sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], TILE_ROWS, block_n,
                               kv_len, causal, causal_offset)
@@ -817,7 +841,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
                aligned(out, lse), kwargs["TMA_STORE"], sched_width, causal, causal_offset,
                scale, grid, config)
         if varlen is not None:  # and packed rows may be any 16-byte multiple apart
-            key += ("varlen", max_q, aligned(cu_q, cu_k), q.stride(), k.stride(), v.stride())
+            key += ("varlen", max_q, max_k, aligned(cu_q, cu_k), q.stride(), k.stride(), v.stride())
     launch = _launch if varlen is None else _launch_packed
     return launch(key, grid, args, kwargs, per_call=5 if varlen is None else 8,
                   config=dict(zip(CONFIG_FIELDS, config)))

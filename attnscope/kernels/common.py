@@ -214,7 +214,7 @@ def device_properties(device):
     return torch.cuda.get_device_properties(device)
 
 
-def head_group(q, k, l2_share=0.5):
+def head_group(q, k, l2_share=0.5, *, kv_len=None, pairs=None):
     """How many (batch, head) pairs a launch runs together (`_grouped_tile`): about as many as
     keep their K and V within `l2_share` of L2 (the rest for Q, the output and other streams),
     with the heads split into groups of equal size. A group of query heads shares one K/V head
@@ -222,11 +222,13 @@ def head_group(q, k, l2_share=0.5):
     (4,32,4096,128) made each running program stream its own head's K/V from DRAM (10 % L2
     hits); and a small last group puts its longest tiles at the very end of the launch, where
     nothing overlaps them. In the interpreter, groups of two, so that CPU tests cross group
-    edges (and a smaller last group)."""
-    n_hz = q.shape[0] * q.shape[1]
+    edges (and a smaller last group). `pairs` (default: all of q's) and `kv_len` (default: k's
+    length) for a launch that groups fewer, e.g. one packed sequence's heads over its keys."""
+    n_hz = q.shape[0] * q.shape[1] if pairs is None else pairs
     if not q.is_cuda:
         return min(n_hz, 2)
-    kv_bytes = 2 * k.shape[2] * k.shape[3] * k.element_size()  # per K/V head
+    kv_len = k.shape[2] if kv_len is None else kv_len
+    kv_bytes = 2 * max(kv_len, 1) * k.shape[3] * k.element_size()  # per K/V head
     budget = int(device_properties(q.device).L2_cache_size * l2_share)
     cap = max(1, budget * (q.shape[1] // k.shape[1]) // kv_bytes)
     groups = -(-n_hz // cap)

@@ -152,7 +152,7 @@ def _append(rows, out_path):
 def time_varlen(lengths, shapes, repeat, out_path):
     rows = []
     cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
-    varlen = (cu, cu, max(lengths))
+    varlen = (cu, cu, max(lengths), max(lengths))
     for _, h, _, d, hkv in shapes:
         torch.manual_seed(d)
         q = torch.randn(sum(lengths), h, d, device="cuda", dtype=torch.bfloat16)
