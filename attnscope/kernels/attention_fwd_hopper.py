@@ -162,6 +162,16 @@ def _load(desc, hz, row, col, bar, buf, VARLEN: gl.constexpr, HEAD_DIM: gl.const
 
 
 @gluon.jit
+def _load_parts(desc, desc1, hz, row, bar, buf, buf1, VARLEN: gl.constexpr,
+                HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
+    # One block of every column part (_load's coordinates): columns from 0 into buf and, for a
+    # split head_dim, from buf's width on into buf1 (desc1's); all signal bar.
+    _load(desc, hz, row, 0, bar, buf, VARLEN, HEAD_DIM)
+    if SPLIT:
+        _load(desc1, hz, row, buf.shape[1], bar, buf1, VARLEN, HEAD_DIM)
+
+
+@gluon.jit
 def _add(a, b):
     return a + b
 
@@ -284,6 +294,10 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
         q_desc1 = _descriptor(Q, q_hz, N_CTX_Q, HEAD_DIM, q_smem1, VARLEN, stride_qm)
         k_desc1 = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem1, VARLEN, stride_km)
         v_desc1 = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem1, VARLEN, stride_vm)
+    else:  # unused
+        q_desc1 = q_desc
+        k_desc1 = k_desc
+        v_desc1 = v_desc
     D0: gl.constexpr = q_smem.shape[2]
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
@@ -316,29 +330,20 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
                 row = q_start + first_row + wg * ROWS
                 mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
                 mbarrier.expect(q_ready.index(wg), q_bytes)
-                _load(q_desc, q_head, row, 0, q_ready.index(wg), q_smem.index(wg), VARLEN,
-                      HEAD_DIM)
-                if SPLIT:
-                    _load(q_desc1, q_head, row, D0, q_ready.index(wg), q_smem1.index(wg),
-                          VARLEN, HEAD_DIM)
+                _load_parts(q_desc, q_desc1, q_head, row, q_ready.index(wg), q_smem.index(wg),
+                            q_smem1.index(wg), VARLEN, HEAD_DIM, SPLIT)
             for j in range(n_blocks):
                 slot = (it + j) % STAGES
                 phase = (((it + j) // STAGES) & 1) ^ 1
                 row = k_start + j * BLOCK_N
                 mbarrier.wait(k_empty.index(slot), phase)
                 mbarrier.expect(k_ready.index(slot), kv_bytes)
-                _load(k_desc, kv_head, row, 0, k_ready.index(slot), k_smem.index(slot), VARLEN,
-                      HEAD_DIM)
-                if SPLIT:
-                    _load(k_desc1, kv_head, row, D0, k_ready.index(slot), k_smem1.index(slot),
-                          VARLEN, HEAD_DIM)
+                _load_parts(k_desc, k_desc1, kv_head, row, k_ready.index(slot),
+                            k_smem.index(slot), k_smem1.index(slot), VARLEN, HEAD_DIM, SPLIT)
                 mbarrier.wait(v_empty.index(slot), phase)
                 mbarrier.expect(v_ready.index(slot), kv_bytes)
-                _load(v_desc, kv_head, row, 0, v_ready.index(slot), v_smem.index(slot), VARLEN,
-                      HEAD_DIM)
-                if SPLIT:
-                    _load(v_desc1, kv_head, row, D0, v_ready.index(slot), v_smem1.index(slot),
-                          VARLEN, HEAD_DIM)
+                _load_parts(v_desc, v_desc1, kv_head, row, v_ready.index(slot),
+                            v_smem.index(slot), v_smem1.index(slot), VARLEN, HEAD_DIM, SPLIT)
             it += n_blocks
             ti += 1
         r += 1
