@@ -95,10 +95,9 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
     # kernel's order (heads in groups that share L2, last query block first within a group),
     # and its sequence: first query and key rows in the tensors, query and key lengths, causal
     # offset. A packed batch (VARLEN) reads its sequence's bounds from the cumulative lengths,
-    # aligned bottom-right; its tiles past their sequence's last query are not `valid` (the
-    # grid covers the longest sequence) and nobody works on them. Which program runs which
-    # tiles: the host's schedule (tile_schedule), or for a packed batch the device's hand-out
-    # (_loader).
+    # aligned bottom-right; its tile numbers name only tiles that hold queries (_packed_tile).
+    # Which program runs which tiles: the host's schedule (tile_schedule), or for a packed
+    # batch the device's hand-out (_loader).
     if VARLEN:  # the hand-out's tile numbers (_packed_tile)
         off_hz = t // num_m
         m = t % num_m
@@ -114,19 +113,17 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
         k_start = gl.load(CuK + b)
         k_len = gl.maximum(gl.load(CuK + b + 1) - k_start, 0)
         offset = CAUSAL_OFFSET + k_len - q_len
-        valid = first_row < q_len
     else:
         q_start = 0
         q_len = N_CTX_Q
         k_start = 0
         k_len = N_CTX_K
         offset = CAUSAL_OFFSET
-        valid = True
     if CAUSAL:  # keys the tile's last row sees
         hi = gl.maximum(gl.minimum(first_row + BLOCK_M + offset, k_len), 0)
     else:
         hi = k_len
-    return off_hz, first_row, gl.cdiv(hi, BLOCK_N), valid, q_start, q_len, k_start, k_len, offset
+    return off_hz, first_row, gl.cdiv(hi, BLOCK_N), q_start, q_len, k_start, k_len, offset
 
 
 @gluon.jit
@@ -314,38 +311,37 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
         r, 0, 0, 0, 0, sched, Counter, ids, ids_ready, ids_empty, n_tiles, batch, H, num_m,
         head_group, CuQ, True, VARLEN, True)
     while more:
-        off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
+        off_hz, first_row, n_blocks, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
             VARLEN, NUM_WG * ROWS, BLOCK_N)
-        if valid:
-            if VARLEN:  # the packed tensors' heads
-                q_head = off_hz % H
-                kv_head = q_head // GROUP
-            else:
-                q_head = off_hz
-                kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
-            # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
-            # loads into each buffer wait for nobody.
-            for wg in gl.static_range(NUM_WG):
-                row = q_start + first_row + wg * ROWS
-                mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
-                mbarrier.expect(q_ready.index(wg), q_bytes)
-                _load_parts(q_desc, q_desc1, q_head, row, q_ready.index(wg), q_smem.index(wg),
-                            q_smem1.index(wg), VARLEN, HEAD_DIM, SPLIT)
-            for j in range(n_blocks):
-                slot = (it + j) % STAGES
-                phase = (((it + j) // STAGES) & 1) ^ 1
-                row = k_start + j * BLOCK_N
-                mbarrier.wait(k_empty.index(slot), phase)
-                mbarrier.expect(k_ready.index(slot), kv_bytes)
-                _load_parts(k_desc, k_desc1, kv_head, row, k_ready.index(slot),
-                            k_smem.index(slot), k_smem1.index(slot), VARLEN, HEAD_DIM, SPLIT)
-                mbarrier.wait(v_empty.index(slot), phase)
-                mbarrier.expect(v_ready.index(slot), kv_bytes)
-                _load_parts(v_desc, v_desc1, kv_head, row, v_ready.index(slot),
-                            v_smem.index(slot), v_smem1.index(slot), VARLEN, HEAD_DIM, SPLIT)
-            it += n_blocks
-            ti += 1
+        if VARLEN:  # the packed tensors' heads
+            q_head = off_hz % H
+            kv_head = q_head // GROUP
+        else:
+            q_head = off_hz
+            kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
+        # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
+        # loads into each buffer wait for nobody.
+        for wg in gl.static_range(NUM_WG):
+            row = q_start + first_row + wg * ROWS
+            mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
+            mbarrier.expect(q_ready.index(wg), q_bytes)
+            _load_parts(q_desc, q_desc1, q_head, row, q_ready.index(wg), q_smem.index(wg),
+                        q_smem1.index(wg), VARLEN, HEAD_DIM, SPLIT)
+        for j in range(n_blocks):
+            slot = (it + j) % STAGES
+            phase = (((it + j) // STAGES) & 1) ^ 1
+            row = k_start + j * BLOCK_N
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_ready.index(slot), kv_bytes)
+            _load_parts(k_desc, k_desc1, kv_head, row, k_ready.index(slot),
+                        k_smem.index(slot), k_smem1.index(slot), VARLEN, HEAD_DIM, SPLIT)
+            mbarrier.wait(v_empty.index(slot), phase)
+            mbarrier.expect(v_ready.index(slot), kv_bytes)
+            _load_parts(v_desc, v_desc1, kv_head, row, v_ready.index(slot),
+                        v_smem.index(slot), v_smem1.index(slot), VARLEN, HEAD_DIM, SPLIT)
+        it += n_blocks
+        ti += 1
         r += 1
         t, count, fetched, seq, seq_first, more = _tile_number(
             r, count, fetched, seq, seq_first, sched, Counter, ids, ids_ready, ids_empty,
@@ -502,120 +498,119 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         r, 0, 0, 0, 0, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0, H, num_m, head_group,
         CuQ, True, VARLEN, False)
     while more:
-        off_hz, first_row, n_blocks, valid, q_start, q_len, k_start, k_len, offset = _tile(
+        off_hz, first_row, n_blocks, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
             VARLEN, NUM_WG * ROWS, BLOCK_N)
-        if valid:
-            m0 = first_row + WG * ROWS
-            rows = m0 + gl.arange(0, ROWS, layout=row_layout)
-            # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
-            if CAUSAL:
-                full_hi = gl.maximum(gl.minimum(m0 + offset + 1, k_len), 0)
-            else:
-                full_hi = k_len
-            full_blocks = full_hi // BLOCK_N
+        m0 = first_row + WG * ROWS
+        rows = m0 + gl.arange(0, ROWS, layout=row_layout)
+        # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
+        if CAUSAL:
+            full_hi = gl.maximum(gl.minimum(m0 + offset + 1, k_len), 0)
+        else:
+            full_hi = k_len
+        full_blocks = full_hi // BLOCK_N
 
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-            l_i = gl.zeros([ROWS], gl.float32, row_layout)
-            acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
-            p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([ROWS], gl.float32, row_layout)
+        acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
+        p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+        if SPLIT:
+            acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
+        else:  # unused
+            acc1 = acc
+
+        mbarrier.wait(q_ready.index(WG), ti & 1)
+        if n_blocks > 0:
+            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+            # turn k waits for phase k of this warpgroup's turn barrier
+            mbarrier.wait(turn.index(WG), it & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
             if SPLIT:
-                acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
-            else:  # unused
-                acc1 = acc
+                s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
+                                      s_tok, is_async=True)
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(it % STAGES))
+            p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, k_len,
+                                                offset, qk_scale, CAUSAL, BLOCK_N)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-            mbarrier.wait(q_ready.index(WG), ti & 1)
-            if n_blocks > 0:
-                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-                # turn k waits for phase k of this warpgroup's turn barrier
-                mbarrier.wait(turn.index(WG), it & 1)
-                s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                if SPLIT:
-                    s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
-                                          s_tok, is_async=True)
+        for j in range(1, n_blocks):
+            g = it + j
+            slot = g % STAGES
+            prev = (g - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+            mbarrier.wait(turn.index(WG), g & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            if SPLIT:
+                s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok,
+                                      is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
+                                     v_smem1.index(prev), acc1, is_async=True)
                 mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-                s = warpgroup_mma_wait(0, deps=[s_tok])
-                mbarrier.arrive(k_empty.index(it % STAGES))
-                p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, k_len,
-                                                    offset, qk_scale, CAUSAL, BLOCK_N)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-
-            for j in range(1, n_blocks):
-                g = it + j
-                slot = g % STAGES
-                prev = (g - 1) % STAGES
-                mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-                mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-                mbarrier.wait(turn.index(WG), g & 1)
-                s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                if SPLIT:
-                    s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok,
-                                          is_async=True)
-                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                    acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
-                                         v_smem1.index(prev), acc1, is_async=True)
-                    mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-                    # S_j is done (wgmma retire in order); the P V pair may still run
-                    s_j, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
-                else:
-                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                    mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-                    # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
-                    s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
-                mbarrier.arrive(k_empty.index(slot))
-                p, alpha, l_i, m_i = _block_softmax(s_j, m_i, l_i, rows, j, full_blocks, k_len,
-                                                    offset, qk_scale, CAUSAL, BLOCK_N)
-                if SPLIT:
-                    acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-                    alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1))
-                    acc1 = acc1 * gl.expand_dims(alpha1, 1)
-                else:
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                mbarrier.arrive(v_empty.index(prev))
-                alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-                acc = acc * gl.expand_dims(alpha0, 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            # Q is no longer read: the loader may bring in the next tile's while this one ends
-            mbarrier.arrive(q_empty.index(WG))
-
-            if n_blocks > 0:
-                last = (it + n_blocks - 1) % STAGES
-                mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-                acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-                if SPLIT:
-                    acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
-                                         v_smem1.index(last), acc1, is_async=True)
-                    acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-                else:
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                mbarrier.arrive(v_empty.index(last))
-
-            # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
-            lse = (m_i + gl.log2(l_i)) * LN2
-            if VARLEN:  # flash-attn's [heads, total_q]
-                lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
+                # S_j is done (wgmma retire in order); the P V pair may still run
+                s_j, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
             else:
-                lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
-            gl.store(lse_row + rows, lse, mask=rows < q_len)
-            l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-            if TMA_STORE and VARLEN:
-                # the copy engine may store only a block wholly inside its sequence
-                if m0 + ROWS <= q_len:
-                    _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1,
-                                   off_hz % H, q_start + m0, WG, VARLEN, HEAD_DIM, SPLIT)
-                else:
-                    _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om,
-                                off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
-            elif TMA_STORE:  # it drops the rows past a head's end
-                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, off_hz, m0,
-                               WG, VARLEN, HEAD_DIM, SPLIT)
-            else:  # an out the copy engine cannot address
-                _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H,
-                            q_start, m0, q_len, HEAD_DIM, SPLIT)
-            it += n_blocks
-            ti += 1
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
+                s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
+            mbarrier.arrive(k_empty.index(slot))
+            p, alpha, l_i, m_i = _block_softmax(s_j, m_i, l_i, rows, j, full_blocks, k_len,
+                                                offset, qk_scale, CAUSAL, BLOCK_N)
+            if SPLIT:
+                acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+                alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1))
+                acc1 = acc1 * gl.expand_dims(alpha1, 1)
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(v_empty.index(prev))
+            alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+            acc = acc * gl.expand_dims(alpha0, 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # Q is no longer read: the loader may bring in the next tile's while this one ends
+        mbarrier.arrive(q_empty.index(WG))
+
+        if n_blocks > 0:
+            last = (it + n_blocks - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
+            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            if SPLIT:
+                acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
+                                     v_smem1.index(last), acc1, is_async=True)
+                acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(v_empty.index(last))
+
+        # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
+        lse = (m_i + gl.log2(l_i)) * LN2
+        if VARLEN:  # flash-attn's [heads, total_q]
+            lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
+        else:
+            lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
+        gl.store(lse_row + rows, lse, mask=rows < q_len)
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        if TMA_STORE and VARLEN:
+            # the copy engine may store only a block wholly inside its sequence
+            if m0 + ROWS <= q_len:
+                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1,
+                               off_hz % H, q_start + m0, WG, VARLEN, HEAD_DIM, SPLIT)
+            else:
+                _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om,
+                            off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
+        elif TMA_STORE:  # it drops the rows past a head's end
+            _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, off_hz, m0,
+                           WG, VARLEN, HEAD_DIM, SPLIT)
+        else:  # an out the copy engine cannot address
+            _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H,
+                        q_start, m0, q_len, HEAD_DIM, SPLIT)
+        it += n_blocks
+        ti += 1
         r += 1
         t, count, fetched, seq, seq_first, more = _tile_number(
             r, count, fetched, seq, seq_first, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0,
