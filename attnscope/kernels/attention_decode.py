@@ -376,10 +376,10 @@ def long_config_for(head_dim, rows, dtype):
     """config_for's config with LONG_BLOCK_N-key tiles, for calls whose splits walk LONG_CHUNK
     keys or more in them (split_rule); None where config_for's tile stays: fp32 inputs
     (config_for's tiles are the largest without spills) and head_dim > 128 (its 32-key tiles
-    already fill the shared memory a program may take). A 64-row block takes 8 warps: at 4, its 64 x 128 score tile
-    takes 255 registers with Triton 3.6 and spills with 3.9; at 8, 254 and no spill (sm_90
-    offline compiles; 16 rows: 168 registers at 4 warps). In the interpreter, tiles twice
-    config_for's, so CPU tests cross several tiles of either."""
+    already fill the shared memory a program may take). A 64-row block takes 8 warps: at 4,
+    its 64 x 128 score tile takes 255 registers with Triton 3.6 and spills with 3.9; at 8, 254
+    and no spill (sm_90 offline compiles; 16 rows: 168 registers at 4 warps). In the
+    interpreter, tiles twice config_for's, so CPU tests cross several tiles of either."""
     block_m, block_n, block_d, num_warps, num_stages = config_for(head_dim, rows, dtype)
     if is_interpreted():
         return block_m, 2 * block_n, block_d, num_warps, num_stages

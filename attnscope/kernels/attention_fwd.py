@@ -330,10 +330,10 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
     """Launch the Triton forward. q, out: [batch, heads, q_len, head_dim] views with any
     strides; k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads,
     q_len]. `window` (left, right) and `softcap` as fused_attention's (common.visibility,
-    common.score_scales). `varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for a
-    packed batch: q/out/k/v are then the packed tensors as [batch, heads, total, head_dim] views with
-    batch stride 0, lse is [heads, total_q] and causal_offset is relative to each sequence's
-    bottom-right alignment. `config`: a tuple named by CONFIG_FIELDS instead of the table's
+    common.score_scales). `varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for a packed batch: q/out/k/v are then the packed tensors as [batch, heads, total,
+    head_dim] views with batch stride 0, lse is [heads, total_q] and causal_offset is relative
+    to each sequence's bottom-right alignment. `config`: a tuple named by CONFIG_FIELDS instead of the table's
     (tests, labs). `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile
     sees the launch. `key`: the dispatch's launch key for this call (built here when None).
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
