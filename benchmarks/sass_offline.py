@@ -68,11 +68,9 @@ def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
-    """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
-    (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
-    a warm-up compile and a driver that names the target instead of asking a GPU. `varlen`:
-    the packed-sequence (VARLEN) kernel, as fused_attention_varlen launches it."""
+def _offline_driver():
+    """A driver that names the sm_90 target instead of asking a GPU, and the Gluon modules'
+    device lookups answered as an H200's."""
     import torch
     from triton.backends.nvidia.driver import CudaDriver
     from triton.runtime import driver
@@ -94,9 +92,20 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
             return torch.device("cpu")
 
     driver.set_active(Offline())
-    from attnscope.kernels import attention_fwd_hopper as module, common
+    from attnscope.kernels import attention_bwd_hopper, attention_fwd_hopper, common
     h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
-    module.device_properties = common.device_properties = lambda device: h200
+    for module in (attention_fwd_hopper, attention_bwd_hopper, common):
+        module.device_properties = lambda device: h200
+
+
+def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
+    """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
+    (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
+    a warm-up compile (_offline_driver). `varlen`: the packed-sequence (VARLEN) kernel, as
+    fused_attention_varlen launches it."""
+    import torch
+    _offline_driver()
+    from attnscope.kernels import attention_fwd_hopper as module
     kernel = module._attn_fwd_hopper
     module._launch = module._launch_packed = (
         lambda key, grid, args, kwargs, **_: kernel.warmup(*args, grid=grid, **kwargs))
@@ -113,6 +122,24 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
     return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, 1024),
                                        causal=True, scale=head_dim ** -0.5, causal_offset=0,
                                        config=config)
+
+
+def compile_gluon_bwd(head_dim, dtype="bf16"):
+    """The CompiledKernel of the Gluon dK/dV kernel (attention_bwd_hopper.py) for sm_90, as
+    compile_gluon compiles the forward: 2 x 4 query heads on 2 K/V heads, 1024 keys, causal."""
+    import torch
+    _offline_driver()
+    from attnscope.kernels import attention_bwd_hopper as module
+    kernel = module._attn_bwd_dkdv_hopper
+    module._launch = lambda key, grid, args, kwargs, **_: kernel.warmup(*args, grid=grid,
+                                                                         **kwargs)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
+    k = torch.empty(2, 2, 1024, head_dim, dtype=torch_dtype)
+    lse = torch.empty(2, 4, 1024)
+    return module.attention_bwd_dkdv_hopper(q, k, k, q, torch.empty_like(k), torch.empty_like(k),
+                                            lse, lse, causal=True, scale=head_dim ** -0.5,
+                                            causal_offset=0)
 
 
 def cuobjdump(compiled, *flags):
@@ -147,6 +174,8 @@ def main():
                         "long-sequence entry; causal head_dim-64 calls of <= 2048 queries run "
                         "64,64,4,3); with --gluon BLOCK_N,STAGES,REGS")
     p.add_argument("--gluon", action="store_true", help="the Gluon Hopper kernel instead")
+    p.add_argument("--gluon-bwd", action="store_true",
+                   help="the Gluon dK/dV backward kernel (attention_bwd_hopper.py) instead")
     p.add_argument("--varlen", action="store_true",
                    help="with --gluon: its packed-sequence variant (fused_attention_varlen's)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
@@ -155,7 +184,10 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
     args = p.parse_args()
-    if args.gluon:
+    if args.gluon_bwd:
+        config = None
+        compiled = compile_gluon_bwd(args.head_dim, args.dtype)
+    elif args.gluon:
         config = args.config and tuple(int(x) for x in args.config.split(","))
         if config and len(config) != 3:
             p.error("--gluon --config takes BLOCK_N,STAGES,REGS")
@@ -169,10 +201,11 @@ def main():
     usage = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", cuobjdump(compiled, "-res-usage"))
     sass = cuobjdump(compiled, "-sass")
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
-    print(f"triton {triton.__version__}, sm_90, {'gluon' if args.gluon else 'triton'} kernel, "
+    kind = "gluon dK/dV" if args.gluon_bwd else "gluon" if args.gluon else "triton"
+    print(f"triton {triton.__version__}, sm_90, {kind} kernel, "
           f"head_dim {args.head_dim}, config {config or 'of the table'}"
           + (", packed sequences" if args.varlen else "")
-          + ("" if args.gluon else f", pipeline {args.pipeline}, tma {args.tma}, "
+          + ("" if args.gluon or args.gluon_bwd else f", pipeline {args.pipeline}, tma {args.tma}, "
              f"maxnreg {args.maxnreg}"))
     print(f"{usage.group(0) if usage else 'resource usage not found'}, "
           f"shared memory requested {compiled.metadata.shared} B, {len(ops)} instructions")

@@ -306,3 +306,23 @@ def test_gpu_torch_compile_fullgraph_forward_and_backward():
     for g, ref in zip(got, expected):
         scale = ref.abs().max().item()
         assert (g.double() - ref).abs().max().item() <= 0.02 * scale
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon dK/dV kernel runs on sm_90 only")
+@pytest.mark.parametrize("shape", [
+    # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment)
+    (2, 4, 4, 1000, 1000, 128, "top_left"),      # a ragged last key block (1000 = 7 x 128 + 104)
+    (1, 8, 2, 700, 1500, 64, "bottom_right"),    # GQA, more keys than queries, ragged both
+    (1, 4, 4, 1500, 300, 128, "bottom_right"),   # rows that see no key
+    (1, 2, 2, 64, 64, 128, "top_left"),          # one block, half a key block
+])
+def test_gpu_gluon_dkdv(shape):
+    # The Gluon dK/dV kernel (attention_bwd_hopper.py) takes contiguous head_dim-64/128 calls on
+    # sm_90; dQ stays on the Triton kernel
+    batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
+    hopper = attention_bwd._hopper()
+    assert hopper is not None and hopper.supports(q, k, v, q, k, v)
+    check_grads(q, k, v, 4e-3, causal_alignment=alignment)

@@ -34,8 +34,11 @@ sys.path.insert(0, sys.argv[1])
 import sass_offline
 result = {}
 for name in sys.argv[2:]:
-    compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
-                                          varlen=name.startswith("p"))
+    if name.startswith("b"):  # the dK/dV kernel (attention_bwd_hopper.py)
+        compiled = sass_offline.compile_gluon_bwd(int(name[1:]), "bf16")
+    else:
+        compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
+                                              varlen=name.startswith("p"))
     ptx = compiled.asm["ptx"]
     counts = result[name] = {"ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
         ("wgmma", r"wgmma\.mma_async"), ("tma_load", r"cp\.async\.bulk\.tensor\.\dd\.shared"),
@@ -63,6 +66,8 @@ print(json.dumps(result))
 COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
 # and its packed-batch variant at every head_dim it takes (PACKED_HEAD_DIMS)
 COMPILED_PACKED_HEAD_DIMS = (128, 80, 96, 192, 256)
+# and the Gluon dK/dV kernel ("b" + head_dim) at the head dims it takes
+COMPILED_BWD_HEAD_DIMS = (64, 128)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +78,8 @@ def hopper_compile():
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "benchmarks"),
                           *map(str, COMPILED_HEAD_DIMS),
-                          *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS)],
+                          *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS),
+                          *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS)],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -93,7 +99,9 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # spills to local memory. Counts of 3.6's SASS at head_dim 128 (benchmarks/sass_offline.py
     # --gluon --head-dim 128): HGMMA 64, UTMALDG 8, UTMASTG 2; 3.7.1 and 3.9.0 give the same.
     # The packed-batch variant ("p" + head_dim) also takes its tiles from a global counter
-    # (an atomic add) and stores blocks inside a sequence by TMA.
+    # (an atomic add) and stores blocks inside a sequence by TMA. The dK/dV kernel ("b" +
+    # head_dim) has the same parts: its four products as wgmma, Q/dO/K/V by TMA, dK/dV stored by
+    # TMA.
     for head_dim, counts in hopper_compile.items():
         ptx = counts["ptx"]
         tma_store = not head_dim.endswith("256")  # 256: register stores

@@ -42,6 +42,8 @@ Limits: head_dim <= 256; the gradient of the LSE output is not computed (the op 
 non-differentiable); no double backward. Same devices as the forward.
 """
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -444,6 +446,9 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     tensors = (q, k, v, out, do, dq, dk, dv, lse, delta)
     strides = tuple(t.stride() for t in tensors)  # read once: the launches and the key share them
     sq, sk, sv, so, sdo, sdq, sdk, sdv = strides[:8]
+    # dK/dV by the Gluon kernel on sm_90 where it takes the call (attention_bwd_hopper.py)
+    hopper = (wrap is None and q.is_cuda and _hopper() is not None
+              and _hopper().supports(q, k, v, do, dk, dv, window, softcap, varlen))
     launches = [
         (_launch_preprocess, pre_grid,
          (out, do, delta, *so, *sdo, heads, q_len),
@@ -469,12 +474,31 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         return result
     # one key for the three launches: shapes, strides, alignment and the config fix them all
     key = (q.device, tuple(t.dtype for t in tensors), q.shape, k.shape, strides,
-           aligned(*tensors), causal, causal_offset, window, softcap, config)
+           aligned(*tensors), causal, causal_offset, window, softcap, config, hopper)
     if varlen is not None:  # the cumulative lengths are arguments too: the key fixes none
         key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
-    for launch, grid, args, kwargs in launches:
-        result = launch(key, grid, args, kwargs)
+    for i, (launch, grid, args, kwargs) in enumerate(launches):
+        if i == 1 and hopper:
+            _hopper().attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
+                                                scale=scale, causal_offset=offset, key=key)
+        else:
+            result = launch(key, grid, args, kwargs)
     return result
+
+
+@functools.cache
+def _hopper():
+    """attention_bwd_hopper, or None where this Triton's Gluon lacks what it uses
+    (gluon_compat.missing; the forward's dispatch says so once) or it fails to import: then the
+    Triton dK/dV kernel runs."""
+    from attnscope.kernels import gluon_compat
+    if gluon_compat.missing():
+        return None
+    try:
+        from attnscope.kernels import attention_bwd_hopper
+    except Exception:  # noqa: BLE001 (any failure: keep the Triton kernel)
+        return None
+    return attention_bwd_hopper
 
 
 _launch_preprocess = FastLaunch(_attn_bwd_preprocess)

@@ -1,6 +1,6 @@
-"""Lab of the Triton backward (attnscope/kernels/attention_bwd.py): its three launches timed under
-the configs given on the command line next to its table's, and (--peers) cuDNN's backward, on
-one GPU.
+"""Lab of the backward (attnscope/kernels/attention_bwd.py): its three launches timed under
+the configs given on the command line next to its table's, (--triton-dkdv) with the Triton dK/dV
+kernel where the Gluon one takes the call on sm_90, and (--peers) cuDNN's backward, on one GPU.
 
 For kernel work on the backward (notes/backward.md), not the benchmark of record (that is
 `attnscope bench --mode bwd`). A config is attention_bwd.CONFIG_FIELDS: the dK/dV kernel's
@@ -74,6 +74,9 @@ def main():
     p.add_argument("--configs", nargs="*", type=parse_config, default=[],
                    help=f"{','.join(bwd.CONFIG_FIELDS)} configs to time next to the table's")
     p.add_argument("--peers", action="store_true", help="also time cuDNN's backward")
+    p.add_argument("--triton-dkdv", action="store_true",
+                   help="also time the table's config with the Triton dK/dV kernel where the "
+                        "Gluon one (attention_bwd_hopper.py) takes the call")
     rounds.add_arguments(p)
     args = p.parse_args()
     out_file = open(args.out, "a") if args.out else None
@@ -83,16 +86,25 @@ def main():
         q, k, v, do, out, lse = problem(shape)
         refs = reference_grads(q, k, v, do)
         table = bwd.config_for(d)
-        configs = [table] + [c for c in args.configs if c != table]
+        configs = [(table, False)] + [(c, False) for c in args.configs if c != table]
+        if args.triton_dkdv:
+            configs.append((table, True))
         timers, rows = {}, {}
-        for config in configs:
-            name = "table" if config == table else ",".join(map(str, config))
+        for config, triton_dkdv in configs:
+            name = (("table" if config == table else ",".join(map(str, config)))
+                    + (" triton-dkdv" if triton_dkdv else ""))
             grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
             delta = torch.empty_like(lse)
 
-            def run(config=config, grads=grads, delta=delta):
-                bwd.attention_bwd(do, q, k, v, out, lse, *grads, delta, causal=True,
-                                  scale=d ** -0.5, causal_offset=0, config=config)
+            def run(config=config, grads=grads, delta=delta, triton_dkdv=triton_dkdv):
+                gluon = bwd._hopper
+                if triton_dkdv:  # the launch key tells the two dK/dV kernels apart
+                    bwd._hopper = lambda: None
+                try:
+                    bwd.attention_bwd(do, q, k, v, out, lse, *grads, delta, causal=True,
+                                      scale=d ** -0.5, causal_offset=0, config=config)
+                finally:
+                    bwd._hopper = gluon
             launch.forget_launches()
             try:
                 run()

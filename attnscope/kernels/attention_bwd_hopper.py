@@ -1,0 +1,264 @@
+"""
+dK and dV of the attention backward for Hopper (sm_90) in Gluon
+===============================================================
+
+The backward's math and conventions are attention_bwd.py's (P recomputed from Q, K and the
+forward's LSE; Delta = rowsum(dO * O) from its preprocess kernel; dS = P * (dP - Delta); dK = dS^T
+Q * scale, dV = P^T dO). This module replaces its dK/dV kernel, the one that does four of the
+backward's seven matmuls per tile pair, with the forward Gluon kernel's structure; the Triton
+preprocess and dQ kernels still run around it.
+
+- One program per (batch, K/V head, 128-key block), key block 0 first (under a causal mask the
+  first key blocks are seen by the most queries, so the longest programs start first).
+- Three warp partitions: a 1-warp loader and two 4-warp consumer warpgroups, each owning 64 of
+  the block's keys. The loader brings the program's K and V tiles in once, then streams the
+  (Q, dO) blocks of 64 query rows that see those keys, for every query head that shares the K/V
+  head (GQA sums them on chip), through a STAGES-deep shared-memory ring with TMA; a slot's
+  "ready" mbarrier counts the copy engine's bytes, its "empty" one both consumers' arrivals.
+- Each consumer works on transposed tiles, keys along rows, so its dK and dV accumulators
+  ([64 keys, head_dim] fp32) take every product without a transpose: S^T = K Q^T and
+  dP^T = V dO^T as asynchronous wgmma from shared memory, then P^T = exp2(S^T * scale * log2e -
+  LSE * log2e) and dS^T = P^T * (dP^T - Delta) in registers, and dV += P^T dO, dK += dS^T Q
+  with P^T and dS^T as the wgmma's register operand.
+- Rows that see no key (LSE -inf) read as +inf, so their P is exactly 0; query rows past the
+  end are the copy engine's zeros with LSE -inf, so they add nothing; keys past the end are
+  zeros whose dK/dV rows the copy engine drops on the store (dK and dV are staged in the
+  warpgroup's K and V buffers once its loop is done). Under a causal mask a key j counts for query i when
+  j <= i + CAUSAL_OFFSET; every block is masked (one compare a score: not yet split into masked
+  and unmasked blocks as the forward does).
+
+What it takes (`supports`): sm_90, fp16/bf16, head_dim 64 or 128, q/k/v/dO contiguous
+[batch, heads, seq, head_dim] at 16-byte aligned addresses, no window, softcap or packed batch;
+dK and dV any strides (register stores).
+"""
+
+import functools
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+
+from attnscope.kernels.common import LOG2E, aligned, device_properties
+from attnscope.kernels.gluon_compat import tma_load, tma_store
+from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
+
+ROWS = gl.constexpr(64)  # keys per consumer warpgroup, and query rows per streamed block
+LOG2E_G = gl.constexpr(LOG2E)
+
+
+@gluon.jit
+def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem):
+    # The copy engine's view of a contiguous [heads, seq, HEAD_DIM] tensor in blocks of one
+    # buffer of the ring `smem`: a block past a head's end reads zeros.
+    rows: gl.constexpr = smem.shape[1]
+    return tma.make_tensor_descriptor(ptr, [n_hz, n_ctx, HEAD_DIM], [n_ctx * HEAD_DIM, HEAD_DIM, 1],
+                                      [1, rows, HEAD_DIM],
+                                      smem.index(0).reshape([1, rows, HEAD_DIM]).layout)
+
+
+@gluon.jit
+def _load(desc, hz, row, bar, buf):
+    tma_load(desc, [hz, row, 0], bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
+
+
+@gluon.jit
+def _store(desc, hz, row, buf):
+    tma_store(desc, [hz, row, 0], buf.reshape([1, buf.shape[0], buf.shape[1]]))
+
+
+@gluon.jit
+def _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL: gl.constexpr):
+    # The query blocks that see any key from n0 on: [lo, hi) in blocks of ROWS rows.
+    if CAUSAL:
+        first = gl.maximum(n0 - CAUSAL_OFFSET, 0)
+        lo = gl.minimum(first, N_CTX_Q) // ROWS
+    else:
+        lo = 0
+    return lo, gl.cdiv(N_CTX_Q, ROWS)
+
+
+@gluon.jit
+def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
+     N_CTX_K, CAUSAL_OFFSET, n_hz) = args
+    n0 = gl.program_id(0) * (2 * ROWS)
+    off_hkvz = gl.program_id(1)
+    h_kv = H // GROUP
+    b = off_hkvz // h_kv
+    hz_kv = off_hkvz
+    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem)
+    do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem)
+    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, HEAD_DIM, k_smem)
+    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, HEAD_DIM, v_smem)
+    elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
+    block_bytes: gl.constexpr = ROWS * HEAD_DIM * elem
+    # the program's keys, once: each consumer's 64 rows of K and of V
+    mbarrier.expect(kv_ready, 4 * block_bytes)
+    for wg in gl.static_range(2):
+        _load(k_desc, hz_kv, n0 + wg * ROWS, kv_ready, k_smem.index(wg))
+        _load(v_desc, hz_kv, n0 + wg * ROWS, kv_ready, v_smem.index(wg))
+    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL)
+    it = 0
+    for g in range(GROUP):
+        hz = b * H + (off_hkvz % h_kv) * GROUP + g
+        for m in range(lo, hi):
+            slot = it % STAGES
+            # a fresh mbarrier is in phase 0: the first wait for parity 1 passes at once
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), 2 * block_bytes)
+            _load(q_desc, hz, m * ROWS, ready.index(slot), q_smem.index(slot))
+            _load(do_desc, hz, m * ROWS, ready.index(slot), do_smem.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H, GROUP,
+     N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale) = args
+    n0 = gl.program_id(0) * (2 * ROWS)
+    off_hkvz = gl.program_id(1)
+    h_kv = H // GROUP
+    b = off_hkvz // h_kv
+    k0 = n0 + WG * ROWS  # this warpgroup's first key
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    keys = k0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    k_tile = k_smem.index(WG)
+    v_tile = v_smem.index(WG)
+    s_zero = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
+    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(kv_ready, 0)
+    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL)
+    it = 0
+    for g in range(GROUP):
+        hz = b * H + (off_hkvz % h_kv) * GROUP + g
+        for m in range(lo, hi):
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            q = q_smem.index(slot)
+            do = do_smem.index(slot)
+            # S^T = K Q^T and dP^T = V dO^T, [keys, queries]
+            s_tok = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            dp_tok = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
+            # each query's LSE (log2 units; +inf for a row that sees no key or past the end,
+            # so its P is 0) and Delta, along the columns
+            cols = m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+            row = hz.to(gl.int64) * N_CTX_Q + cols
+            col_ok = cols < N_CTX_Q
+            lse = gl.load(Lse + row, mask=col_ok, other=float("-inf"))
+            lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_G)
+            delta = gl.load(Delta + row, mask=col_ok, other=0.0)
+            s_t, dp_t = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
+            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+            if CAUSAL:  # key j counts for query i when j <= i + CAUSAL_OFFSET
+                seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + CAUSAL_OFFSET, 0)
+                p_t = gl.where(seen, p_t, 0.0)
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            # dV += P^T dO, dK += dS^T Q
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv,
+                               is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk,
+                               is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+            mbarrier.arrive(empty.index(slot))
+            it += 1
+    # dS was taken w.r.t. the scaled scores: the chain rule puts the scale on dK. This warpgroup's
+    # K and V tiles are no longer read (its last wgmma has retired): they stage dK and dV for
+    # the copy engine, which drops the rows past the keys' end.
+    k_tile.store((dk * sm_scale).to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    hz_kv = off_hkvz
+    n_kv = gl.num_programs(1)
+    _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem), hz_kv, k0, k_tile)
+    _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem), hz_kv, k0, v_tile)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale,
+                          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, SMEM_LAYOUT: gl.constexpr):
+    # grid: (key blocks of 2 * ROWS, batch * K/V heads); q, dO, LSE and Delta [batch * H, ...]
+    qk_scale = qk_scale.to(gl.float32)  # (scale * log2e)
+    sm_scale = sm_scale.to(gl.float32)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    k_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], SMEM_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], SMEM_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_DIM], SMEM_LAYOUT)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_DIM], SMEM_LAYOUT)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    n_hz = BATCH * H
+    loads = (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP,
+             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz)
+    work = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H,
+            GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale)
+    gl.warp_specialize([
+        (_consumer, (work, 0, HEAD_DIM, STAGES, CAUSAL)),
+        (_consumer, (work, 1, HEAD_DIM, STAGES, CAUSAL)),
+        (_loader, (loads, HEAD_DIM, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, 32])
+
+
+# (STAGES, consumer registers) per head_dim. Not measured yet: the ring's depth and the register
+# split follow the forward's (two stages; 240 registers hold dK and dV, 64 + 64 fp32 a thread at
+# head_dim 128, next to S^T and dP^T, 32 + 32).
+CONFIGS = {64: (2, 240), 128: (2, 240)}
+_GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
+
+
+def supports(q, k, v, do, dk, dv, window=(-1, -1), softcap=0.0, varlen=None):
+    """True when this kernel computes the call's dK and dV: sm_90, fp16/bf16, head_dim in CONFIGS,
+    q/k/v/dO/dK/dV contiguous [batch, heads, seq, head_dim] at 16-byte aligned addresses (the copy
+    engine reads and writes them), no window, softcap or packed batch."""
+    return (q.shape[-1] in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
+            and varlen is None and tuple(window) == (-1, -1) and softcap == 0
+            and all(t.dtype == q.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+                    for t in (q, k, v, do, dk, dv))
+            and q.numel() > 0 and k.numel() > 0
+            and device_properties(q.device).major == 9)
+
+
+def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
+                              causal_offset, key=None):
+    """dK and dV into dk, dv (contiguous [batch, kv_heads, kv_len, head_dim]) of a call
+    `supports` accepts; lse (the forward's, natural log) and delta (the preprocess's):
+    contiguous fp32 [batch, heads, q_len]. `key`: the backward's launch key (built when None)."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    stages, regs = CONFIGS[head_dim]
+    grid = (-(-kv_len // 128), batch * kv_heads)
+    args = (q, k, v, do, dk, dv, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale)
+    kwargs = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs,
+                  SMEM_LAYOUT=_smem_layout(head_dim, str(q.dtype)), num_warps=4)
+    ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
+    if key is None:
+        key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape,
+               aligned(q, k, v, do, dk, dv, lse, delta), causal, causal_offset, scale)
+    return _launch(key, grid, args, kwargs, per_call=8, config=dict(STAGES=stages,
+                                                                    consumer_regs=regs))
+
+
+@functools.cache
+def _smem_layout(head_dim, dtype):
+    return gl.NVMMASharedLayout.get_default_for([64, head_dim], _GL_DTYPES[dtype])
+
+
+_launch = FastLaunch(_attn_bwd_dkdv_hopper)
