@@ -326,3 +326,14 @@ def test_gpu_gluon_dkdv(shape):
     hopper = attention_bwd._hopper()
     assert hopper is not None and hopper.supports(q, k, v, q, k, v)
     check_grads(q, k, v, 4e-3, causal_alignment=alignment)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon dK/dV kernel runs on sm_90 only")
+def test_gpu_gluon_dkdv_takes_each_calls_scale():
+    # A repeat of a launch passes only its tensors: the scale must be part of what tells
+    # launches apart
+    q, k, v = make_qkv(1, 4, 4, 300, 300, 128, torch.bfloat16, "cuda")
+    for scale in (0.05, 0.2):
+        check_grads(q, k, v, 4e-3, scale=scale)

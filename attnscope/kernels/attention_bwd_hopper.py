@@ -8,8 +8,9 @@ Q * scale, dV = P^T dO). This module replaces its dK/dV kernel, the one that doe
 backward's seven matmuls per tile pair, with the forward Gluon kernel's structure; the Triton
 preprocess and dQ kernels still run around it.
 
-- One program per (batch, K/V head, 128-key block), key block 0 first (under a causal mask the
-  first key blocks are seen by the most queries, so the longest programs start first).
+- One program per (batch, K/V head, 128-key block), every head's key block 0 first (heads on
+  grid axis 0: under a causal mask the first key blocks are seen by the most queries, so the
+  longest programs start first).
 - Three warp partitions: a 1-warp loader and two 4-warp consumer warpgroups, each owning 64 of
   the block's keys. The loader brings the program's K and V tiles in once, then streams the
   (Q, dO) blocks of 64 query rows that see those keys, for every query head that shares the K/V
@@ -29,7 +30,7 @@ preprocess and dQ kernels still run around it.
 
 What it takes (`supports`): sm_90, fp16/bf16, head_dim 64 or 128, q/k/v/dO contiguous
 [batch, heads, seq, head_dim] at 16-byte aligned addresses, no window, softcap or packed batch;
-dK and dV any strides (register stores).
+dK and dV contiguous (stored by TMA).
 """
 
 import functools
@@ -82,8 +83,8 @@ def _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL: gl.constexpr):
 def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, n_hz) = args
-    n0 = gl.program_id(0) * (2 * ROWS)
-    off_hkvz = gl.program_id(1)
+    n0 = gl.program_id(1) * (2 * ROWS)
+    off_hkvz = gl.program_id(0)
     h_kv = H // GROUP
     b = off_hkvz // h_kv
     hz_kv = off_hkvz
@@ -117,8 +118,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constex
               CAUSAL: gl.constexpr):
     (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H, GROUP,
      N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale) = args
-    n0 = gl.program_id(0) * (2 * ROWS)
-    off_hkvz = gl.program_id(1)
+    n0 = gl.program_id(1) * (2 * ROWS)
+    off_hkvz = gl.program_id(0)
     h_kv = H // GROUP
     b = off_hkvz // h_kv
     k0 = n0 + WG * ROWS  # this warpgroup's first key
@@ -178,7 +179,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constex
     v_tile.store(dv.to(dtype))
     fence_async_shared()
     hz_kv = off_hkvz
-    n_kv = gl.num_programs(1)
+    n_kv = gl.num_programs(0)
     _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem), hz_kv, k0, k_tile)
     _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem), hz_kv, k0, v_tile)
     tma.store_wait(0)
@@ -188,7 +189,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constex
 def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale,
                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, SMEM_LAYOUT: gl.constexpr):
-    # grid: (key blocks of 2 * ROWS, batch * K/V heads); q, dO, LSE and Delta [batch * H, ...]
+    # grid: (batch * K/V heads, key blocks of 2 * ROWS); q, dO, LSE and Delta [batch * H, ...]
     qk_scale = qk_scale.to(gl.float32)  # (scale * log2e)
     sm_scale = sm_scale.to(gl.float32)
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -244,7 +245,7 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     stages, regs = CONFIGS[head_dim]
-    grid = (-(-kv_len // 128), batch * kv_heads)
+    grid = (batch * kv_heads, -(-kv_len // 128))  # heads on axis 0: its limit is 2^31 - 1
     args = (q, k, v, do, dk, dv, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs,
                   SMEM_LAYOUT=_smem_layout(head_dim, str(q.dtype)), num_warps=4)
@@ -252,6 +253,8 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     if key is None:
         key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape,
                aligned(q, k, v, do, dk, dv, lse, delta), causal, causal_offset, scale)
+    else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
+        key = ("gluon-dkdv", key, scale)
     return _launch(key, grid, args, kwargs, per_call=8, config=dict(STAGES=stages,
                                                                     consumer_regs=regs))
 
