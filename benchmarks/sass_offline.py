@@ -124,22 +124,26 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
                                        config=config)
 
 
-def compile_gluon_bwd(head_dim, dtype="bf16"):
-    """The CompiledKernel of the Gluon dK/dV kernel (attention_bwd_hopper.py) for sm_90, as
-    compile_gluon compiles the forward: 2 x 4 query heads on 2 K/V heads, 1024 keys, causal."""
+def compile_gluon_bwd(head_dim, dtype="bf16", dq=False):
+    """The CompiledKernel of the Gluon dK/dV kernel (attention_bwd_hopper.py; with dq, its dQ
+    kernel) for sm_90, as compile_gluon compiles the forward: 2 x 4 query heads on 2 K/V heads,
+    1024 keys, causal."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_bwd_hopper as module
-    kernel = module._attn_bwd_dkdv_hopper
-    module._launch = lambda key, grid, args, kwargs, **_: kernel.warmup(*args, grid=grid,
-                                                                         **kwargs)
+    for name, kernel in (("_launch", module._attn_bwd_dkdv_hopper),
+                         ("_launch_dq", module._attn_bwd_dq_hopper)):
+        setattr(module, name, lambda key, grid, args, kwargs, kernel=kernel, **_:
+                kernel.warmup(*args, grid=grid, **kwargs))
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
     k = torch.empty(2, 2, 1024, head_dim, dtype=torch_dtype)
     lse = torch.empty(2, 4, 1024)
+    kw = dict(causal=True, scale=head_dim ** -0.5, causal_offset=0)
+    if dq:
+        return module.attention_bwd_dq_hopper(q, k, k, q, torch.empty_like(q), lse, lse, **kw)
     return module.attention_bwd_dkdv_hopper(q, k, k, q, torch.empty_like(k), torch.empty_like(k),
-                                            lse, lse, causal=True, scale=head_dim ** -0.5,
-                                            causal_offset=0)
+                                            lse, lse, **kw)
 
 
 def cuobjdump(compiled, *flags):
@@ -176,6 +180,8 @@ def main():
     p.add_argument("--gluon", action="store_true", help="the Gluon Hopper kernel instead")
     p.add_argument("--gluon-bwd", action="store_true",
                    help="the Gluon dK/dV backward kernel (attention_bwd_hopper.py) instead")
+    p.add_argument("--gluon-bwd-dq", action="store_true",
+                   help="the Gluon dQ backward kernel (attention_bwd_hopper.py) instead")
     p.add_argument("--varlen", action="store_true",
                    help="with --gluon: its packed-sequence variant (fused_attention_varlen's)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
@@ -184,9 +190,9 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
     args = p.parse_args()
-    if args.gluon_bwd:
+    if args.gluon_bwd or args.gluon_bwd_dq:
         config = None
-        compiled = compile_gluon_bwd(args.head_dim, args.dtype)
+        compiled = compile_gluon_bwd(args.head_dim, args.dtype, dq=args.gluon_bwd_dq)
     elif args.gluon:
         config = args.config and tuple(int(x) for x in args.config.split(","))
         if config and len(config) != 3:
@@ -201,11 +207,13 @@ def main():
     usage = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", cuobjdump(compiled, "-res-usage"))
     sass = cuobjdump(compiled, "-sass")
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
-    kind = "gluon dK/dV" if args.gluon_bwd else "gluon" if args.gluon else "triton"
+    kind = ("gluon dQ" if args.gluon_bwd_dq else "gluon dK/dV" if args.gluon_bwd
+            else "gluon" if args.gluon else "triton")
     print(f"triton {triton.__version__}, sm_90, {kind} kernel, "
           f"head_dim {args.head_dim}, config {config or 'of the table'}"
           + (", packed sequences" if args.varlen else "")
-          + ("" if args.gluon or args.gluon_bwd else f", pipeline {args.pipeline}, tma {args.tma}, "
+          + ("" if args.gluon or args.gluon_bwd or args.gluon_bwd_dq
+             else f", pipeline {args.pipeline}, tma {args.tma}, "
              f"maxnreg {args.maxnreg}"))
     print(f"{usage.group(0) if usage else 'resource usage not found'}, "
           f"shared memory requested {compiled.metadata.shared} B, {len(ops)} instructions")

@@ -310,7 +310,7 @@ def test_gpu_torch_compile_fullgraph_forward_and_backward():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon dK/dV kernel runs on sm_90 only")
+                    reason="the Gluon backward kernels run on sm_90 only")
 @pytest.mark.parametrize("shape", [
     # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment)
     (2, 4, 4, 1000, 1000, 128, "top_left"),      # a ragged last key block (1000 = 7 x 128 + 104)
@@ -318,20 +318,20 @@ def test_gpu_torch_compile_fullgraph_forward_and_backward():
     (1, 4, 4, 1500, 300, 128, "bottom_right"),   # rows that see no key
     (1, 2, 2, 64, 64, 128, "top_left"),          # one block, half a key block
 ])
-def test_gpu_gluon_dkdv(shape):
-    # The Gluon dK/dV kernel (attention_bwd_hopper.py) takes contiguous head_dim-64/128 calls on
-    # sm_90; dQ stays on the Triton kernel
+def test_gpu_gluon_backward(shape):
+    # The Gluon dK/dV and dQ kernels (attention_bwd_hopper.py) take contiguous head_dim-64/128
+    # calls on sm_90; Delta stays on the Triton preprocess
     batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
     hopper = attention_bwd._hopper()
-    assert hopper is not None and hopper.supports(q, k, v, q, k, v)
+    assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
     check_grads(q, k, v, 4e-3, causal_alignment=alignment)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon dK/dV kernel runs on sm_90 only")
-def test_gpu_gluon_dkdv_takes_each_calls_scale():
+                    reason="the Gluon backward kernels run on sm_90 only")
+def test_gpu_gluon_backward_takes_each_calls_scale():
     # A repeat of a launch passes only its tensors: the scale must be part of what tells
     # launches apart
     q, k, v = make_qkv(1, 4, 4, 300, 300, 128, torch.bfloat16, "cuda")

@@ -34,8 +34,9 @@ sys.path.insert(0, sys.argv[1])
 import sass_offline
 result = {}
 for name in sys.argv[2:]:
-    if name.startswith("b"):  # the dK/dV kernel (attention_bwd_hopper.py)
-        compiled = sass_offline.compile_gluon_bwd(int(name[1:]), "bf16")
+    if name.startswith("b"):  # the backward's dK/dV ("b") and dQ ("bq") kernels
+        compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bq")), "bf16",
+                                                  dq=name.startswith("bq"))
     else:
         compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
                                               varlen=name.startswith("p"))
@@ -66,7 +67,8 @@ print(json.dumps(result))
 COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
 # and its packed-batch variant at every head_dim it takes (PACKED_HEAD_DIMS)
 COMPILED_PACKED_HEAD_DIMS = (128, 80, 96, 192, 256)
-# and the Gluon dK/dV kernel ("b" + head_dim) at the head dims it takes
+# and the Gluon backward's dK/dV ("b" + head_dim) and dQ ("bq" + head_dim) kernels at the head
+# dims they take
 COMPILED_BWD_HEAD_DIMS = (64, 128)
 
 
@@ -79,7 +81,8 @@ def hopper_compile():
     run = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "benchmarks"),
                           *map(str, COMPILED_HEAD_DIMS),
                           *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS),
-                          *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS)],
+                          *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
+                          *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS)],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -101,7 +104,7 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # The packed-batch variant ("p" + head_dim) also takes its tiles from a global counter
     # (an atomic add) and stores blocks inside a sequence by TMA. The dK/dV kernel ("b" +
     # head_dim) has the same parts: its four products as wgmma, Q/dO/K/V by TMA, dK/dV stored by
-    # TMA.
+    # TMA; so does the dQ kernel ("bq" + head_dim), with dQ stored by TMA.
     for head_dim, counts in hopper_compile.items():
         ptx = counts["ptx"]
         tma_store = not head_dim.endswith("256")  # 256: register stores

@@ -446,9 +446,10 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     tensors = (q, k, v, out, do, dq, dk, dv, lse, delta)
     strides = tuple(t.stride() for t in tensors)  # read once: the launches and the key share them
     sq, sk, sv, so, sdo, sdq, sdk, sdv = strides[:8]
-    # dK/dV by the Gluon kernel on sm_90 where it takes the call (attention_bwd_hopper.py)
+    # dK/dV and dQ by the Gluon kernels on sm_90 where they take the call
+    # (attention_bwd_hopper.py)
     hopper = (wrap is None and q.is_cuda and _hopper() is not None
-              and _hopper().supports(q, k, v, do, dk, dv, window, softcap, varlen))
+              and _hopper().supports(q, k, v, do, dq, dk, dv, window, softcap, varlen))
     launches = [
         (_launch_preprocess, pre_grid,
          (out, do, delta, *so, *sdo, heads, q_len),
@@ -477,12 +478,16 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
            aligned(*tensors), causal, causal_offset, window, softcap, config, hopper)
     if varlen is not None:  # the cumulative lengths are arguments too: the key fixes none
         key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
-    for i, (launch, grid, args, kwargs) in enumerate(launches):
-        if i == 1 and hopper:
-            _hopper().attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
-                                                scale=scale, causal_offset=offset, key=key)
-        else:
-            result = launch(key, grid, args, kwargs)
+    if hopper:
+        launch, grid, args, kwargs = launches[0]
+        launch(key, grid, args, kwargs)  # Delta
+        gluon = _hopper()
+        gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
+                                        scale=scale, causal_offset=offset, key=key)
+        return gluon.attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, causal=bounded,
+                                             scale=scale, causal_offset=offset, key=key)
+    for launch, grid, args, kwargs in launches:
+        result = launch(key, grid, args, kwargs)
     return result
 
 

@@ -1,36 +1,41 @@
 """
-dK and dV of the attention backward for Hopper (sm_90) in Gluon
-===============================================================
+The attention backward's dK/dV and dQ kernels for Hopper (sm_90) in Gluon
+=========================================================================
 
 The backward's math and conventions are attention_bwd.py's (P recomputed from Q, K and the
-forward's LSE; Delta = rowsum(dO * O) from its preprocess kernel; dS = P * (dP - Delta); dK = dS^T
-Q * scale, dV = P^T dO). This module replaces its dK/dV kernel, the one that does four of the
-backward's seven matmuls per tile pair, with the forward Gluon kernel's structure; the Triton
-preprocess and dQ kernels still run around it.
+forward's LSE; Delta = rowsum(dO * O) from its preprocess kernel, which still runs; dS = P * (dP -
+Delta); dK = dS^T Q * scale, dV = P^T dO, dQ = dS K * scale). These two kernels replace its dK/dV
+and dQ kernels (four and three of the split backward's seven matmuls per tile pair) with the
+forward Gluon kernel's structure: a 1-warp loader feeding two 4-warp consumer warpgroups
+through shared memory with TMA, mbarriers between them ("ready" counts the copy engine's bytes,
+"empty" both consumers' arrivals), products as asynchronous wgmma.
 
+dK/dV (`_attn_bwd_dkdv_hopper`):
 - One program per (batch, K/V head, 128-key block), every head's key block 0 first (heads on
   grid axis 0: under a causal mask the first key blocks are seen by the most queries, so the
   longest programs start first).
-- Three warp partitions: a 1-warp loader and two 4-warp consumer warpgroups, each owning 64 of
-  the block's keys. The loader brings the program's K and V tiles in once, then streams the
-  (Q, dO) blocks of 64 query rows that see those keys, for every query head that shares the K/V
-  head (GQA sums them on chip), through a STAGES-deep shared-memory ring with TMA; a slot's
-  "ready" mbarrier counts the copy engine's bytes, its "empty" one both consumers' arrivals.
-- Each consumer works on transposed tiles, keys along rows, so its dK and dV accumulators
-  ([64 keys, head_dim] fp32) take every product without a transpose: S^T = K Q^T and
-  dP^T = V dO^T as asynchronous wgmma from shared memory, then P^T = exp2(S^T * scale * log2e -
-  LSE * log2e) and dS^T = P^T * (dP^T - Delta) in registers, and dV += P^T dO, dK += dS^T Q
-  with P^T and dS^T as the wgmma's register operand.
-- Rows that see no key (LSE -inf) read as +inf, so their P is exactly 0; query rows past the
-  end are the copy engine's zeros with LSE -inf, so they add nothing; keys past the end are
-  zeros whose dK/dV rows the copy engine drops on the store (dK and dV are staged in the
-  warpgroup's K and V buffers once its loop is done). Under a causal mask a key j counts for query i when
-  j <= i + CAUSAL_OFFSET; every block is masked (one compare a score: not yet split into masked
-  and unmasked blocks as the forward does).
+- The loader brings the program's K and V tiles in once, then streams the (Q, dO) blocks of 64
+  query rows that see those keys, for every query head that shares the K/V head (GQA sums them
+  on chip), through a STAGES-deep ring.
+- Each consumer owns 64 of the block's keys and works on transposed tiles, keys along rows, so
+  its dK and dV accumulators ([64 keys, head_dim] fp32) take every product without a transpose:
+  S^T = K Q^T and dP^T = V dO^T from shared memory, then P^T = exp2(S^T * scale * log2e - LSE *
+  log2e) and dS^T = P^T * (dP^T - Delta) in registers, and dV += P^T dO, dK += dS^T Q with P^T
+  and dS^T as the wgmma's register operand. dK and dV are staged in the warpgroup's own K and V
+  buffers once its loop is done and stored by the copy engine, which drops rows past the end.
 
-What it takes (`supports`): sm_90, fp16/bf16, head_dim 64 or 128, q/k/v/dO contiguous
-[batch, heads, seq, head_dim] at 16-byte aligned addresses, no window, softcap or packed batch;
-dK and dV contiguous (stored by TMA).
+dQ (`_attn_bwd_dq_hopper`): the same with queries and keys exchanged. One program per (batch,
+query head, 128-row query tile), last tile first; Q and dO stay, (K, V) blocks of 64 keys
+stream; each consumer owns 64 rows: S = Q K^T, dP = dO V^T, dS = P * (dP - Delta), dQ += dS K.
+
+Rows that see no key (LSE -inf) read as +inf, so their P is exactly 0; query rows past the end
+are the copy engine's zeros with LSE -inf; keys past the end are zeros, masked in dQ and only
+in their own (dropped) rows of dK/dV. Under a causal mask key j counts for query i when j <= i +
+CAUSAL_OFFSET; every block is masked (one compare a score: not yet split into masked and
+unmasked blocks as the forward does).
+
+What they take (`supports`): sm_90, fp16/bf16, head_dim 64 or 128, q/k/v/dO/dQ/dK/dV contiguous
+[batch, heads, seq, head_dim] at 16-byte aligned addresses, no window, softcap or packed batch.
 """
 
 import functools
@@ -218,21 +223,154 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CT
     ], [4, 1], [CONSUMER_REGS, 32])
 
 
+# ---- dQ ---------------------------------------------------------------------------------------
+
+@gluon.jit
+def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP, N_CTX_Q,
+     N_CTX_K, CAUSAL_OFFSET, n_hz) = args
+    hz = gl.program_id(0)
+    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * (2 * ROWS)  # last query tile first
+    hz_kv = hz // GROUP
+    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem)
+    do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem)
+    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, HEAD_DIM, k_smem)
+    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, HEAD_DIM, v_smem)
+    elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
+    # the tile's rows, once: each consumer's 64 rows of Q and of dO
+    mbarrier.expect(qdo_ready, 4 * ROWS * HEAD_DIM * elem)
+    for wg in gl.static_range(2):
+        _load(q_desc, hz, m0 + wg * ROWS, qdo_ready, q_smem.index(wg))
+        _load(do_desc, hz, m0 + wg * ROWS, qdo_ready, do_smem.index(wg))
+    for j in range(_key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N)):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), 2 * BLOCK_N * HEAD_DIM * elem)
+        _load(k_desc, hz_kv, j * BLOCK_N, ready.index(slot), k_smem.index(slot))
+        _load(v_desc, hz_kv, j * BLOCK_N, ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    # The K/V blocks a tile of 2 * ROWS query rows from m0 sees: up to the key its last row sees.
+    if CAUSAL:
+        hi = gl.maximum(gl.minimum(m0 + 2 * ROWS + CAUSAL_OFFSET, N_CTX_K), 0)
+    else:
+        hi = N_CTX_K
+    return gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, DQ, Lse, Delta, H, N_CTX_Q,
+     N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz) = args
+    hz = gl.program_id(0)
+    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * (2 * ROWS)
+    r0 = m0 + WG * ROWS  # this warpgroup's first query row
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    # each row's LSE (log2 units; +inf for a row that sees no key or past the end: P is 0
+    # there) and Delta
+    row_ok = rows < N_CTX_Q
+    lse = gl.load(Lse + hz.to(gl.int64) * N_CTX_Q + rows, mask=row_ok, other=float("-inf"))
+    lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_G)
+    delta = gl.load(Delta + hz.to(gl.int64) * N_CTX_Q + rows, mask=row_ok, other=0.0)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(qdo_ready, 0)
+    for j in range(_key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N)):
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        k = k_smem.index(slot)
+        # S = Q K^T and dP = dO V^T, [queries, keys]
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+        s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+        # keys past the end (the copy engine's zeros) and, under a causal mask, keys right of
+        # each row's diagonal: key j counts for row i when j <= i + CAUSAL_OFFSET
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        seen = gl.expand_dims(keys < N_CTX_K, 0)
+        if CAUSAL:
+            seen = seen & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + CAUSAL_OFFSET, 1))
+        p = gl.where(seen, p, 0.0)
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        # dQ += dS K
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+        mbarrier.arrive(empty.index(slot))
+    # dS was taken w.r.t. the scaled scores: the chain rule puts the scale on dQ. This warpgroup's
+    # Q buffer is no longer read: it stages dQ for the copy engine, which drops rows past the end.
+    q.store((dq * sm_scale).to(dtype))
+    fence_async_shared()
+    _store(_descriptor(DQ, n_hz, N_CTX_Q, HEAD_DIM, q_smem), hz, r0, q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K,
+                        CAUSAL_OFFSET, qk_scale, sm_scale,
+                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
+    # grid: (batch * H, query tiles of 2 * ROWS rows); the same structure as the dK/dV kernel
+    # with the roles of queries and keys exchanged: Q and dO stay, K and V stream
+    qk_scale = qk_scale.to(gl.float32)
+    sm_scale = sm_scale.to(gl.float32)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], Q_LAYOUT)
+    do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(qdo_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+    n_hz = BATCH * H
+    loads = (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP,
+             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz)
+    work = (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, DQ, Lse, Delta, H, N_CTX_Q,
+            N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz)
+    gl.warp_specialize([
+        (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+        (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+        (_dq_loader, (loads, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, 32])
+
+
 # (STAGES, consumer registers) per head_dim. Not measured yet: the ring's depth and the register
 # split follow the forward's (two stages; 240 registers hold dK and dV, 64 + 64 fp32 a thread at
 # head_dim 128, next to S^T and dP^T, 32 + 32).
 CONFIGS = {64: (2, 240), 128: (2, 240)}
+# The dQ kernel's (BLOCK_N, STAGES, consumer registers): 64-key blocks keep S and dP at 32 fp32
+# registers each next to the dQ accumulator (64 at head_dim 128). Not measured yet either.
+DQ_CONFIGS = {64: (64, 2, 240), 128: (64, 2, 240)}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
-def supports(q, k, v, do, dk, dv, window=(-1, -1), softcap=0.0, varlen=None):
-    """True when this kernel computes the call's dK and dV: sm_90, fp16/bf16, head_dim in CONFIGS,
-    q/k/v/dO/dK/dV contiguous [batch, heads, seq, head_dim] at 16-byte aligned addresses (the copy
-    engine reads and writes them), no window, softcap or packed batch."""
+def supports(q, k, v, do, dq, dk, dv, window=(-1, -1), softcap=0.0, varlen=None):
+    """True when these kernels compute the call's dQ, dK and dV: sm_90, fp16/bf16, head_dim in
+    CONFIGS, q/k/v/dO/dQ/dK/dV contiguous [batch, heads, seq, head_dim] at 16-byte aligned
+    addresses (the copy engine reads and writes them), no window, softcap or packed batch."""
     return (q.shape[-1] in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and varlen is None and tuple(window) == (-1, -1) and softcap == 0
             and all(t.dtype == q.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
-                    for t in (q, k, v, do, dk, dv))
+                    for t in (q, k, v, do, dq, dk, dv))
             and q.numel() > 0 and k.numel() > 0
             and device_properties(q.device).major == 9)
 
@@ -246,9 +384,10 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     kv_heads, kv_len = k.shape[1], k.shape[2]
     stages, regs = CONFIGS[head_dim]
     grid = (batch * kv_heads, -(-kv_len // 128))  # heads on axis 0: its limit is 2^31 - 1
-    args = (q, k, v, do, dk, dv, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale)
+    args = (q, k, v, do, dk, dv, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
+            causal_offset, scale * LOG2E, scale)
     kwargs = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs,
-                  SMEM_LAYOUT=_smem_layout(head_dim, str(q.dtype)), num_warps=4)
+                  SMEM_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:
         key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape,
@@ -259,9 +398,33 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
                                                                     consumer_regs=regs))
 
 
+def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causal_offset,
+                            key=None):
+    """dQ into dq (contiguous, q's shape) of a call `supports` accepts; lse and delta as
+    attention_bwd_dkdv_hopper's. `key`: the backward's launch key (built when None)."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    block_n, stages, regs = DQ_CONFIGS[head_dim]
+    grid = (batch * heads, -(-q_len // 128))
+    args = (q, k, v, do, dq, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
+            causal_offset, scale * LOG2E, scale)
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+                  CONSUMER_REGS=regs, Q_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)),
+                  KV_LAYOUT=_smem_layout(block_n, head_dim, str(q.dtype)), num_warps=4)
+    ensure_scratch_allocator()
+    if key is None:
+        key = ("gluon-dq", q.device, q.dtype, q.shape, k.shape,
+               aligned(q, k, v, do, dq, lse, delta), causal, causal_offset, scale)
+    else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
+        key = ("gluon-dq", key, scale)
+    return _launch_dq(key, grid, args, kwargs, per_call=7,
+                      config=dict(BLOCK_N=block_n, STAGES=stages, consumer_regs=regs))
+
+
 @functools.cache
-def _smem_layout(head_dim, dtype):
-    return gl.NVMMASharedLayout.get_default_for([64, head_dim], _GL_DTYPES[dtype])
+def _smem_layout(rows, head_dim, dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
 
 
 _launch = FastLaunch(_attn_bwd_dkdv_hopper)
+_launch_dq = FastLaunch(_attn_bwd_dq_hopper)

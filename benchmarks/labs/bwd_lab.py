@@ -1,6 +1,7 @@
 """Lab of the backward (attnscope/kernels/attention_bwd.py): its three launches timed under
-the configs given on the command line next to its table's, (--triton-dkdv) with the Triton dK/dV
-kernel where the Gluon one takes the call on sm_90, and (--peers) cuDNN's backward, on one GPU.
+the configs given on the command line next to its table's, (--triton-kernels) with the Triton
+dK/dV and dQ kernels where the Gluon ones take the call on sm_90, and (--peers) cuDNN's backward,
+on one GPU.
 
 For kernel work on the backward (notes/backward.md), not the benchmark of record (that is
 `attnscope bench --mode bwd`). A config is attention_bwd.CONFIG_FIELDS: the dK/dV kernel's
@@ -74,9 +75,9 @@ def main():
     p.add_argument("--configs", nargs="*", type=parse_config, default=[],
                    help=f"{','.join(bwd.CONFIG_FIELDS)} configs to time next to the table's")
     p.add_argument("--peers", action="store_true", help="also time cuDNN's backward")
-    p.add_argument("--triton-dkdv", action="store_true",
-                   help="also time the table's config with the Triton dK/dV kernel where the "
-                        "Gluon one (attention_bwd_hopper.py) takes the call")
+    p.add_argument("--triton-kernels", action="store_true",
+                   help="also time the table's config with the Triton dK/dV and dQ kernels where "
+                        "the Gluon ones (attention_bwd_hopper.py) take the call")
     rounds.add_arguments(p)
     args = p.parse_args()
     out_file = open(args.out, "a") if args.out else None
@@ -87,18 +88,18 @@ def main():
         refs = reference_grads(q, k, v, do)
         table = bwd.config_for(d)
         configs = [(table, False)] + [(c, False) for c in args.configs if c != table]
-        if args.triton_dkdv:
+        if args.triton_kernels:
             configs.append((table, True))
         timers, rows = {}, {}
-        for config, triton_dkdv in configs:
+        for config, triton_kernels in configs:
             name = (("table" if config == table else ",".join(map(str, config)))
-                    + (" triton-dkdv" if triton_dkdv else ""))
+                    + (" triton-kernels" if triton_kernels else ""))
             grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
             delta = torch.empty_like(lse)
 
-            def run(config=config, grads=grads, delta=delta, triton_dkdv=triton_dkdv):
+            def run(config=config, grads=grads, delta=delta, triton_kernels=triton_kernels):
                 gluon = bwd._hopper
-                if triton_dkdv:  # the launch key tells the two dK/dV kernels apart
+                if triton_kernels:  # the launch key tells the two paths apart
                     bwd._hopper = lambda: None
                 try:
                     bwd.attention_bwd(do, q, k, v, out, lse, *grads, delta, causal=True,
