@@ -124,10 +124,10 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
                                        config=config)
 
 
-def compile_gluon_bwd(head_dim, dtype="bf16", dq=False):
+def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True):
     """The CompiledKernel of the Gluon dK/dV kernel (attention_bwd_hopper.py; with dq, its dQ
     kernel) for sm_90, as compile_gluon compiles the forward: 2 x 4 query heads on 2 K/V heads,
-    1024 keys, causal."""
+    1024 keys, causal unless said."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_bwd_hopper as module
@@ -139,7 +139,7 @@ def compile_gluon_bwd(head_dim, dtype="bf16", dq=False):
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
     k = torch.empty(2, 2, 1024, head_dim, dtype=torch_dtype)
     lse = torch.empty(2, 4, 1024)
-    kw = dict(causal=True, scale=head_dim ** -0.5, causal_offset=0)
+    kw = dict(causal=causal, scale=head_dim ** -0.5, causal_offset=0)
     if dq:
         return module.attention_bwd_dq_hopper(q, k, k, q, torch.empty_like(q), lse, lse, **kw)
     return module.attention_bwd_dkdv_hopper(q, k, k, q, torch.empty_like(k), torch.empty_like(k),

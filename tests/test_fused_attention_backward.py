@@ -312,8 +312,9 @@ def test_gpu_torch_compile_fullgraph_forward_and_backward():
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon backward kernels run on sm_90 only")
 @pytest.mark.parametrize("shape", [
-    # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment)
+    # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment; None: not causal)
     (2, 4, 4, 1000, 1000, 128, "top_left"),      # a ragged last key block (1000 = 7 x 128 + 104)
+    (2, 4, 2, 1000, 700, 64, None),              # not causal, GQA, fewer keys than queries
     (1, 8, 2, 700, 1500, 64, "bottom_right"),    # GQA, more keys than queries, ragged both
     (1, 4, 4, 1500, 300, 128, "bottom_right"),   # rows that see no key
     (1, 2, 2, 64, 64, 128, "top_left"),          # one block, half a key block
@@ -325,7 +326,10 @@ def test_gpu_gluon_backward(shape):
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
     hopper = attention_bwd._hopper()
     assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
-    check_grads(q, k, v, 4e-3, causal_alignment=alignment)
+    if alignment is None:
+        check_grads(q, k, v, 4e-3, causal=False)
+    else:
+        check_grads(q, k, v, 4e-3, causal_alignment=alignment)
 
 
 @pytest.mark.cuda

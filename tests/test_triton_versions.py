@@ -34,9 +34,9 @@ sys.path.insert(0, sys.argv[1])
 import sass_offline
 result = {}
 for name in sys.argv[2:]:
-    if name.startswith("b"):  # the backward's dK/dV ("b") and dQ ("bq") kernels
-        compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bq")), "bf16",
-                                                  dq=name.startswith("bq"))
+    if name.startswith("b"):  # the backward's dK/dV ("b") and dQ ("bq") kernels, "n": not causal
+        compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bqn")), "bf16",
+                                                  dq="q" in name, causal="n" not in name)
     else:
         compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
                                               varlen=name.startswith("p"))
@@ -68,7 +68,7 @@ COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
 # and its packed-batch variant at every head_dim it takes (PACKED_HEAD_DIMS)
 COMPILED_PACKED_HEAD_DIMS = (128, 80, 96, 192, 256)
 # and the Gluon backward's dK/dV ("b" + head_dim) and dQ ("bq" + head_dim) kernels at the head
-# dims they take
+# dims they take (and both without the causal mask at 128: "bn128", "bqn128")
 COMPILED_BWD_HEAD_DIMS = (64, 128)
 
 
@@ -82,7 +82,7 @@ def hopper_compile():
                           *map(str, COMPILED_HEAD_DIMS),
                           *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS),
                           *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
-                          *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS)],
+                          *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

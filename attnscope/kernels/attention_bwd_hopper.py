@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from attnscope.kernels.common import LOG2E, aligned, device_properties
+from attnscope.kernels.common import LOG2E, _grouped_tile, aligned, device_properties
 from attnscope.kernels.gluon_compat import tma_load, tma_store
 from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
 
@@ -69,6 +69,19 @@ def _load(desc, hz, row, bar, buf):
 
 
 @gluon.jit
+def _program_tile(n_pairs, NUM_TILES, HEAD_GROUP, LONGEST_LAST: gl.constexpr):
+    # This program's (head, tile) of a 1-D grid in _grouped_tile's order: heads in groups of
+    # HEAD_GROUP whose streamed tensors fit in L2 together, so the programs running at once read
+    # them from L2 instead of each streaming its own head's from memory; within a group the
+    # longest tiles first (the last query tiles for dQ, LONGEST_LAST; the first key blocks for
+    # dK/dV under a causal mask).
+    hz, m = _grouped_tile(gl.program_id(0), n_pairs, NUM_TILES, HEAD_GROUP)
+    if not LONGEST_LAST:
+        m = NUM_TILES - 1 - m
+    return hz, m
+
+
+@gluon.jit
 def _store(desc, hz, row, buf):
     tma_store(desc, [hz, row, 0], buf.reshape([1, buf.shape[0], buf.shape[1]]))
 
@@ -87,9 +100,9 @@ def _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL: gl.constexpr):
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, n_hz) = args
-    n0 = gl.program_id(1) * (2 * ROWS)
-    off_hkvz = gl.program_id(0)
+     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP) = args
+    off_hkvz, n = _program_tile(n_hz // GROUP, NUM_TILES, HEAD_GROUP, False)
+    n0 = n * (2 * ROWS)
     h_kv = H // GROUP
     b = off_hkvz // h_kv
     hz_kv = off_hkvz
@@ -122,9 +135,9 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
 def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr):
     (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H, GROUP,
-     N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale) = args
-    n0 = gl.program_id(1) * (2 * ROWS)
-    off_hkvz = gl.program_id(0)
+     N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
+    off_hkvz, n = _program_tile(n_hz // GROUP, NUM_TILES, HEAD_GROUP, False)
+    n0 = n * (2 * ROWS)
     h_kv = H // GROUP
     b = off_hkvz // h_kv
     k0 = n0 + WG * ROWS  # this warpgroup's first key
@@ -184,17 +197,19 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constex
     v_tile.store(dv.to(dtype))
     fence_async_shared()
     hz_kv = off_hkvz
-    n_kv = gl.num_programs(0)
+    n_kv = n_hz // GROUP
     _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem), hz_kv, k0, k_tile)
     _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem), hz_kv, k0, v_tile)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale,
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K,
+                          CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, SMEM_LAYOUT: gl.constexpr):
-    # grid: (batch * K/V heads, key blocks of 2 * ROWS); q, dO, LSE and Delta [batch * H, ...]
+    # grid: batch * K/V heads * key blocks of 2 * ROWS (_program_tile); q, dO, LSE and Delta
+    # [batch * H, ...]
     qk_scale = qk_scale.to(gl.float32)  # (scale * log2e)
     sm_scale = sm_scale.to(gl.float32)
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -213,9 +228,10 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CT
     fence_async_shared()
     n_hz = BATCH * H
     loads = (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP,
-             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz)
+             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
     work = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H,
-            GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale)
+            GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES,
+            HEAD_GROUP)
     gl.warp_specialize([
         (_consumer, (work, 0, HEAD_DIM, STAGES, CAUSAL)),
         (_consumer, (work, 1, HEAD_DIM, STAGES, CAUSAL)),
@@ -229,9 +245,9 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CT
 def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr):
     (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, n_hz) = args
-    hz = gl.program_id(0)
-    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * (2 * ROWS)  # last query tile first
+     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP) = args
+    hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
+    m0 = m * (2 * ROWS)
     hz_kv = hz // GROUP
     q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem)
     do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem)
@@ -265,9 +281,9 @@ def _key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.co
 def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, DQ, Lse, Delta, H, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz) = args
-    hz = gl.program_id(0)
-    m0 = (gl.num_programs(1) - 1 - gl.program_id(1)) * (2 * ROWS)
+     N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
+    hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
+    m0 = m * (2 * ROWS)
     r0 = m0 + WG * ROWS  # this warpgroup's first query row
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -319,11 +335,12 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
 
 @gluon.jit
 def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K,
-                        CAUSAL_OFFSET, qk_scale, sm_scale,
+                        CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                         Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
-    # grid: (batch * H, query tiles of 2 * ROWS rows); the same structure as the dK/dV kernel
+    # grid: batch * H * query tiles of 2 * ROWS rows (_program_tile); the same structure as the
+    # dK/dV kernel
     # with the roles of queries and keys exchanged: Q and dO stay, K and V stream
     qk_scale = qk_scale.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
@@ -343,9 +360,9 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
     fence_async_shared()
     n_hz = BATCH * H
     loads = (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP,
-             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz)
+             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
     work = (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, DQ, Lse, Delta, H, N_CTX_Q,
-            N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz)
+            N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP)
     gl.warp_specialize([
         (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
         (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
@@ -383,9 +400,13 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     stages, regs = CONFIGS[head_dim]
-    grid = (batch * kv_heads, -(-kv_len // 128))  # heads on axis 0: its limit is 2^31 - 1
+    num_tiles = -(-kv_len // 128)
+    grid = (batch * kv_heads * num_tiles,)
+    # each K/V head's programs stream the Q and dO of its query heads
+    group = _head_group(q, batch * kv_heads, 2 * q_len * head_dim * q.element_size()
+                        * (heads // kv_heads))
     args = (q, k, v, do, dk, dv, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
-            causal_offset, scale * LOG2E, scale)
+            causal_offset, scale * LOG2E, scale, num_tiles, group)
     kwargs = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs,
                   SMEM_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
@@ -405,9 +426,13 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_n, stages, regs = DQ_CONFIGS[head_dim]
-    grid = (batch * heads, -(-q_len // 128))
+    num_tiles = -(-q_len // 128)
+    grid = (batch * heads * num_tiles,)
+    # each query head's programs stream its K/V head's K and V (shared by its GROUP heads)
+    group = _head_group(q, batch * heads, 2 * kv_len * head_dim * q.element_size()
+                        // (heads // kv_heads))
     args = (q, k, v, do, dq, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
-            causal_offset, scale * LOG2E, scale)
+            causal_offset, scale * LOG2E, scale, num_tiles, group)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   CONSUMER_REGS=regs, Q_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)),
                   KV_LAYOUT=_smem_layout(block_n, head_dim, str(q.dtype)), num_warps=4)
@@ -419,6 +444,16 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
         key = ("gluon-dq", key, scale)
     return _launch_dq(key, grid, args, kwargs, per_call=7,
                       config=dict(BLOCK_N=block_n, STAGES=stages, consumer_regs=regs))
+
+
+def _head_group(q, pairs, streamed_bytes, l2_share=0.5):
+    """How many of `pairs` heads a launch runs together (_program_tile): about as many as keep
+    what each one's programs stream (streamed_bytes) within l2_share of L2, in groups of equal
+    size; as common.head_group does for the forward."""
+    budget = int(device_properties(q.device).L2_cache_size * l2_share)
+    cap = max(1, budget // max(streamed_bytes, 1))
+    groups = -(-pairs // cap)
+    return -(-pairs // groups)
 
 
 @functools.cache
