@@ -168,19 +168,20 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constex
                                   is_async=True)
             dp_tok = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)
+            s_t, dp_t = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
             # each query's LSE (log2 units; +inf for a row that sees no key or past the end,
-            # so its P is 0) and Delta, along the columns
+            # so its P is 0) and Delta, along the columns (16 values a thread each: loaded once
+            # the products are in, not held through them)
             cols = m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
             row = hz.to(gl.int64) * N_CTX_Q + cols
             col_ok = cols < N_CTX_Q
             lse = gl.load(Lse + row, mask=col_ok, other=float("-inf"))
             lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_G)
-            delta = gl.load(Delta + row, mask=col_ok, other=0.0)
-            s_t, dp_t = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
             if CAUSAL:  # key j counts for query i when j <= i + CAUSAL_OFFSET
                 seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + CAUSAL_OFFSET, 0)
                 p_t = gl.where(seen, p_t, 0.0)
+            delta = gl.load(Delta + row, mask=col_ok, other=0.0)
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             # dV += P^T dO, dK += dS^T Q
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv,
