@@ -341,3 +341,17 @@ def test_gpu_gluon_backward_takes_each_calls_scale():
     q, k, v = make_qkv(1, 4, 4, 300, 300, 128, torch.bfloat16, "cuda")
     for scale in (0.05, 0.2):
         check_grads(q, k, v, 4e-3, scale=scale)
+
+
+def test_gluon_backward_takes_no_cpu_call_and_groups_heads_for_l2(monkeypatch):
+    # The Gluon kernels never take CPU tensors; their tile order groups heads so that what the
+    # programs running at once stream fits in half of L2, in groups of equal size
+    import types
+    hopper = pytest.importorskip("attnscope.kernels.attention_bwd_hopper")
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16, CPU)
+    assert not hopper.supports(q, k, v, q, q, k, v)
+    h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=50 << 20)
+    monkeypatch.setattr(hopper, "device_properties", lambda device: h200)
+    assert hopper._head_group(q, 128, 2 << 20) == 12  # 25 MB / 2 MB: 12 a group, 11 groups
+    assert hopper._head_group(q, 8, 64 << 20) == 1  # more than half of L2 each: one at a time
+    assert hopper._head_group(q, 8, 1 << 10) == 8  # all together
