@@ -31,8 +31,8 @@ stream; each consumer owns 64 rows: S = Q K^T, dP = dO V^T, dS = P * (dP - Delta
 Rows that see no key (LSE -inf) read as +inf, so their P is exactly 0; query rows past the end
 are the copy engine's zeros with LSE -inf; keys past the end are zeros, masked in dQ and only
 in their own (dropped) rows of dK/dV. Under a causal mask key j counts for query i when j <= i +
-CAUSAL_OFFSET; every block is masked (one compare a score: not yet split into masked and
-unmasked blocks as the forward does).
+CAUSAL_OFFSET; only blocks some row or key of a warpgroup sees in part take the mask (a
+run-time branch per block, as the forward's).
 
 What they take (`supports`): sm_90, fp16/bf16, head_dim 64 or 128, q/k/v/dO/dQ/dK/dV contiguous
 [batch, heads, seq, head_dim] at 16-byte aligned addresses, no window, softcap or packed batch.
@@ -178,9 +178,12 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constex
             lse = gl.load(Lse + row, mask=col_ok, other=float("-inf"))
             lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_G)
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
-            if CAUSAL:  # key j counts for query i when j <= i + CAUSAL_OFFSET
-                seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + CAUSAL_OFFSET, 0)
-                p_t = gl.where(seen, p_t, 0.0)
+            # key j counts for query i when j <= i + CAUSAL_OFFSET: every query of the block
+            # sees every key of this warpgroup from m * ROWS + CAUSAL_OFFSET >= k0 + ROWS - 1 on
+            if CAUSAL:
+                if m * ROWS + CAUSAL_OFFSET < k0 + ROWS - 1:
+                    seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + CAUSAL_OFFSET, 0)
+                    p_t = gl.where(seen, p_t, 0.0)
             delta = gl.load(Delta + row, mask=col_ok, other=0.0)
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             # dV += P^T dO, dK += dS^T Q
@@ -303,6 +306,11 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
     do = do_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    # key blocks [0, full) every row of this warpgroup sees whole: no mask
+    if CAUSAL:
+        full = gl.maximum(gl.minimum(r0 + CAUSAL_OFFSET + 1, N_CTX_K), 0) // BLOCK_N
+    else:
+        full = N_CTX_K // BLOCK_N
     mbarrier.wait(qdo_ready, 0)
     for j in range(_key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N)):
         slot = j % STAGES
@@ -315,12 +323,15 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
         s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
         # keys past the end (the copy engine's zeros) and, under a causal mask, keys right of
-        # each row's diagonal: key j counts for row i when j <= i + CAUSAL_OFFSET
-        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        seen = gl.expand_dims(keys < N_CTX_K, 0)
-        if CAUSAL:
-            seen = seen & (gl.expand_dims(keys, 0) <= gl.expand_dims(rows + CAUSAL_OFFSET, 1))
-        p = gl.where(seen, p, 0.0)
+        # each row's diagonal (key j counts for row i when j <= i + CAUSAL_OFFSET): masked in
+        # the blocks from `full` on, where some row of this warpgroup misses some key
+        if j >= full:
+            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            seen = gl.expand_dims(keys < N_CTX_K, 0)
+            if CAUSAL:
+                seen = seen & (gl.expand_dims(keys, 0)
+                               <= gl.expand_dims(rows + CAUSAL_OFFSET, 1))
+            p = gl.where(seen, p, 0.0)
         ds = p * (dp - gl.expand_dims(delta, 1))
         # dQ += dS K
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
