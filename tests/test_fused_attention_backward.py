@@ -355,3 +355,15 @@ def test_gluon_backward_takes_no_cpu_call_and_groups_heads_for_l2(monkeypatch):
     assert hopper._head_group(q, 128, 2 << 20) == 12  # 25 MB / 2 MB: 12 a group, 11 groups
     assert hopper._head_group(q, 8, 64 << 20) == 1  # more than half of L2 each: one at a time
     assert hopper._head_group(q, 8, 1 << 10) == 8  # all together
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon backward kernels run on sm_90 only")
+def test_gpu_gluon_backward_in_small_head_groups(monkeypatch):
+    # Heads in groups of 3 (8 query heads, 4 K/V heads: a smaller last group in both kernels'
+    # tile orders), as long sequences get where one head's streamed tensors fill L2
+    hopper = attention_bwd._hopper()
+    monkeypatch.setattr(hopper, "_head_group", lambda q, pairs, streamed, l2_share=0.5: 3)
+    q, k, v = make_qkv(1, 8, 4, 600, 600, 128, torch.bfloat16, "cuda")
+    check_grads(q, k, v, 4e-3)
