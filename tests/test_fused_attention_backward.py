@@ -314,14 +314,14 @@ def test_gpu_torch_compile_fullgraph_forward_and_backward():
 @pytest.mark.parametrize("shape", [
     # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment; None: not causal)
     (2, 4, 4, 1000, 1000, 128, "top_left"),      # a ragged last key block (1000 = 7 x 128 + 104)
-    (2, 4, 2, 1000, 700, 64, None),              # not causal, GQA, fewer keys than queries
-    (1, 8, 2, 700, 1500, 64, "bottom_right"),    # GQA, more keys than queries, ragged both
+    (2, 4, 2, 1000, 700, 128, None),             # not causal, GQA, fewer keys than queries
+    (1, 8, 2, 700, 1500, 128, "bottom_right"),   # GQA, more keys than queries, ragged both
     (1, 4, 4, 1500, 300, 128, "bottom_right"),   # rows that see no key
     (1, 2, 2, 64, 64, 128, "top_left"),          # one block, half a key block
 ])
 def test_gpu_gluon_backward(shape):
-    # The Gluon dK/dV and dQ kernels (attention_bwd_hopper.py) take contiguous head_dim-64/128
-    # calls on sm_90; Delta stays on the Triton preprocess
+    # The Gluon dK/dV and dQ kernels (attention_bwd_hopper.py) take contiguous head_dim-128 calls
+    # on sm_90; Delta stays on the Triton preprocess
     batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
     hopper = attention_bwd._hopper()

@@ -69,7 +69,7 @@ COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
 COMPILED_PACKED_HEAD_DIMS = (128, 80, 96, 192, 256)
 # and the Gluon backward's dK/dV ("b" + head_dim) and dQ ("bq" + head_dim) kernels at the head
 # dims they take (and both without the causal mask at 128: "bn128", "bqn128")
-COMPILED_BWD_HEAD_DIMS = (64, 128)
+COMPILED_BWD_HEAD_DIMS = (128,)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ in their own (dropped) rows of dK/dV. Under a causal mask key j counts for query
 CAUSAL_OFFSET; only blocks some row or key of a warpgroup sees in part take the mask (a
 run-time branch per block, as the forward's).
 
-What they take (`supports`): sm_90, fp16/bf16, head_dim 64 or 128, q/k/v/dO/dQ/dK/dV contiguous
+What they take (`supports`): sm_90, fp16/bf16, head_dim 128, q/k/v/dO/dQ/dK/dV contiguous
 [batch, heads, seq, head_dim] at 16-byte aligned addresses, no window, softcap or packed batch.
 """
 
@@ -382,13 +382,15 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
     ], [4, 1], [CONSUMER_REGS, 32])
 
 
-# (STAGES, consumer registers) per head_dim. Not measured yet: the ring's depth and the register
-# split follow the forward's (two stages; 240 registers hold dK and dV, 64 + 64 fp32 a thread at
-# head_dim 128, next to S^T and dP^T, 32 + 32).
-CONFIGS = {64: (2, 240), 128: (2, 240)}
+# (STAGES, consumer registers) per head_dim: two stages; 240 registers hold dK and dV (64 + 64
+# fp32 a thread) next to S^T and dP^T (32 + 32). head_dim 128 only: on the H200 (Triton 3.6,
+# bwd_lab.py --triton-kernels) the pair ran the backward in 3.69 ms against the Triton kernels'
+# 4.05 at (4,32,4096,128) and 12.62 against 14.11 at (2,16,16384,128), but 2.58 against 2.31 at
+# (4,32,4096,64), where head_dim 64 stays on the Triton kernels.
+CONFIGS = {128: (2, 240)}
 # The dQ kernel's (BLOCK_N, STAGES, consumer registers): 64-key blocks keep S and dP at 32 fp32
-# registers each next to the dQ accumulator (64 at head_dim 128). Not measured yet either.
-DQ_CONFIGS = {64: (64, 2, 240), 128: (64, 2, 240)}
+# registers each next to the dQ accumulator (64 at head_dim 128).
+DQ_CONFIGS = {128: (64, 2, 240)}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
