@@ -11,7 +11,9 @@ venv; the code generated differs by version.
     python benchmarks/sass_offline.py --gluon --head-dim 128 [--config 128,2,240]
 
 --gluon compiles the Hopper kernel (attention_fwd_hopper.py) instead; its --config is that
-module's CONFIG_FIELDS (default: its table's entry for --head-dim).
+module's CONFIG_FIELDS (default: its table's entry for --head-dim). --gluon-bwd and
+--gluon-bwd-dq compile the Gluon backward's dK/dV and dQ kernels (attention_bwd_hopper.py) at
+its table's config (head_dim 128 by default, the one it takes; --config does not apply).
 """
 import argparse
 import os
@@ -172,7 +174,8 @@ def ptxas_advice(compiled):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--head-dim", type=int, default=64, help="HEAD_DIM (default 64)")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="HEAD_DIM (default 64; 128 with --gluon-bwd / --gluon-bwd-dq)")
     p.add_argument("--config", default=None,
                    help="BLOCK_M,BLOCK_N,num_warps,num_stages (default 128,64,8,3, the "
                         "long-sequence entry; causal head_dim-64 calls of <= 2048 queries run "
@@ -190,7 +193,15 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
     args = p.parse_args()
-    if args.gluon_bwd or args.gluon_bwd_dq:
+    bwd = args.gluon_bwd or args.gluon_bwd_dq
+    if args.head_dim is None:
+        args.head_dim = 128 if bwd else 64
+    if bwd:
+        from attnscope.kernels import attention_bwd_hopper
+        if args.head_dim not in attention_bwd_hopper.CONFIGS:
+            p.error(f"the Gluon backward takes head_dim {sorted(attention_bwd_hopper.CONFIGS)}")
+        if args.config:
+            p.error("--config does not apply to --gluon-bwd / --gluon-bwd-dq")
         config = None
         compiled = compile_gluon_bwd(args.head_dim, args.dtype, dq=args.gluon_bwd_dq)
     elif args.gluon:

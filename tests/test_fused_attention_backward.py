@@ -339,6 +339,8 @@ def test_gpu_gluon_backward_takes_each_calls_scale():
     # A repeat of a launch passes only its tensors: the scale must be part of what tells
     # launches apart
     q, k, v = make_qkv(1, 4, 4, 300, 300, 128, torch.bfloat16, "cuda")
+    hopper = attention_bwd._hopper()
+    assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
     for scale in (0.05, 0.2):
         check_grads(q, k, v, 4e-3, scale=scale)
 
@@ -348,7 +350,7 @@ def test_gluon_backward_takes_no_cpu_call_and_groups_heads_for_l2(monkeypatch):
     # programs running at once stream fits in half of L2, in groups of equal size
     import types
     hopper = pytest.importorskip("attnscope.kernels.attention_bwd_hopper")
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16, CPU)
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 128, torch.float16, CPU)  # a head_dim it takes
     assert not hopper.supports(q, k, v, q, q, k, v)
     h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=50 << 20)
     monkeypatch.setattr(hopper, "device_properties", lambda device: h200)
@@ -364,6 +366,7 @@ def test_gpu_gluon_backward_in_small_head_groups(monkeypatch):
     # Heads in groups of 3 (8 query heads, 4 K/V heads: a smaller last group in both kernels'
     # tile orders), as long sequences get where one head's streamed tensors fill L2
     hopper = attention_bwd._hopper()
-    monkeypatch.setattr(hopper, "_head_group", lambda q, pairs, streamed, l2_share=0.5: 3)
     q, k, v = make_qkv(1, 8, 4, 600, 600, 128, torch.bfloat16, "cuda")
+    assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
+    monkeypatch.setattr(hopper, "_head_group", lambda q, pairs, streamed, l2_share=0.5: 3)
     check_grads(q, k, v, 4e-3)

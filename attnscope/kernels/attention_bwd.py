@@ -38,6 +38,10 @@ Conventions shared with attention_fwd.py (same names, same masks, common.py's he
   Under a window the dK/dV program visits only the query blocks whose rows see its keys (the
   window's left edge ends them), the dQ program only the key blocks its rows see.
 
+On sm_90, eager calls with contiguous head_dim-128 q/k/v/dO and no window, softcap or packing
+take the Gluon dK/dV and dQ kernels of attention_bwd_hopper.py after the preprocess (the same
+split and math, warp-specialized with TMA and wgmma; notes/backward.md, lever 1).
+
 Limits: head_dim <= 256; the gradient of the LSE output is not computed (the op marks it
 non-differentiable); no double backward. Same devices as the forward.
 """
@@ -495,7 +499,7 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
 def _hopper():
     """attention_bwd_hopper, or None where this Triton's Gluon lacks what it uses
     (gluon_compat.missing; the forward's dispatch says so once) or it fails to import: then the
-    Triton dK/dV kernel runs."""
+    Triton dK/dV and dQ kernels run."""
     from attnscope.kernels import gluon_compat
     if gluon_compat.missing():
         return None
