@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from attnscope.attention import IMPLEMENTATIONS, attention_reference, flash_attn, hub
-from attnscope.profile import runs
+from attnscope.profile import runs, scenarios
 from attnscope.profile import tensor_cores as tc
 from attnscope.profile.cli import main
 
@@ -412,3 +412,59 @@ def test_hub_standin_captured_by_the_driver(standin, tmp_path):
     assert len(names) == 1 and "flash_fwd_kernel" in names[0], names  # one fused kernel
     assert hub_row["tensor_cores"]["verdict"] == "yes"
     assert rows["fused"]["status"] == "ok"
+
+
+# --- prepare_paged: each library's paged KV-cache call ----------------------------------------
+
+# The fakes gather each sequence's pages back into a contiguous cache and run the float64
+# reference on it (bottom-right causal), recording what they were given. FA4 takes the paged
+# cache through flash_attn_varlen_func (page_table, seqused_k); flash-attn 2 through
+# flash_attn_with_kvcache (block_table, cache_seqlens).
+PAGED_FAKES = """
+import torch
+from attnscope.attention.reference import attention_reference
+calls = []
+
+def _paged(q, k_cache, v_cache, table, lens, causal):
+    n = int(lens[0])
+    k, v = (c[table.long()].flatten(1, 2)[:, :n].transpose(1, 2) for c in (k_cache, v_cache))
+    out = attention_reference(q.transpose(1, 2), k, v, causal=causal,
+                              causal_alignment="bottom_right")
+    return out.to(q.dtype).transpose(1, 2)
+"""
+FA4_PAGED = PAGED_FAKES + """
+def flash_attn_func(*args, **kwargs):
+    raise AssertionError("the paged path must not call flash_attn_func")
+
+def flash_attn_varlen_func(q, k, v, page_table=None, seqused_k=None, causal=False):
+    calls.append({"table": page_table, "lens": seqused_k, "causal": causal, "q": q.shape})
+    return _paged(q, k, v, page_table, seqused_k, causal), None
+"""
+FA2_PAGED = PAGED_FAKES + """
+def flash_attn_func(*args, **kwargs):
+    raise AssertionError("the paged path must not call flash_attn_func")
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
+                            causal=False):
+    calls.append({"table": block_table, "lens": cache_seqlens, "causal": causal, "q": q.shape})
+    return _paged(q, k_cache, v_cache, block_table, cache_seqlens, causal)
+"""
+
+
+@pytest.mark.parametrize("name, module, text", [("fa4", "flash_attn.cute", FA4_PAGED),
+                                                ("flash_attn2", "flash_attn", FA2_PAGED)])
+def test_prepare_paged_passes_the_block_table(site, name, module, text):
+    _write(site, f"{module.replace('.', '/')}/__init__.py", text)
+    if module == "flash_attn.cute":  # flash-attn-4 alone: flash_attn a namespace package
+        assert not (site / "flash_attn" / "__init__.py").exists()
+    q, k, v = (t.detach() for t in _qkv(4, 2, seq=37))
+    q = q[:, :, -3:].contiguous()  # three new queries on 37 cached keys
+    paging = scenarios.paged_cache(k, v, 8, seed=2)
+    out = IMPLEMENTATIONS[name].prepare_paged(q, *paging)()
+    (call,) = importlib.import_module(module).calls
+    assert call["table"] is paging[2] and call["lens"] is paging[3] and call["causal"] is True
+    assert call["q"] == (2, 3, 4, 16)  # [batch, q_len, heads, dim]
+    assert out.shape == q.shape
+    ref = attention_reference(q, k, v, causal_alignment="bottom_right")
+    low = attention_reference(q, k, v, causal_alignment="bottom_right", dtype=torch.float16)
+    assert (out.double() - ref).abs().max().item() <= _bound(low, ref)

@@ -94,7 +94,7 @@ def test_presets_are_their_scenarios_and_lengths_are_seeded():
     assert sweeps.VARLEN_LENGTHS["cpu"] == sweeps.varlen_lengths(4, 64, seed=20)
     assert len(set(sweeps.VARLEN_LENGTHS["cuda"])) > 1  # lengths that differ, or no varlen
     serving = {c.scenario for c in sweeps.SWEEPS["serving"]}
-    assert serving == {"decode", "chunked", "varlen"}
+    assert serving == {"decode", "chunked", "varlen", "paged"}
     decode = [c for c in sweeps.SWEEPS["serving"] if c.scenario == "decode"]
     assert {c.seq for c in decode} >= {1, 8} and min(c.keys for c in decode) == 1024
     assert max(c.keys for c in decode) == 131072 and {1, 128} <= {c.batch for c in decode}
@@ -105,7 +105,9 @@ def test_presets_are_their_scenarios_and_lengths_are_seeded():
     ({"name": "chunked", "q_len": 50, "kv_len": 40}, "--kv-len must be >= --q-len"),
     ({"name": "varlen", "q_len": 4}, "do not apply"),
     ({"name": "prefill", "heads": 4, "kv_heads": 3}, "must divide"),
-    ({"name": "paged"}, "valid: prefill, decode, chunked, varlen"),
+    ({"name": "prefix"}, "valid: prefill, decode, chunked, varlen, paged"),
+    ({"name": "decode", "page_size": 16}, "paged only"),
+    ({"name": "paged", "page_size": 0}, ">= 1"),
 ])
 def test_scenario_flags_are_checked(kwargs, says):
     name = kwargs.pop("name")
@@ -131,6 +133,8 @@ CASES = {
     "chunked": lambda kv: sweeps.case(1, 2, 20, 32, kv_heads=kv, kv_len=50),
     # an empty sequence between odd lengths
     "varlen": lambda kv: sweeps.Case(3, 2, 17, 32, kv, None, None, (9, 0, 17)),
+    # a few queries on a paged cache whose last page is partly filled (45 = 5 x 8 + 5)
+    "paged": lambda kv: sweeps.case(2, 2, 3, 32, kv_heads=kv, kv_len=45, page_size=8),
 }
 
 
@@ -142,8 +146,9 @@ def test_cpu_entries_match_the_float64_reference(name, which, kv_heads):
     c = CASES[which](kv_heads)
     inputs = scenarios.case_inputs(c, torch.float32, "cpu", seed=7)
     cannot = scenarios.unsupported(impl, c)
-    if cannot:  # only the eager baselines refuse, and only GQA
-        assert name.startswith("naive") and kv_heads == 1 and "gqa" in cannot
+    if cannot:  # the eager baselines refuse GQA; only the fused entry reads a paged cache
+        assert ((name.startswith("naive") and kv_heads == 1 and "gqa" in cannot)
+                or (which == "paged" and name != "fused" and "prepare_paged" in cannot)), cannot
         return
     with torch.no_grad():
         out = scenarios.prepare(impl, inputs, causal=True)()
@@ -151,6 +156,20 @@ def test_cpu_entries_match_the_float64_reference(name, which, kv_heads):
     assert out.shape == inputs.qkv[0].shape
     # fp32 sums over at most 70 keys: ~1e-7 per term; 1e-5 is ~10x what any entry shows here.
     assert scenarios.error(out, ref, region) < 1e-5
+
+
+def test_paged_cache_holds_the_keys_in_a_shuffled_block_table():
+    k = torch.randn(2, 3, 45, 8, generator=torch.Generator().manual_seed(0))
+    v = k + 1
+    k_cache, v_cache, table, lens = scenarios.paged_cache(k, v, 8, seed=5)
+    assert k_cache.shape == (12, 8, 3, 8) and table.shape == (2, 6)
+    assert table.dtype == lens.dtype == torch.int32 and lens.tolist() == [45, 45]
+    assert sorted(table.flatten().tolist()) == list(range(12))  # every page once
+    assert table.flatten().tolist() != list(range(12))  # not the identity
+    for cache, t in ((k_cache, k), (v_cache, v)):
+        rows = cache[table.long()].flatten(1, 2)  # [batch, pages * 8, kv_heads, dim]
+        assert torch.equal(rows[:, :45].transpose(1, 2), t)
+        assert not rows[:, 45:].any()  # the last page's unused rows are zeros
 
 
 def test_sdpa_decode_uses_no_mask_and_chunked_an_explicit_one(monkeypatch):
@@ -195,6 +214,17 @@ def test_bench_scenario_rows(scenario, tmp_path):
     assert (rows["fused"]["seqlens"] is not None) == (scenario == "varlen")
 
 
+def test_bench_paged_rows(tmp_path):
+    path = tmp_path / "b.json"
+    assert _bench("--scenario", "paged", "--page-size", "32", "--impl", "sdpa_math", "fused",
+                  "--json", str(path)) == 0
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["fused"]["status"] == "ok" and rows["fused"]["error"] < 1e-5
+    assert rows["fused"]["scenario"] == "paged" and rows["fused"]["page_size"] == 32
+    assert rows["sdpa_math"]["status"] == "unsupported"
+    assert "prepare_paged" in rows["sdpa_math"]["reason"]
+
+
 def test_bench_refuses_a_sweep_with_a_scenario(capsys):
     assert _bench("--sweep", "cpu", "--scenario", "decode") == 2
     assert "give one" in capsys.readouterr().err
@@ -222,7 +252,7 @@ def test_compare_refuses_seq_with_q_len(capsys):
 # --- GPU ---------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("scenario", ["decode", "chunked", "varlen"])
+@pytest.mark.parametrize("scenario", ["decode", "chunked", "varlen", "paged"])
 @pytest.mark.parametrize("name", [n for n in IMPLEMENTATIONS if n != "hub_flash_attn"])
 def test_cuda_entries_match_the_reference(name, scenario):
     impl = IMPLEMENTATIONS[name]
@@ -234,6 +264,8 @@ def test_cuda_entries_match_the_reference(name, scenario):
         c = sweeps.varlen_case(sweeps.varlen_lengths(6, 700, seed=4), 32, 128, kv_heads=8)
     elif scenario == "decode":
         c = sweeps.case(8, 32, 1, 128, kv_heads=8, kv_len=5000)
+    elif scenario == "paged":  # a few queries; the last page partly filled (5000 = 39 x 128 + 8)
+        c = sweeps.case(8, 32, 4, 128, kv_heads=8, kv_len=5000, page_size=128)
     cannot = scenarios.unsupported(impl, c)
     if cannot:
         pytest.skip(cannot)

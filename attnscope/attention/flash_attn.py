@@ -157,6 +157,25 @@ class Peer:
                                     causal=causal))
 
 
+    def prepare_paged(self, q, k_cache, v_cache, block_table, cache_seqlens, causal=True):
+        # FA4: flash_attn_varlen_func with a batch-shaped q, page_table and seqused_k (its paged
+        # path); flash-attn 2: flash_attn_with_kvcache with block_table and cache_seqlens. Both
+        # take the registry's cache layout [num_blocks, page_size, kv_heads, head_dim].
+        self._loaded(q)  # the same checks; the module imports
+        module = importlib.import_module(self.module)
+        q_bshd = q.transpose(1, 2)
+        if hasattr(module, "flash_attn_with_kvcache"):
+            func = module.flash_attn_with_kvcache
+            return lambda: _output(func(q_bshd, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                        block_table=block_table, causal=causal)).transpose(1, 2)
+        func = getattr(module, "flash_attn_varlen_func", None)
+        if func is None:
+            raise NotImplementedError(f"this version of {self.module} has neither "
+                                      f"flash_attn_with_kvcache nor flash_attn_varlen_func")
+        return lambda: _output(func(q_bshd, k_cache, v_cache, page_table=block_table,
+                                    seqused_k=cache_seqlens, causal=causal)).transpose(1, 2)
+
+
 def _output(result):
     # FA4 returns (out, lse) in some versions, out in others; the output comes first.
     return result[0] if isinstance(result, tuple) else result
@@ -191,4 +210,5 @@ for _name, _peer, _description in (
         gqa=True,
         q_len_differs=True,
         prepare_varlen=_peer.prepare_varlen,
+        prepare_paged=_peer.prepare_paged,
     ))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from attnscope.attention import fused
+from attnscope.attention.decode import fused_attention_with_kvcache
 from attnscope.attention.fused import fused_attention
 from attnscope.attention.registry import CompiledKernel, Implementation, register
 from attnscope.attention.varlen import fused_attention_varlen
@@ -35,6 +36,15 @@ def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                     causal=True):
     return lambda: fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, causal=causal)
+
+
+def _prepare_paged(q, k_cache, v_cache, block_table, cache_seqlens, causal=True):
+    # The registry's [batch, heads, q_len, head_dim] as the function's [batch, q_len, heads,
+    # head_dim] view, and its output back (views, no copies)
+    q_bshd = q.transpose(1, 2)
+    return lambda: fused_attention_with_kvcache(
+        q_bshd, k_cache, v_cache, cache_seqlens, block_table=block_table,
+        causal=causal).transpose(1, 2)
 
 
 def _compiled_kernels():
@@ -70,5 +80,6 @@ register(Implementation(
     gqa=True,
     q_len_differs=True,
     prepare_varlen=_prepare_varlen,
+    prepare_paged=_prepare_paged,
     compiled_kernels=_compiled_kernels,
 ))

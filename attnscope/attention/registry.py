@@ -49,6 +49,12 @@ class Implementation:
     # [total_k, kv_heads, head_dim] as flash-attn's varlen API, causal aligned bottom-right per
     # sequence; the forward returns [total_q, heads, head_dim]. None: the entry cannot.
     prepare_varlen: Callable[..., Forward] | None = None
+    # A paged KV cache, as serving engines hold it: prepare_paged(q, k_cache, v_cache,
+    # block_table, cache_seqlens, causal=True) -> forward, q [batch, heads, q_len, head_dim],
+    # k_cache/v_cache [num_blocks, page_size, kv_heads, head_dim], block_table int32 [batch,
+    # pages] naming each sequence's pages in order, cache_seqlens int32 [batch] its keys; causal
+    # aligned bottom-right; the forward returns [batch, heads, q_len, head_dim]. None: it cannot.
+    prepare_paged: Callable[..., Forward] | None = None
     # Ours only: the compiled kernels this entry's forwards launched in this process (see
     # CompiledKernel), so the driver can show source and compiled code without importing them.
     compiled_kernels: Callable[[], list["CompiledKernel"]] | None = None

@@ -137,6 +137,7 @@ def _takes_causal(impl) -> bool:
 def _row(ctx: _Context, case: Case, name: str) -> dict:
     return {"shape": case.shape, "kv_heads": case.kv_heads, "scenario": case.scenario,
             "kv_len": case.keys, "seqlens": list(case.seqlens) if case.seqlens else None,
+            "page_size": case.page_size,
             "note": "", "dtype": ctx.dtype,
             "causal": ctx.causal, "mode": ctx.mode, "impl": name, "status": "ok", "reason": "",
             "median_ms": None, "tflops": None, "pct_of_peak": None, "ratio_to_best_peer": None,
@@ -228,13 +229,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--scenario", choices=scenarios.SCENARIOS, default=None,
                         help="time one serving scenario at its preset shape instead of a sweep: "
                         "prefill (q_len == kv_len), decode (q_len 1-8 on a long KV cache), "
-                        "chunked (new queries on a longer cache), varlen (packed sequences); "
-                        "causal aligned bottom-right when q_len < kv_len")
+                        "chunked (new queries on a longer cache), varlen (packed sequences), "
+                        "paged (decode on a paged KV cache); causal aligned bottom-right when "
+                        "q_len < kv_len")
     parser.add_argument("--q-len", type=int, default=None, metavar="N",
                         help="queries per sequence of --scenario's shape (default: its preset)")
     parser.add_argument("--kv-len", type=int, default=None, metavar="N",
                         help="keys per sequence of --scenario's shape, >= --q-len (default: its "
                         "preset; q_len for prefill)")
+    parser.add_argument("--page-size", type=int, default=None, metavar="N",
+                        help="keys per page of --scenario paged's KV cache (default: its preset, "
+                        "128 on CUDA)")
     parser.add_argument("--impl", nargs="+", metavar="NAME",
                         help="implementations to time, in this order (default: every registered "
                         "one; `attnscope list` names them)")
@@ -277,14 +282,16 @@ def _resolve(args):
                          f"and {args.rep_ms:g}")
     device = torch.device(resolve_device(args.device))
     args.dtype = args.dtype or DEFAULT_DTYPE[device.type]
-    one_case = args.scenario or args.q_len is not None or args.kv_len is not None
+    one_case = (args.scenario or args.q_len is not None or args.kv_len is not None
+                or args.page_size is not None)
     if one_case and args.sweep:
-        raise ValueError(f"--sweep {args.sweep} and --scenario/--q-len/--kv-len: give one "
-                         "(a scenario times one shape, a sweep its own)")
+        raise ValueError(f"--sweep {args.sweep} and --scenario/--q-len/--kv-len/--page-size: "
+                         "give one (a scenario times one shape, a sweep its own)")
     if one_case:
         sweep = f"scenario {args.scenario or 'prefill'}"
         cases = (scenarios.scenario_case(args.scenario, device.type, q_len=args.q_len,
-                                         kv_len=args.kv_len, kv_heads=args.kv_heads),)
+                                         kv_len=args.kv_len, kv_heads=args.kv_heads,
+                                         page_size=args.page_size),)
     else:
         sweep = args.sweep or ("default" if device.type == "cuda" else "cpu")
         cases = resolve_sweep(sweep, args.kv_heads)

@@ -41,9 +41,10 @@ def trace_paths(out_dir, impl_name, shape, mode="fwd"):
     return folder / f"{stem}.json.gz", folder / f"{stem}.txt"
 
 
-def capture(impl, q, k, v, out_dir, mode="fwd", packing=None) -> Capture:
+def capture(impl, q, k, v, out_dir, mode="fwd", packing=None, paging=None) -> Capture:
     """Profile `impl` on q, k, v; raises whatever the implementation raises. `packing`: packed
-    sequences' (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) (scenarios.Inputs).
+    sequences' (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); `paging`: a paged KV
+    cache's (k_cache, v_cache, block_table, cache_seqlens) (scenarios.Inputs).
 
     mode "fwd_bwd" profiles forward and backward in each range: inputs require grad, and after
     each forward torch.autograd.grad computes dq, dk, dv for a fixed random upstream gradient
@@ -75,7 +76,8 @@ def capture(impl, q, k, v, out_dir, mode="fwd", packing=None) -> Capture:
         return out.detach()
 
     with torch.enable_grad() if backward else torch.no_grad():
-        forward = scenarios.prepare(impl, scenarios.Inputs((q, k, v), packing), causal=True)
+        forward = scenarios.prepare(impl, scenarios.Inputs((q, k, v), packing, paging),
+                                    causal=True)
         for _ in range(WARMUP_CALLS):
             output = step()
         if cuda:

@@ -58,8 +58,12 @@ def add_arguments(p):
                    help="serving scenario, each with its preset shape that the flags above "
                         "change: prefill (default; q_len == kv_len), decode (q_len 1-8 on a "
                         "long KV cache, GQA), chunked (new queries on a longer cache), varlen "
-                        "(packed sequences of the lengths sweeps.VARLEN_LENGTHS lists); causal "
-                        "aligned bottom-right when q_len < kv_len")
+                        "(packed sequences of the lengths sweeps.VARLEN_LENGTHS lists), paged "
+                        "(decode on a paged KV cache); causal aligned bottom-right when q_len < "
+                        "kv_len")
+    p.add_argument("--page-size", type=int, metavar="N",
+                   help="keys per page of --scenario paged's KV cache (default: its preset, 128 "
+                        "on CUDA)")
     p.add_argument("--q-len", type=int, metavar="N",
                    help="queries per sequence (default: the scenario's)")
     p.add_argument("--kv-len", type=int, metavar="N",
@@ -96,7 +100,7 @@ def resolve_case(args, device):
     kv_len = args.seq if args.kv_len is None else args.kv_len
     return scenarios.scenario_case(args.scenario, device, batch=args.batch, heads=args.heads,
                                    q_len=q_len, kv_len=kv_len, head_dim=args.head_dim,
-                                   kv_heads=args.kv_heads)
+                                   kv_heads=args.kv_heads, page_size=args.page_size)
 
 
 def write_results(folder: Path, results: dict):
@@ -147,7 +151,7 @@ def profile_one(impl, inputs, case, reference, out: Path, device, dtype_name, en
     if cannot:
         return {**row, "status": "unsupported", "reason": cannot}
     try:
-        cap = capture(impl, *inputs.qkv, out, mode, inputs.packing)
+        cap = capture(impl, *inputs.qkv, out, mode, inputs.packing, inputs.paging)
     except OSError as exc:
         if runs.cannot_write(exc, out):
             raise  # the out folder, not the implementation: the run cannot go on

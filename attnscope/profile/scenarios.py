@@ -9,10 +9,13 @@
   bottom-right causal.
 - varlen: a packed batch of sequences of different lengths (sweeps.VARLEN_LENGTHS, drawn once
   from a seeded generator), causal within each sequence.
+- paged: decode against a paged KV cache, as serving engines hold it: pages of `page_size` keys
+  in a [num_blocks, page_size, kv_heads, head_dim] pool, each sequence's pages named by a block
+  table in a seeded random order, bottom-right causal.
 
 What an entry can express is read off its registry fields (`q_len_differs`, `prepare_varlen`,
-`gqa`, `explicit_mask`), never its name; one that cannot is a row with status 'unsupported'
-and the reason. The float64 reference and the FLOP count follow the scenario.
+`prepare_paged`, `gqa`, `explicit_mask`), never its name; one that cannot is a row with status
+'unsupported' and the reason. The float64 reference and the FLOP count follow the scenario.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from attnscope.profile.metrics import max_abs_error, reference_output
 from attnscope.profile.sweeps import (MAX_DECODE_Q_LEN, VARLEN_LENGTHS, Case, case,
                                       varlen_case)
 
-SCENARIOS = ("prefill", "decode", "chunked", "varlen")
+SCENARIOS = ("prefill", "decode", "chunked", "varlen", "paged")
 
 
 # Each scenario's shape per device. CUDA: the issue's measurements (32 query heads on 8 K/V heads,
@@ -43,17 +46,28 @@ PRESETS: dict[str, dict[str, Case]] = {
                 "cpu": case(1, 4, 24, 32, kv_heads=2, kv_len=100)},
     "varlen": {"cuda": varlen_case(VARLEN_LENGTHS["cuda"], 32, 128, kv_heads=8),
                "cpu": varlen_case(VARLEN_LENGTHS["cpu"], 2, 32)},
+    # decode's shape on 128-key pages (FA4's key tile on Hopper; --page-size changes it); the
+    # CPU's 200 keys end in a partly filled page
+    "paged": {"cuda": case(64, 32, 1, 128, kv_heads=8, kv_len=8192, page_size=128),
+              "cpu": case(2, 4, 1, 32, kv_heads=2, kv_len=200, page_size=16)},
 }
 
 
 def scenario_case(name: str | None, device: str, *, batch=None, heads=None, q_len=None,
-                  kv_len=None, head_dim=None, kv_heads=None) -> Case:
+                  kv_len=None, head_dim=None, kv_heads=None, page_size=None) -> Case:
     """The scenario's preset on `device`, with the values given replacing its own. No scenario:
     prefill's shape, or with --q-len/--kv-len that differ the scenario those lengths name."""
     name = name or "prefill"
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; valid: {', '.join(SCENARIOS)}")
+    if page_size is not None:
+        if name != "paged":
+            raise ValueError(f"--page-size applies to --scenario paged only, got scenario {name}")
+        if page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {page_size}")
     preset = PRESETS[name][device]
+    if page_size is not None:
+        preset = dataclasses.replace(preset, page_size=page_size)
     if name == "varlen":
         if q_len is not None or kv_len is not None or batch is not None:
             raise ValueError("--scenario varlen takes its packed lengths from VARLEN_LENGTHS; "
@@ -95,17 +109,23 @@ def _kv_heads(kv_heads, preset: Case, heads: int) -> int:
 @dataclass
 class Inputs:
     """One set of inputs: q/k/v ([batch, heads, seq, head_dim]; packed [total, heads, head_dim]
-    for varlen) and, for varlen, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+    for varlen) and, for varlen, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); for
+    paged, k and v also as a paged cache: (k_cache, v_cache, block_table, cache_seqlens)
+    (paged_cache). The reference reads the contiguous k and v."""
     qkv: tuple
     packing: tuple | None = None
+    paging: tuple | None = None
 
 
 def case_inputs(c: Case, dtype, device, seed: int, draw_on="cpu") -> Inputs:
     """Standard normal inputs for `c`, seeded (make_inputs'); varlen: packed, with int32
     cumulative lengths on the device."""
     if c.seqlens is None:
-        return Inputs(make_inputs(*c.shape, dtype, device, seed=seed, kv_heads=c.kv_heads,
-                                  draw_on=draw_on, kv_len=c.keys))
+        qkv = make_inputs(*c.shape, dtype, device, seed=seed, kv_heads=c.kv_heads,
+                          draw_on=draw_on, kv_len=c.keys)
+        if c.page_size is None:
+            return Inputs(qkv)
+        return Inputs(qkv, paging=paged_cache(qkv[1], qkv[2], c.page_size, seed=seed))
     total = sum(c.seqlens)
     q, k, v = make_inputs(1, c.heads, total, c.head_dim, dtype, device, seed=seed,
                           kv_heads=c.kv_heads, draw_on=draw_on)
@@ -115,10 +135,34 @@ def case_inputs(c: Case, dtype, device, seed: int, draw_on="cpu") -> Inputs:
     return Inputs(packed, (cu, cu, c.seq, c.seq))
 
 
+def paged_cache(k, v, page_size: int, seed: int) -> tuple:
+    """k and v ([batch, kv_heads, kv_len, head_dim]) as a paged KV cache: (k_cache, v_cache,
+    block_table, cache_seqlens) with the caches [batch * pages, page_size, kv_heads, head_dim],
+    each sequence's pages at places drawn by a generator seeded with `seed` (a block table that
+    is not the identity), zeros past a sequence's end in its last page (finite, as FA4 asks),
+    the table int32 [batch, pages] and the lengths int32 [batch]."""
+    batch, kv_heads, kv_len, head_dim = k.shape
+    pages = -(-kv_len // page_size)
+    order = torch.randperm(batch * pages, generator=torch.Generator().manual_seed(seed))
+    place = order.to(k.device)
+
+    def pack(t):
+        rows = t.new_zeros(batch, pages * page_size, kv_heads, head_dim)
+        rows[:, :kv_len] = t.transpose(1, 2)
+        cache = torch.empty_like(rows).view(batch * pages, page_size, kv_heads, head_dim)
+        cache[place] = rows.view(batch * pages, page_size, kv_heads, head_dim)
+        return cache
+    table = place.view(batch, pages).to(torch.int32)
+    seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device=k.device)
+    return pack(k), pack(v), table, seqlens
+
+
 def unsupported(impl, c: Case) -> str | None:
     """Why `impl` cannot express case `c` (its registry fields), or None."""
     if c.kv_heads != c.heads and not impl.gqa:
         return "takes no K/V with fewer heads than q (the registry's gqa field)"
+    if c.page_size is not None and impl.prepare_paged is None:
+        return "reads no paged KV cache (the registry's prepare_paged)"
     if c.seqlens is not None and impl.prepare_varlen is None:
         return "has no packed variable-length sequence API (the registry's prepare_varlen)"
     if c.seqlens is None and c.keys != c.seq and not impl.q_len_differs:
@@ -142,6 +186,8 @@ def prepare(impl, inputs: Inputs, causal: bool):
     """The entry's zero-argument forward on these inputs."""
     if inputs.packing is not None:
         return impl.prepare_varlen(*inputs.qkv, *inputs.packing, causal=causal)
+    if inputs.paging is not None:
+        return impl.prepare_paged(inputs.qkv[0], *inputs.paging, causal=causal)
     if causal:
         return impl.prepare(*inputs.qkv)
     return impl.prepare(*inputs.qkv, causal=False)

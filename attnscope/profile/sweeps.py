@@ -26,6 +26,9 @@ class Case:
     # Packed sequences of these lengths (queries = keys per sequence, causal within each); batch
     # is their count and seq the longest. None: a padded-free rectangular batch.
     seqlens: tuple[int, ...] | None = None
+    # Keys per page of a paged KV cache (serving engines' [num_blocks, page_size, kv_heads,
+    # head_dim] with a block table), for the entries that read one. None: a contiguous cache.
+    page_size: int | None = None
 
     @property
     def shape(self) -> list[int]:
@@ -38,9 +41,11 @@ class Case:
     @property
     def scenario(self) -> str:
         """prefill (q_len == kv_len), decode (q_len <= 8 < kv_len), chunked (other q_len <
-        kv_len) or varlen."""
+        kv_len), varlen, or paged (any q_len on a paged KV cache)."""
         if self.seqlens is not None:
             return "varlen"
+        if self.page_size is not None:
+            return "paged"
         if self.keys == self.seq:
             return "prefill"
         return "decode" if self.seq <= MAX_DECODE_Q_LEN else "chunked"
@@ -58,9 +63,10 @@ class Case:
 MAX_DECODE_Q_LEN = 8
 
 
-def case(batch, heads, seq, head_dim, kv_heads=None, dtype=None, kv_len=None) -> Case:
+def case(batch, heads, seq, head_dim, kv_heads=None, dtype=None, kv_len=None,
+         page_size=None) -> Case:
     return Case(batch, heads, seq, head_dim, heads if kv_heads is None else kv_heads, dtype,
-                kv_len)
+                kv_len, None, page_size)
 
 
 def varlen_case(seqlens, heads, head_dim, kv_heads=None, dtype=None) -> Case:
@@ -116,7 +122,8 @@ def serving_sweep() -> tuple[Case, ...]:
     """Issue 20's serving shapes, 32 query heads on 8 K/V heads at head_dim 128 (Llama-style):
     decode (q_len 1 and 8; 4 at the issue's first measurement) at 1k-128k keys and batch 1-128,
     two (keys, batch) pairs per length, one small and one filling the GPU, the K/V cache up to
-    4.3 GB; chunked prefill (512 and 2048 new queries on 4096 and 16384 keys); a packed batch."""
+    4.3 GB; chunked prefill (512 and 2048 new queries on 4096 and 16384 keys); a packed batch;
+    one decode row on a paged KV cache."""
     cases = []
     for kv_len, batches in ((1024, (1, 128)), (8192, (8, 64)), (32768, (8, 32)),
                             (131072, (1, 8))):
@@ -128,6 +135,8 @@ def serving_sweep() -> tuple[Case, ...]:
               case(4, 32, 512, 128, kv_heads=8, kv_len=4096),
               case(1, 32, 2048, 128, kv_heads=8, kv_len=16384)]
     cases.append(varlen_case(VARLEN_LENGTHS["cuda"], 32, 128, kv_heads=8))
+    # the batch-64 decode row again on a paged cache of 128-key pages
+    cases.append(case(64, 32, 1, 128, kv_heads=8, kv_len=8192, page_size=128))
     return tuple(cases)
 
 
