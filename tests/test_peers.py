@@ -451,15 +451,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, block_table
 """
 
 
-@pytest.mark.parametrize("name, module, text", [("fa4", "flash_attn.cute", FA4_PAGED),
-                                                ("flash_attn2", "flash_attn", FA2_PAGED)])
-def test_prepare_paged_passes_the_block_table(site, name, module, text):
+@pytest.mark.parametrize("name, module, text, page_size", [
+    ("fa4", "flash_attn.cute", FA4_PAGED, 8),
+    ("flash_attn2", "flash_attn", FA2_PAGED, 256),  # its pages: multiples of 256 keys
+])
+def test_prepare_paged_passes_the_block_table(site, name, module, text, page_size):
     _write(site, f"{module.replace('.', '/')}/__init__.py", text)
     if module == "flash_attn.cute":  # flash-attn-4 alone: flash_attn a namespace package
         assert not (site / "flash_attn" / "__init__.py").exists()
     q, k, v = (t.detach() for t in _qkv(4, 2, seq=37))
     q = q[:, :, -3:].contiguous()  # three new queries on 37 cached keys
-    paging = scenarios.paged_cache(k, v, 8, seed=2)
+    paging = scenarios.paged_cache(k, v, page_size, seed=2)
     out = IMPLEMENTATIONS[name].prepare_paged(q, *paging)()
     (call,) = importlib.import_module(module).calls
     assert call["table"] is paging[2] and call["lens"] is paging[3] and call["causal"] is True
@@ -468,3 +470,10 @@ def test_prepare_paged_passes_the_block_table(site, name, module, text):
     ref = attention_reference(q, k, v, causal_alignment="bottom_right")
     low = attention_reference(q, k, v, causal_alignment="bottom_right", dtype=torch.float16)
     assert (out.double() - ref).abs().max().item() <= _bound(low, ref)
+
+
+def test_flash_attn2_refuses_pages_it_cannot_take(site):
+    _write(site, "flash_attn/__init__.py", FA2_PAGED)
+    q, k, v = (t.detach() for t in _qkv(4, 2, seq=37))
+    with pytest.raises(NotImplementedError, match="multiple of 256"):
+        IMPLEMENTATIONS["flash_attn2"].prepare_paged(q, *scenarios.paged_cache(k, v, 128, seed=2))

@@ -6,6 +6,7 @@ FA4 and flash-attn 2's varlen functions included, on the CUDA presets."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -223,6 +224,21 @@ def test_bench_paged_rows(tmp_path):
     assert rows["fused"]["scenario"] == "paged" and rows["fused"]["page_size"] == 32
     assert rows["sdpa_math"]["status"] == "unsupported"
     assert "prepare_paged" in rows["sdpa_math"]["reason"]
+    # forward only: the backward modes refuse it up front
+    assert _bench("--scenario", "paged", "--mode", "bwd", "--impl", "fused", "--json",
+                  str(path)) == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["status"] == "unsupported" and "forward only" in row["reason"]
+
+
+def test_a_paged_row_is_its_own_case_for_ratios():
+    # the serving sweep times the same decode shape contiguous and paged: the best peer of one
+    # must not be taken for the other's
+    (paged,) = [c for c in sweeps.SWEEPS["serving"] if c.scenario == "paged"]
+    assert dataclasses.replace(paged, page_size=None) in sweeps.SWEEPS["serving"]
+    row = {"shape": paged.shape, "kv_heads": paged.kv_heads, "kv_len": paged.keys,
+           "seqlens": None, "dtype": "bf16", "causal": True, "mode": "fwd"}
+    assert bench._case_key({**row, "page_size": 128}) != bench._case_key(row)
 
 
 def test_bench_refuses_a_sweep_with_a_scenario(capsys):

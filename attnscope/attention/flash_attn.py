@@ -164,14 +164,18 @@ class Peer:
         self._loaded(q)  # the same checks; the module imports
         module = importlib.import_module(self.module)
         q_bshd = q.transpose(1, 2)
-        if hasattr(module, "flash_attn_with_kvcache"):
+        if self is FA2:
+            page_size = k_cache.shape[1]
+            if page_size % 256:
+                raise NotImplementedError(f"flash-attn 2 takes pages of a multiple of 256 keys, "
+                                          f"got {page_size}")
             func = module.flash_attn_with_kvcache
             return lambda: _output(func(q_bshd, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                         block_table=block_table, causal=causal)).transpose(1, 2)
         func = getattr(module, "flash_attn_varlen_func", None)
         if func is None:
-            raise NotImplementedError(f"this version of {self.module} has neither "
-                                      f"flash_attn_with_kvcache nor flash_attn_varlen_func")
+            raise NotImplementedError(f"this version of {self.module} has no "
+                                      f"flash_attn_varlen_func")
         return lambda: _output(func(q_bshd, k_cache, v_cache, page_table=block_table,
                                     seqused_k=cache_seqlens, causal=causal)).transpose(1, 2)
 

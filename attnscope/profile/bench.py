@@ -58,7 +58,8 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 
 def _case_key(row: dict) -> tuple:
     return (tuple(row["shape"]), row["kv_heads"], row.get("kv_len"),
-            tuple(row.get("seqlens") or ()), row["dtype"], row["causal"], row["mode"])
+            tuple(row.get("seqlens") or ()), row.get("page_size"), row["dtype"], row["causal"],
+            row["mode"])
 
 
 def _ours() -> set[str]:
@@ -155,7 +156,7 @@ def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) ->
     if not ctx.causal and not _takes_causal(impl):
         return {**row, "status": "unsupported",
                 "reason": "prepare() takes no causal argument (causal only)"}
-    cannot = scenarios.unsupported(impl, case)
+    cannot = scenarios.unsupported(impl, case, ctx.mode)
     if cannot:
         return {**row, "status": "unsupported", "reason": cannot}
     row["note"] = scenarios.note(impl, case, ctx.causal)
@@ -367,13 +368,22 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
             torch.cuda.empty_cache()  # the next entry starts from the same free memory
 
 
+def _case_record(c: Case) -> dict:
+    # page_size only where a case has one, so the header of a sweep without paged rows reads as
+    # it did before the field (--resume compares headers)
+    record = dataclasses.asdict(c)
+    if record["page_size"] is None:
+        del record["page_size"]
+    return record
+
+
 def _header(env: dict, sweep: str, cases, device: torch.device, l2_bytes: int | None,
             args) -> dict:
     return {
         "env": env, "command": list(sys.argv), "sweep": sweep, "device": device.type,
         # The torch/Triton pair every row ran on (each row repeats it), and the swept shapes.
         "torch": env.get("torch"), "triton": env.get("triton"),
-        "cases": [dataclasses.asdict(c) for c in cases],
+        "cases": [_case_record(c) for c in cases],
         "mode": args.mode, "timed": MODE_TIMED[args.mode],
         "timing": timing_block(device, l2_bytes, args),
         "first_call": "first_call_ms: wall time of the first forward() on that shape in this "

@@ -83,7 +83,8 @@ def sweep(rows: list[dict], ylabel: str, title: str) -> str:
 
 
 def _shape_label(row) -> str:
-    return ",".join(map(str, row["shape"])) + f" ({row['kv_heads']})"
+    paged = f" paged {row['page_size']}" if row.get("page_size") else ""
+    return ",".join(map(str, row["shape"])) + f" ({row['kv_heads']}){paged}"
 
 
 def timeline(forward: dict, numbered_ops: list[tuple[int, dict, str | None]], title: str) -> str:

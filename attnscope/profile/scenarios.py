@@ -46,8 +46,8 @@ PRESETS: dict[str, dict[str, Case]] = {
                 "cpu": case(1, 4, 24, 32, kv_heads=2, kv_len=100)},
     "varlen": {"cuda": varlen_case(VARLEN_LENGTHS["cuda"], 32, 128, kv_heads=8),
                "cpu": varlen_case(VARLEN_LENGTHS["cpu"], 2, 32)},
-    # decode's shape on 128-key pages (FA4's key tile on Hopper; --page-size changes it); the
-    # CPU's 200 keys end in a partly filled page
+    # decode's shape on 128-key pages (FA4's key tile on Hopper at head_dim 128, where its pages
+    # load by TMA; --page-size changes it); the CPU's 200 keys end in a partly filled page
     "paged": {"cuda": case(64, 32, 1, 128, kv_heads=8, kv_len=8192, page_size=128),
               "cpu": case(2, 4, 1, 32, kv_heads=2, kv_len=200, page_size=16)},
 }
@@ -62,7 +62,8 @@ def scenario_case(name: str | None, device: str, *, batch=None, heads=None, q_le
         raise ValueError(f"unknown scenario {name!r}; valid: {', '.join(SCENARIOS)}")
     if page_size is not None:
         if name != "paged":
-            raise ValueError(f"--page-size applies to --scenario paged only, got scenario {name}")
+            raise ValueError(f"--page-size applies to --scenario paged only (add --scenario "
+                             f"paged), got scenario {name}")
         if page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {page_size}")
     preset = PRESETS[name][device]
@@ -157,12 +158,15 @@ def paged_cache(k, v, page_size: int, seed: int) -> tuple:
     return pack(k), pack(v), table, seqlens
 
 
-def unsupported(impl, c: Case) -> str | None:
-    """Why `impl` cannot express case `c` (its registry fields), or None."""
+def unsupported(impl, c: Case, mode: str = "fwd") -> str | None:
+    """Why `impl` cannot express case `c` (its registry fields) in `mode` (fwd, bwd, fwd_bwd),
+    or None."""
     if c.kv_heads != c.heads and not impl.gqa:
         return "takes no K/V with fewer heads than q (the registry's gqa field)"
     if c.page_size is not None and impl.prepare_paged is None:
         return "reads no paged KV cache (the registry's prepare_paged)"
+    if c.page_size is not None and mode != "fwd":
+        return "a paged KV cache is read forward only (decoding): no backward"
     if c.seqlens is not None and impl.prepare_varlen is None:
         return "has no packed variable-length sequence API (the registry's prepare_varlen)"
     if c.seqlens is None and c.keys != c.seq and not impl.q_len_differs:
