@@ -100,8 +100,9 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # epilogue's O store where its staging buffers fit in shared memory (all but 256);
     # mbarriers between them; a register split between the partitions (setmaxnreg); no local
     # arrays (cuobjdump's LOCAL 0: register spills count as STACK, which some of these kernels
-    # have a few dozen bytes of; benchmarks/sass_offline.py reports it). Counts of 3.6's SASS at head_dim 128 (benchmarks/sass_offline.py
-    # --gluon --head-dim 128): HGMMA 64, UTMALDG 8, UTMASTG 2; 3.7.1 and 3.9.0 give the same.
+    # have a few dozen bytes of; benchmarks/sass_offline.py reports it). Counts of 3.6's SASS
+    # at head_dim 128 (benchmarks/sass_offline.py --gluon --head-dim 128): HGMMA 64, UTMALDG 8,
+    # UTMASTG 2; 3.7.1 and 3.9.0 give the same.
     # The packed-batch variant ("p" + head_dim) also takes its tiles from a global counter
     # (an atomic add) and stores blocks inside a sequence by TMA. The dK/dV kernel ("b" +
     # head_dim) has the same parts: its four products as wgmma, Q/dO/K/V by TMA, dK/dV stored by

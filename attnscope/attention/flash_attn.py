@@ -104,6 +104,11 @@ class Peer:
     installed: Callable[[], bool]
     gpus: str  # the GPUs it runs on, in words
     supports: Callable[[tuple[int, int]], bool]  # on (major, minor)
+    # Its paged KV-cache call: the function, its (block table, per-sequence lengths) keyword
+    # names, and the multiple of keys its pages must hold
+    paged_func: str
+    paged_args: tuple[str, str]
+    page_multiple: int = 1
 
     def available(self, device) -> tuple[bool, str]:
         device = torch.device(device)
@@ -147,37 +152,30 @@ class Peer:
                        causal=True):
         # Both libraries' flash_attn_varlen_func take (q, k, v, cu_seqlens_q, cu_seqlens_k,
         # max_seqlen_q, max_seqlen_k, ..., causal=) with the packed layout the registry hands.
-        self._loaded(q)  # the same checks; the module imports
-        func = getattr(importlib.import_module(self.module), "flash_attn_varlen_func", None)
-        if func is None:
-            raise NotImplementedError(f"this version of {self.module} has no "
-                                      f"flash_attn_varlen_func")
+        func = self._function(q, "flash_attn_varlen_func")
         return lambda: _output(func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                     causal=causal))
 
-
     def prepare_paged(self, q, k_cache, v_cache, block_table, cache_seqlens, causal=True):
-        # FA4: flash_attn_varlen_func with a batch-shaped q, page_table and seqused_k (its paged
-        # path); flash-attn 2: flash_attn_with_kvcache with block_table and cache_seqlens. Both
-        # take the registry's cache layout [num_blocks, page_size, kv_heads, head_dim].
-        self._loaded(q)  # the same checks; the module imports
-        module = importlib.import_module(self.module)
+        # The registry's cache layout [num_blocks, page_size, kv_heads, head_dim] is both
+        # libraries' (paged_func, paged_args); q as a BSHD view, the output back.
+        func = self._function(q, self.paged_func)
+        if k_cache.shape[1] % self.page_multiple:
+            raise NotImplementedError(f"{self.label} takes pages of a multiple of "
+                                      f"{self.page_multiple} keys, got {k_cache.shape[1]}")
         q_bshd = q.transpose(1, 2)
-        if self is FA2:
-            page_size = k_cache.shape[1]
-            if page_size % 256:
-                raise NotImplementedError(f"flash-attn 2 takes pages of a multiple of 256 keys, "
-                                          f"got {page_size}")
-            func = module.flash_attn_with_kvcache
-            return lambda: _output(func(q_bshd, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                        block_table=block_table, causal=causal)).transpose(1, 2)
-        func = getattr(module, "flash_attn_varlen_func", None)
+        paging = dict(zip(self.paged_args, (block_table, cache_seqlens)))
+        return lambda: _output(func(q_bshd, k_cache, v_cache, causal=causal,
+                                    **paging)).transpose(1, 2)
+
+    def _function(self, q, name):
+        """The library's function `name`, after _loaded's checks (the module imports)."""
+        self._loaded(q)
+        func = getattr(importlib.import_module(self.module), name, None)
         if func is None:
-            raise NotImplementedError(f"this version of {self.module} has no "
-                                      f"flash_attn_varlen_func")
-        return lambda: _output(func(q_bshd, k_cache, v_cache, page_table=block_table,
-                                    seqused_k=cache_seqlens, causal=causal)).transpose(1, 2)
+            raise NotImplementedError(f"this version of {self.module} has no {name}")
+        return func
 
 
 def _output(result):
@@ -191,13 +189,17 @@ FA4 = Peer(
     installed=fa4_installed,
     # Its CuTe kernels exist for Hopper (FlashAttentionForwardSm90/BackwardSm90) and Blackwell
     # (Sm100); its interface refuses other architectures.
-    gpus="Hopper (sm_90) and Blackwell (sm_100) GPUs", supports=lambda cap: cap[0] in (9, 10))
+    gpus="Hopper (sm_90) and Blackwell (sm_100) GPUs", supports=lambda cap: cap[0] in (9, 10),
+    # its varlen function takes a batch-shaped q with a page table
+    paged_func="flash_attn_varlen_func", paged_args=("page_table", "seqused_k"))
 
 FA2 = Peer(
     label="flash-attn 2", module="flash_attn",
     distributions=("flash-attn", "flash_attn"), install=INSTALL_FA2,
     installed=fa2_installed,
-    gpus="Ampere or newer GPUs (sm_80+)", supports=lambda cap: cap[0] >= 8)
+    gpus="Ampere or newer GPUs (sm_80+)", supports=lambda cap: cap[0] >= 8,
+    paged_func="flash_attn_with_kvcache", paged_args=("block_table", "cache_seqlens"),
+    page_multiple=256)
 
 for _name, _peer, _description in (
     ("fa4", FA4, "FlashAttention-4 (pip flash-attn-4): CuTe DSL kernels, compiled on the first "

@@ -333,9 +333,10 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
     common.score_scales). `varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     for a packed batch: q/out/k/v are then the packed tensors as [batch, heads, total,
     head_dim] views with batch stride 0, lse is [heads, total_q] and causal_offset is relative
-    to each sequence's bottom-right alignment. `config`: a tuple named by CONFIG_FIELDS instead of the table's
-    (tests, labs). `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile
-    sees the launch. `key`: the dispatch's launch key for this call (built here when None).
+    to each sequence's bottom-right alignment. `config`: a tuple named by CONFIG_FIELDS instead
+    of the table's (tests, labs). `wrap` lets the custom op pass torch.library.wrap_triton so
+    torch.compile sees the launch. `key`: the dispatch's launch key for this call (built here
+    when None).
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
     batch, heads, q_len, head_dim = q.shape
     max_q = q_len if varlen is None else varlen[2]

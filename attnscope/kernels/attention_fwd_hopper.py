@@ -790,8 +790,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
     attention_fwd.attention_fwd_triton's (`varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k) for a packed batch, q/k/v/out its [batch, heads, total, head_dim] views, lse
-    [heads, total_q]): `config` a tuple named by CONFIG_FIELDS instead of the table's (the lab), `key`
-    the dispatch's launch key for this call (built here when None)."""
+    [heads, total_q]): `config` a tuple named by CONFIG_FIELDS instead of the table's (the
+    lab), `key` the dispatch's launch key for this call (built here when None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is None:

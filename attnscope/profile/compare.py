@@ -251,7 +251,8 @@ def _run(args, run_, impls, device, case) -> int:
                "shape": dict(zip(("batch", "heads", "seq", "head_dim"), shape)),
                "scenario": case.scenario, "kv_len": case.keys, "kv_heads": case.kv_heads,
                "seqlens": list(case.seqlens) if case.seqlens else None,
-               "page_size": case.page_size, "dtype": dtype_name, "device": device, "causal": True, "mode": args.mode,
+               "page_size": case.page_size, "dtype": dtype_name, "device": device,
+               "causal": True, "mode": args.mode,
                "flops_per_forward": scenarios.flops(case, causal=True, mode=args.mode),
                "env": collect_env(), "rows": []}
     write_results(folder, results)

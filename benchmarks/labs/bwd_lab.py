@@ -73,9 +73,9 @@ def main():
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=[(8, 16, 1024, 64, 16)],
                    help="B,H,S,D[,KV_HEADS] (bf16, causal); default 8,16,1024,64")
     p.add_argument("--configs", nargs="*", type=parse_config, default=[],
-                   help=f"{','.join(bwd.CONFIG_FIELDS)} configs to time next to the table's (of the "
-                        "Triton kernels: where the Gluon ones take the call on sm_90 a config "
-                        "changes only the preprocess; see --triton-kernels)")
+                   help=f"{','.join(bwd.CONFIG_FIELDS)} configs to time next to the table's "
+                        "(of the Triton kernels: where the Gluon ones take the call on sm_90 a "
+                        "config changes only the preprocess; see --triton-kernels)")
     p.add_argument("--peers", action="store_true", help="also time cuDNN's backward")
     p.add_argument("--triton-kernels", action="store_true",
                    help="also time the table's config with the Triton dK/dV and dQ kernels where "
