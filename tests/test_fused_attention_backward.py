@@ -18,7 +18,7 @@ from einops import rearrange
 
 from attnscope import fused_attention
 from attnscope.attention.reference import attention_reference
-from attnscope.kernels import attention_bwd
+from attnscope.kernels import attention_bwd, common
 # nan_outputs: autouse; here it also poisons dq, dk, dv and Delta
 from fused_checks import CPU, make_qkv, nan_outputs  # noqa: F401
 
@@ -353,10 +353,10 @@ def test_gluon_backward_takes_no_cpu_call_and_groups_heads_for_l2(monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 64, 64, 128, torch.float16, CPU)  # a head_dim it takes
     assert not hopper.supports(q, k, v, q, q, k, v)
     h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=50 << 20)
-    monkeypatch.setattr(hopper, "device_properties", lambda device: h200)
-    assert hopper._head_group(q, 128, 2 << 20) == 12  # 25 MB / 2 MB: 12 a group, 11 groups
-    assert hopper._head_group(q, 8, 64 << 20) == 1  # more than half of L2 each: one at a time
-    assert hopper._head_group(q, 8, 1 << 10) == 8  # all together
+    monkeypatch.setattr(common, "device_properties", lambda device: h200)
+    assert hopper.l2_group(q.device, 128, 2 << 20) == 12  # 25 MB / 2 MB: 12 a group, 11 groups
+    assert hopper.l2_group(q.device, 8, 64 << 20) == 1  # more than half of L2 each: one at a time
+    assert hopper.l2_group(q.device, 8, 1 << 10) == 8  # all together
 
 
 @pytest.mark.cuda
@@ -368,5 +368,5 @@ def test_gpu_gluon_backward_in_small_head_groups(monkeypatch):
     hopper = attention_bwd._hopper()
     q, k, v = make_qkv(1, 8, 4, 600, 600, 128, torch.bfloat16, "cuda")
     assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
-    monkeypatch.setattr(hopper, "_head_group", lambda q, pairs, streamed, l2_share=0.5: 3)
+    monkeypatch.setattr(hopper, "l2_group", lambda device, pairs, streamed, **kw: 3)
     check_grads(q, k, v, 4e-3)

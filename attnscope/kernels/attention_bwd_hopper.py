@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from attnscope.kernels.common import LOG2E, _grouped_tile, aligned, device_properties
+from attnscope.kernels.common import LOG2E, _grouped_tile, aligned, device_properties, l2_group
 from attnscope.kernels.gluon_compat import tma_load, tma_store
 from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
 
@@ -208,6 +208,23 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constex
 
 
 @gluon.jit
+def _barriers(STAGES: gl.constexpr):
+    # Both kernels' mbarriers: one for the tiles a program loads once (the copy engine's
+    # bytes), and per stage of the streamed ring "ready" (the copy engine's bytes) and "empty"
+    # (one arrival per consumer warpgroup); initialised and fenced.
+    layout: gl.constexpr = mbarrier.MBarrierLayout()
+    once = gl.allocate_shared_memory(gl.int64, [1], layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    mbarrier.init(once, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+    return once, ready, empty
+
+
+@gluon.jit
 def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K,
                           CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -221,15 +238,7 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CT
     v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], SMEM_LAYOUT)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_DIM], SMEM_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_DIM], SMEM_LAYOUT)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
+    kv_ready, ready, empty = _barriers(STAGES)
     n_hz = BATCH * H
     loads = (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP,
              N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
@@ -361,15 +370,7 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
     do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    qdo_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    mbarrier.init(qdo_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    fence_async_shared()
+    qdo_ready, ready, empty = _barriers(STAGES)
     n_hz = BATCH * H
     loads = (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP,
              N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
@@ -417,8 +418,8 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     num_tiles = -(-kv_len // 128)
     grid = (batch * kv_heads * num_tiles,)
     # each K/V head's programs stream the Q and dO of its query heads
-    group = _head_group(q, batch * kv_heads, 2 * q_len * head_dim * q.element_size()
-                        * (heads // kv_heads))
+    group = l2_group(q.device, batch * kv_heads, 2 * q_len * head_dim * q.element_size()
+                     * (heads // kv_heads))
     args = (q, k, v, do, dk, dv, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
             causal_offset, scale * LOG2E, scale, num_tiles, group)
     kwargs = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs,
@@ -443,8 +444,8 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
     num_tiles = -(-q_len // 128)
     grid = (batch * heads * num_tiles,)
     # each query head's programs stream its K/V head's K and V (shared by its GROUP heads)
-    group = _head_group(q, batch * heads, 2 * kv_len * head_dim * q.element_size()
-                        // (heads // kv_heads))
+    group = l2_group(q.device, batch * heads, 2 * kv_len * head_dim * q.element_size()
+                     // (heads // kv_heads))
     args = (q, k, v, do, dq, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
             causal_offset, scale * LOG2E, scale, num_tiles, group)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
@@ -458,16 +459,6 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
         key = ("gluon-dq", key, scale)
     return _launch_dq(key, grid, args, kwargs, per_call=7,
                       config=dict(BLOCK_N=block_n, STAGES=stages, consumer_regs=regs))
-
-
-def _head_group(q, pairs, streamed_bytes, l2_share=0.5):
-    """How many of `pairs` heads a launch runs together (_program_tile): about as many as keep
-    what each one's programs stream (streamed_bytes) within l2_share of L2, in groups of equal
-    size; as common.head_group does for the forward."""
-    budget = int(device_properties(q.device).L2_cache_size * l2_share)
-    cap = max(1, budget // max(streamed_bytes, 1))
-    groups = -(-pairs // cap)
-    return -(-pairs // groups)
 
 
 @functools.cache

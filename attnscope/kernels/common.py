@@ -229,10 +229,17 @@ def head_group(q, k, l2_share=0.5, *, kv_len=None, pairs=None):
         return min(n_hz, 2)
     kv_len = k.shape[2] if kv_len is None else kv_len
     kv_bytes = 2 * max(kv_len, 1) * k.shape[3] * k.element_size()  # per K/V head
-    budget = int(device_properties(q.device).L2_cache_size * l2_share)
-    cap = max(1, budget * (q.shape[1] // k.shape[1]) // kv_bytes)
-    groups = -(-n_hz // cap)
-    return -(-n_hz // groups)
+    return l2_group(q.device, n_hz, kv_bytes, l2_share, sharing=q.shape[1] // k.shape[1])
+
+
+def l2_group(device, pairs, streamed_bytes, l2_share=0.5, sharing=1):
+    """How many of `pairs` (batch, head) pairs a launch runs together (`_grouped_tile`): about
+    as many as keep what their programs stream (`streamed_bytes`, shared by `sharing` pairs)
+    within `l2_share` of L2, the pairs split into groups of equal size."""
+    budget = int(device_properties(device).L2_cache_size * l2_share)
+    cap = max(1, budget * sharing // max(streamed_bytes, 1))
+    groups = -(-pairs // cap)
+    return -(-pairs // groups)
 
 
 def aligned(*tensors):
