@@ -14,6 +14,9 @@ venv; the code generated differs by version.
 module's CONFIG_FIELDS (default: its table's entry for --head-dim). --gluon-bwd and
 --gluon-bwd-dq compile the Gluon backward's dK/dV and dQ kernels (attention_bwd_hopper.py) at
 its table's config (head_dim 128 by default, the one it takes; --config does not apply).
+--decode compiles the split-KV decode kernel (attention_decode.py) as the op launches it for 32
+query heads on 8 K/V heads, one query, 8192 keys (--page-size N: on a paged cache of N-key
+pages); its --config is BLOCK_M,BLOCK_N,num_warps,num_stages (default: config_for's).
 """
 import argparse
 import os
@@ -148,6 +151,41 @@ def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True):
                                             lse, lse, **kw)
 
 
+def compile_decode(head_dim, config, dtype="bf16", page_size=None):
+    """The CompiledKernel of the decode split kernel (attention_decode._decode_split) for sm_90,
+    through attention_decode's own launch (so its split rule, constexprs and tiles are a
+    launch's): 4 sequences x 32 query heads on 8 K/V heads, one query, 8192 keys, contiguous or
+    on a paged cache of page_size-key pages."""
+    import torch
+    _offline_driver()
+    from attnscope.kernels import attention_decode as module
+    compiled = []
+
+    class Offline:  # stands in for launch.FastLaunch: compiles `kernel`, launches nothing
+        bound = {}
+
+        def __init__(self, kernel=None):
+            self.kernel = kernel
+
+        def __call__(self, key, grid, args, kwargs, **_):
+            if self.kernel is not None:
+                compiled.append(self.kernel.warmup(*args, grid=grid, **kwargs))
+    module._split_launch, module._merge_launch = Offline(module._decode_split), Offline()
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    batch, kv_len = 4, 8192
+    q = torch.empty(batch, 32, 1, head_dim, dtype=torch_dtype)
+    kw = {}
+    if page_size:
+        pages = kv_len // page_size
+        k = torch.empty(batch * pages, page_size, 8, head_dim, dtype=torch_dtype)
+        kw["block_table"] = torch.arange(batch * pages, dtype=torch.int32).reshape(batch, pages)
+    else:
+        k = torch.empty(batch, 8, kv_len, head_dim, dtype=torch_dtype)
+    module.attention_decode(q, k, k, torch.empty_like(q), torch.empty(batch, 32, 1), causal=True,
+                            scale=head_dim ** -0.5, config=config, **kw)
+    return compiled[0]
+
+
 def cuobjdump(compiled, *flags):
     exe = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -185,6 +223,10 @@ def main():
                    help="the Gluon dK/dV backward kernel (attention_bwd_hopper.py) instead")
     p.add_argument("--gluon-bwd-dq", action="store_true",
                    help="the Gluon dQ backward kernel (attention_bwd_hopper.py) instead")
+    p.add_argument("--decode", action="store_true",
+                   help="the split-KV decode kernel (attention_decode.py) instead")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="with --decode: on a paged cache of this many keys a page")
     p.add_argument("--varlen", action="store_true",
                    help="with --gluon: its packed-sequence variant (fused_attention_varlen's)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
@@ -204,6 +246,11 @@ def main():
             p.error("--config does not apply to --gluon-bwd / --gluon-bwd-dq")
         config = None
         compiled = compile_gluon_bwd(args.head_dim, args.dtype, dq=args.gluon_bwd_dq)
+    elif args.decode:
+        config = args.config and tuple(int(x) for x in args.config.split(","))
+        if config and len(config) != 4:
+            p.error("--decode --config takes BLOCK_M,BLOCK_N,num_warps,num_stages")
+        compiled = compile_decode(args.head_dim, config, args.dtype, args.page_size)
     elif args.gluon:
         config = args.config and tuple(int(x) for x in args.config.split(","))
         if config and len(config) != 3:
@@ -219,11 +266,12 @@ def main():
     sass = cuobjdump(compiled, "-sass")
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
     kind = ("gluon dQ" if args.gluon_bwd_dq else "gluon dK/dV" if args.gluon_bwd
-            else "gluon" if args.gluon else "triton")
+            else "gluon" if args.gluon else "decode" if args.decode else "triton")
     print(f"triton {triton.__version__}, sm_90, {kind} kernel, "
           f"head_dim {args.head_dim}, config {config or 'of the table'}"
           + (", packed sequences" if args.varlen else "")
-          + ("" if args.gluon or args.gluon_bwd or args.gluon_bwd_dq
+          + (f", page size {args.page_size}" if args.page_size else "")
+          + ("" if args.gluon or args.gluon_bwd or args.gluon_bwd_dq or args.decode
              else f", pipeline {args.pipeline}, tma {args.tma}, "
              f"maxnreg {args.maxnreg}"))
     print(f"{usage.group(0) if usage else 'resource usage not found'}, "

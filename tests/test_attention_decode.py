@@ -456,7 +456,7 @@ def test_long_chunks_take_long_tiles(q_len, heads, kv_heads, head_dim, forced, d
 @pytest.mark.parametrize("page_size,block_n", [
     (32, 32),  # pages of whole long tiles: one table entry a tile
     (16, 16),  # pages of whole short tiles but not long ones (64 keys on the GPU): short kept
-    (5, 32),   # pages smaller than either tile: long tiles, one table entry a key row
+    (5, 16),   # pages smaller than either tile: short kept, one table entry a key row
 ])
 def test_long_tiles_on_a_paged_cache(page_size, block_n, dtype, floor, lse_tol, tiles_taken,
                                      splits, long_chunk):
@@ -832,9 +832,10 @@ def test_gpu_key_tile_by_chunk_length(batch, q_len, kv_len, block_n, dtype, floo
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("page_size,config,block_n", [
     (128, None, 128),             # pages of whole 128-key tiles
-    (16, None, 128),              # vLLM's pages: one table entry a key row with either tile
+    (16, None, 64),               # vLLM's pages: one table entry a key row, short tile kept
     (64, None, 64),               # pages of whole 64-key tiles: the rule keeps them
     (64, (16, 128, 4, 3), 128),   # a pinned 128-key tile on them: one entry a key row
+    (16, (16, 128, 4, 3), 128),   # and on vLLM's pages
 ])
 def test_gpu_long_tiles_on_a_paged_cache(page_size, config, block_n, dtype, floor, lse_tol):
     # 8 sequences of up to 32768 keys: 2 chunks of 16384 keys in 128-key tiles, so the long tile.

@@ -234,11 +234,13 @@ def test_bench_paged_rows(tmp_path):
 def test_a_paged_row_is_its_own_case_for_ratios():
     # the serving sweep times the same decode shape contiguous and paged: the best peer of one
     # must not be taken for the other's
-    (paged,) = [c for c in sweeps.SWEEPS["serving"] if c.scenario == "paged"]
-    assert dataclasses.replace(paged, page_size=None) in sweeps.SWEEPS["serving"]
-    row = {"shape": paged.shape, "kv_heads": paged.kv_heads, "kv_len": paged.keys,
-           "seqlens": None, "dtype": "bf16", "causal": True, "mode": "fwd"}
-    assert bench._case_key({**row, "page_size": 128}) != bench._case_key(row)
+    paged = [c for c in sweeps.SWEEPS["serving"] if c.scenario == "paged"]
+    assert {c.page_size for c in paged} == {128, 16}
+    for case in paged:
+        assert dataclasses.replace(case, page_size=None) in sweeps.SWEEPS["serving"]
+        row = {"shape": case.shape, "kv_heads": case.kv_heads, "kv_len": case.keys,
+               "seqlens": None, "dtype": "bf16", "causal": True, "mode": "fwd"}
+        assert bench._case_key({**row, "page_size": case.page_size}) != bench._case_key(row)
 
 
 def test_bench_refuses_a_sweep_with_a_scenario(capsys):

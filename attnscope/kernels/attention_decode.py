@@ -44,10 +44,11 @@ Two K/V sources, one kernel (constexpr PAGED):
 - paged [num_blocks, PAGE_SIZE, kv_heads, head_dim] (any strides) with block_table
   [batch, max_blocks] int32: key n of sequence b lives in cache block block_table[b, n // PAGE_SIZE],
   row n % PAGE_SIZE. A page that holds whole K/V tiles (PAGE_SIZE a multiple of BLOCK_N) costs
-  one table entry a tile; smaller pages, any size, one entry per key row (88 against 162
-  registers at head_dim 128 on sm_90). head_dim is the contiguous axis either way, so K/V loads
-  stay 16-byte cp.async vectors. (Triton 3.6's pipeliner gives the table load a stage of its
-  own, so paged launches keep one K/V tile pair fewer in flight than contiguous ones.)
+  one table entry a tile; smaller pages, any size, one entry per key row. Either is loaded one
+  trip ahead (_page_of): a table load in the K load's own trip gets a pipeline stage of its own
+  and leaves one K/V tile pair fewer in flight, which cost 10-25 % on the H200 with whole-page
+  tiles (notes/lab/decode_paged_h200.txt). head_dim is the contiguous axis either way, so K/V
+  loads stay 16-byte cp.async vectors.
 Sequences may have their own lengths (`seqlens`, int32 [batch]); splits past a sequence's end run
 no tile and write L_s = -inf.
 
@@ -112,25 +113,35 @@ NO_LEFT_EDGE = -(1 << 30)
 
 
 @triton.jit
-def _kv_tile(base, BlockTable, start_n, offs_d, kv_len, stride_n, stride_page, stride_d,
+def _page_of(BlockTable, start_n, kv_len, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    # The cache block of the tile at key start_n (pages of whole tiles: one table entry), or of
+    # each of its key rows (smaller pages); 0 past kv_len, where the table may end, and when not
+    # PAGED. The block loop loads it a trip ahead (_decode_inner).
+    if PAGED and PAGE_SIZE % BLOCK_N == 0:
+        return tl.load(BlockTable + start_n // PAGE_SIZE, mask=start_n < kv_len,
+                       other=0).to(tl.int64)
+    elif PAGED:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        return tl.load(BlockTable + offs_n // PAGE_SIZE, mask=offs_n < kv_len,
+                       other=0).to(tl.int64)
+    else:
+        return 0
+
+
+@triton.jit
+def _kv_tile(base, page, start_n, offs_d, kv_len, stride_n, stride_page, stride_d,
              MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     # The [BLOCK_N, BLOCK_D] tile of K or V at key start_n: rows from this (batch, kv head)'s
-    # base (contiguous), or from this kv head's base in the block pool (paged: the block table
-    # says which cache block holds each row). Masks only where the tile needs them (they cost
-    # instructions in the hot loop): key rows past kv_len in MASKED tiles, columns past HEAD_DIM.
+    # base (contiguous), or from this kv head's base in the block pool (paged: `page`, _page_of's,
+    # says which cache block holds the tile or each row). Masks only where the tile needs them
+    # (they cost instructions in the hot loop): key rows past kv_len in MASKED tiles, columns
+    # past HEAD_DIM.
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
-    if PAGED and PAGE_SIZE % BLOCK_N == 0:
-        # The tile lies in one cache block: one table entry (start_n < kv_len: it exists).
-        page = tl.load(BlockTable + start_n // PAGE_SIZE).to(tl.int64)
+    if PAGED:
         rows = page * stride_page + (offs_n % PAGE_SIZE) * stride_n
-    elif PAGED:  # pages smaller than a tile: one table entry per key row (L1 hits mostly)
-        if MASKED:
-            page = tl.load(BlockTable + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-        else:
-            page = tl.load(BlockTable + offs_n // PAGE_SIZE)
-        rows = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_n
     else:
         rows = offs_n * stride_n
     ptrs = base + rows[:, None] + offs_d[None, :] * stride_d
@@ -155,11 +166,16 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query, l
     # K/V tiles [lo, hi) of this program's chunk. MASKED tiles hide keys past kv_len, when
     # CAUSAL keys right of a row's diagonal (plus a window's right size), and with a WINDOW keys
     # left of a row's window; a row may then see no key of a tile yet.
+    # Paged: each trip loads the next tile's table entries for the next trip (K and V share
+    # them), so the K/V loads' addresses do not wait on a load of their own trip: Triton's
+    # pipeliner would give that load a stage, one K/V tile pair fewer in flight.
+    page = _page_of(BlockTable, lo, kv_len, PAGED, PAGE_SIZE, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _kv_tile(k_base, BlockTable, start_n, offs_d, kv_len, stride_kn, stride_kp, stride_kd,
+        k = _kv_tile(k_base, page, start_n, offs_d, kv_len, stride_kn, stride_kp, stride_kd,
                      MASKED, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
+        next_page = _page_of(BlockTable, start_n + BLOCK_N, kv_len, PAGED, PAGE_SIZE, BLOCK_N)
         qk, _ = _logits(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION), qk_scale,
                         softcap_log2, SOFTCAP)
         if MASKED:
@@ -179,12 +195,12 @@ def _decode_inner(acc, l_i, m_i, q, k_base, v_base, BlockTable, offs_d, query, l
         p = tl.math.exp2(qk - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        # (a paged V reads its block-table entries again: L1 hits, and V keeps its own strides)
-        v = _kv_tile(v_base, BlockTable, start_n, offs_d, kv_len, stride_vn, stride_vp, stride_vd,
+        v = _kv_tile(v_base, page, start_n, offs_d, kv_len, stride_vn, stride_vp, stride_vd,
                      MASKED, PAGED, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
+        page = next_page
     return acc, l_i, m_i
 
 
@@ -489,11 +505,12 @@ class _Plan:
             configs = [(block_m, block_n, configs[0][2], num_warps, num_stages)]
         else:
             long = long_config_for(head_dim, rows, q.dtype)
-            # A page of whole short tiles but not whole long ones (64 keys at head_dim 128)
-            # would trade the short tile's one table entry a tile for one a key row: keep it.
-            short_n = configs[0][1]
-            if long is not None and not (page_size is not None and page_size % short_n == 0
-                                         and page_size % long[1] != 0):
+            # Only pages of whole long tiles take them. On smaller pages a long tile reads one
+            # table entry a key row (twice the short tile's a tile, or instead of its one a tile
+            # where pages hold whole short tiles) in a program that has an SM to itself; the
+            # short tile read 16- and 32-key pages 1-14 % faster on the H200
+            # (notes/lab/decode_paged_h200.txt).
+            if long is not None and (page_size is None or page_size % long[1] == 0):
                 configs.append(long)
         block_m, _, block_d, _, _ = configs[0]  # the tiles differ in BLOCK_N and warps only
         self.forced_splits = num_splits

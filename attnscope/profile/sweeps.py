@@ -123,7 +123,7 @@ def serving_sweep() -> tuple[Case, ...]:
     decode (q_len 1 and 8; 4 at the issue's first measurement) at 1k-128k keys and batch 1-128,
     two (keys, batch) pairs per length, one small and one filling the GPU, the K/V cache up to
     4.3 GB; chunked prefill (512 and 2048 new queries on 4096 and 16384 keys); a packed batch;
-    one decode row on a paged KV cache."""
+    two decode rows on a paged KV cache (128-key pages, and vLLM's default of 16)."""
     cases = []
     for kv_len, batches in ((1024, (1, 128)), (8192, (8, 64)), (32768, (8, 32)),
                             (131072, (1, 8))):
@@ -135,8 +135,10 @@ def serving_sweep() -> tuple[Case, ...]:
               case(4, 32, 512, 128, kv_heads=8, kv_len=4096),
               case(1, 32, 2048, 128, kv_heads=8, kv_len=16384)]
     cases.append(varlen_case(VARLEN_LENGTHS["cuda"], 32, 128, kv_heads=8))
-    # the batch-64 decode row again on a paged cache of 128-key pages
+    # decode rows again on paged caches: 128-key pages (whole K/V tiles), and 16-key ones
+    # (vLLM's default; a table entry per key row)
     cases.append(case(64, 32, 1, 128, kv_heads=8, kv_len=8192, page_size=128))
+    cases.append(case(8, 32, 1, 128, kv_heads=8, kv_len=32768, page_size=16))
     return tuple(cases)
 
 

@@ -100,7 +100,7 @@ def main():
                    "configs (split rule's count; e.g. 16,64,8,3)")
     p.add_argument("--page-sizes", nargs="*", type=int, default=[],
                    help="also time fused_attention_with_kvcache on a paged copy of the cache "
-                   "with these block sizes")
+                   "with these block sizes (and the kernel on it at each --configs entry)")
     p.add_argument("--no-peers", action="store_true", help="skip SDPA, FA4 and FlashAttention 2")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     p.add_argument("--out", default=None, help="append one JSON line per row here")
@@ -136,6 +136,15 @@ def main():
                 lambda k_pool=k_pool, v_pool=v_pool, table=table, seqlens=seqlens:
                 attnscope.fused_attention_with_kvcache(qs, k_pool, v_pool, seqlens,
                                                        block_table=table).transpose(1, 2))
+            for c in args.configs:  # the paged kernel at each pinned config too
+                def pinned_paged(k_pool=k_pool, v_pool=v_pool, table=table, seqlens=seqlens,
+                                 config=tuple(int(x) for x in c.split(","))):
+                    o = torch.empty_like(q)
+                    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+                    decode.attention_decode(q, k_pool, v_pool, o, lse, causal=True, scale=scale,
+                                            seqlens=seqlens, block_table=table, config=config)
+                    return o
+                rows[f"paged block_size={size} config={c}"] = pinned_paged
         peers = {}
         if not args.no_peers:
             for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
