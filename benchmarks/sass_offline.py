@@ -129,10 +129,11 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
                                        config=config)
 
 
-def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True):
+def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=False):
     """The CompiledKernel of the Gluon dK/dV kernel (attention_bwd_hopper.py; with dq, its dQ
-    kernel) for sm_90, as compile_gluon compiles the forward: 2 x 4 query heads on 2 K/V heads,
-    1024 keys, causal unless said."""
+    kernel; with fused_dq, the dK/dV kernel that adds dQ too) for sm_90, as compile_gluon
+    compiles the forward: 2 x 4 query heads on 2 K/V heads (4 with fused_dq, which takes no
+    GQA), 1024 keys, causal unless said."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_bwd_hopper as module
@@ -142,9 +143,11 @@ def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True):
                 kernel.warmup(*args, grid=grid, **kwargs))
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
-    k = torch.empty(2, 2, 1024, head_dim, dtype=torch_dtype)
+    k = torch.empty(2, 4 if fused_dq else 2, 1024, head_dim, dtype=torch_dtype)
     lse = torch.empty(2, 4, 1024)
     kw = dict(causal=causal, scale=head_dim ** -0.5, causal_offset=0)
+    if fused_dq:
+        kw["dq_acc"] = torch.empty(q.shape)
     if dq:
         return module.attention_bwd_dq_hopper(q, k, k, q, torch.empty_like(q), lse, lse, **kw)
     return module.attention_bwd_dkdv_hopper(q, k, k, q, torch.empty_like(k), torch.empty_like(k),
@@ -223,6 +226,9 @@ def main():
                    help="the Gluon dK/dV backward kernel (attention_bwd_hopper.py) instead")
     p.add_argument("--gluon-bwd-dq", action="store_true",
                    help="the Gluon dQ backward kernel (attention_bwd_hopper.py) instead")
+    p.add_argument("--fused-dq", action="store_true",
+                   help="with --gluon-bwd: the dK/dV kernel that adds dQ too "
+                        "(attention_bwd's deterministic=False)")
     p.add_argument("--decode", action="store_true",
                    help="the split-KV decode kernel (attention_decode.py) instead")
     p.add_argument("--page-size", type=int, default=None,
@@ -235,6 +241,8 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
     args = p.parse_args()
+    if args.fused_dq and not args.gluon_bwd:
+        p.error("--fused-dq goes with --gluon-bwd")
     bwd = args.gluon_bwd or args.gluon_bwd_dq
     if args.head_dim is None:
         args.head_dim = 128 if bwd else 64
@@ -245,7 +253,8 @@ def main():
         if args.config:
             p.error("--config does not apply to --gluon-bwd / --gluon-bwd-dq")
         config = None
-        compiled = compile_gluon_bwd(args.head_dim, args.dtype, dq=args.gluon_bwd_dq)
+        compiled = compile_gluon_bwd(args.head_dim, args.dtype, dq=args.gluon_bwd_dq,
+                                     fused_dq=args.fused_dq)
     elif args.decode:
         config = args.config and tuple(int(x) for x in args.config.split(","))
         if config and len(config) != 4:
@@ -265,7 +274,8 @@ def main():
     usage = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", cuobjdump(compiled, "-res-usage"))
     sass = cuobjdump(compiled, "-sass")
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
-    kind = ("gluon dQ" if args.gluon_bwd_dq else "gluon dK/dV" if args.gluon_bwd
+    kind = ("gluon dQ" if args.gluon_bwd_dq else "gluon dK/dV + dQ" if args.fused_dq
+            else "gluon dK/dV" if args.gluon_bwd
             else "gluon" if args.gluon else "decode" if args.decode else "triton")
     print(f"triton {triton.__version__}, sm_90, {kind} kernel, "
           f"head_dim {args.head_dim}, config {config or 'of the table'}"

@@ -49,10 +49,11 @@ def assert_grads_close(grads, refs, lows, inputs, floor):
         assert err <= bound, f"{name}: error {err:.3g} > 2 x torch's {torch_err:.3g} + floor"
 
 
-def check_grads(q, k, v, floor, dout=None, **kwargs):
-    """Backward of the op against float64 autograd; returns (dq, dk, dv)."""
+def check_grads(q, k, v, floor, dout=None, op_kwargs=None, **kwargs):
+    """Backward of the op (with kwargs and op_kwargs) against float64 autograd of the reference
+    (with kwargs); returns (dq, dk, dv)."""
     dout = torch.randn_like(q) if dout is None else dout
-    grads = _grads(lambda *t: fused_attention(*t, **kwargs), q, k, v, dout)
+    grads = _grads(lambda *t: fused_attention(*t, **kwargs, **(op_kwargs or {})), q, k, v, dout)
     refs = _grads(lambda *t: attention_reference(*t, **kwargs), q.double(), k.double(),
                   v.double(), dout.double())
     lows = _grads(lambda *t: attention_reference(*t, dtype=q.dtype, **kwargs), q, k, v, dout)
@@ -308,17 +309,21 @@ def test_gpu_torch_compile_fullgraph_forward_and_backward():
         assert (g.double() - ref).abs().max().item() <= 0.02 * scale
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon backward kernels run on sm_90 only")
-@pytest.mark.parametrize("shape", [
+GLUON_SHAPES = [
     # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment; None: not causal)
     (2, 4, 4, 1000, 1000, 128, "top_left"),      # a ragged last key block (1000 = 7 x 128 + 104)
     (2, 4, 2, 1000, 700, 128, None),             # not causal, GQA, fewer keys than queries
     (1, 8, 2, 700, 1500, 128, "bottom_right"),   # GQA, more keys than queries, ragged both
     (1, 4, 4, 1500, 300, 128, "bottom_right"),   # rows that see no key
     (1, 2, 2, 64, 64, 128, "top_left"),          # one block, half a key block
-])
+    (2, 3, 3, 700, 1500, 128, None),             # not causal, more keys than queries
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gpu_gluon_backward(shape):
     # The Gluon dK/dV and dQ kernels (attention_bwd_hopper.py) take contiguous head_dim-128 calls
     # on sm_90; Delta stays on the Triton preprocess
@@ -335,6 +340,26 @@ def test_gpu_gluon_backward(shape):
 @pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.parametrize("shape", GLUON_SHAPES)
+@pytest.mark.parametrize("dtype,floor", GPU_DTYPES)
+def test_gpu_gluon_backward_nondeterministic(shape, dtype, floor, monkeypatch):
+    # deterministic=False: without GQA the dK/dV kernel adds dQ too, in any order
+    # (attention_bwd.fused_dq); under GQA the split kernels run as with True
+    batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
+    hopper = attention_bwd._hopper()
+    assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
+    fused, dkdv = [], hopper.attention_bwd_dkdv_hopper
+    monkeypatch.setattr(hopper, "attention_bwd_dkdv_hopper", lambda *a, **kw: (
+        fused.append(kw.get("dq_acc") is not None), dkdv(*a, **kw))[1])
+    kwargs = dict(causal=False) if alignment is None else dict(causal_alignment=alignment)
+    check_grads(q, k, v, floor, op_kwargs=dict(deterministic=False), **kwargs)
+    assert fused == [heads == kv_heads]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon backward kernels run on sm_90 only")
 def test_gpu_gluon_backward_takes_each_calls_scale():
     # A repeat of a launch passes only its tensors: the scale must be part of what tells
     # launches apart
@@ -343,6 +368,31 @@ def test_gpu_gluon_backward_takes_each_calls_scale():
     assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
     for scale in (0.05, 0.2):
         check_grads(q, k, v, 4e-3, scale=scale)
+
+
+def test_nondeterministic_backward_elsewhere_is_the_deterministic_one():
+    # deterministic=False changes only the calls attention_bwd.fused_dq takes (sm_90 Gluon, no
+    # GQA): on the CPU the gradients are the deterministic kernels', bit for bit
+    q, k, v = make_qkv(1, 2, 2, 70, 70, 32, torch.float32, CPU)
+    dout = torch.randn_like(q)
+    grads = [_grads(lambda *t: fused_attention(*t, deterministic=flag), q, k, v, dout)
+             for flag in (True, False)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("bad", [None, 0, "no"])
+def test_deterministic_takes_a_bool(bad):
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, torch.float32, CPU)
+    with pytest.raises(TypeError, match="deterministic"):
+        fused_attention(q, k, v, deterministic=bad)
+
+
+def test_fused_dq_takes_calls_without_gqa_where_the_copy_engine_adds():
+    import types
+    adds, none = types.SimpleNamespace(tma_add=object()), types.SimpleNamespace(tma_add=None)
+    assert attention_bwd.fused_dq(adds, 8, 8)
+    assert not attention_bwd.fused_dq(adds, 8, 2)  # GQA: its consumers spill, the split won
+    assert not attention_bwd.fused_dq(none, 8, 8)  # a Triton whose Gluon cannot add
 
 
 def test_gluon_backward_takes_no_cpu_call_and_groups_heads_for_l2(monkeypatch):

@@ -225,11 +225,13 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
 @triton_op("attnscope::attention_fwd", mutates_args=())
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                    bottom_right: bool, layout: str, window_left: int = -1, window_right: int = -1,
-                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   softcap: float = 0.0, deterministic: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """What torch.compile, dispatch modes and torch.func see (`_traced`). Eager calls skip it:
     inference calls _forward directly and training goes through _EagerAttention, because the
     dispatcher round trip of a Python custom op costs more host time than the seed-shape kernel
-    itself (notes/launch.md; notes/backward.md, "The launch path")."""
+    itself (notes/launch.md; notes/backward.md, "The launch path"). `deterministic` is the
+    backward's (saved by _setup_context)."""
     return _forward(q, k, v, causal, scale, bottom_right, layout, window_left, window_right,
                     softcap, wrap=_launch_wrap(q))
 
@@ -240,7 +242,7 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 # saved for the backward, not a quantity the formula below differentiates).
 
 def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout, window_left=-1,
-                   window_right=-1, softcap=0.0):
+                   window_right=-1, softcap=0.0, deterministic=True):
     # The backward op's body, also run directly by _EagerAttention.
     kernels = _kernels()
     # Gradients are allocated contiguous in the caller's layout, like the forward's output.
@@ -258,7 +260,7 @@ def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
         kernels.attention_bwd(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta, causal=causal,
                               scale=scale, causal_offset=offset,
                               window=(window_left, window_right), softcap=softcap,
-                              wrap=_launch_wrap(q))
+                              wrap=_launch_wrap(q), deterministic=deterministic)
     return dq, dk, dv
 
 
@@ -266,14 +268,15 @@ def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                    bottom_right: bool, layout: str, window_left: int = -1,
-                   window_right: int = -1, softcap: float = 0.0
+                   window_right: int = -1, softcap: float = 0.0, deterministic: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
-                          window_left, window_right, softcap)
+                          window_left, window_right, softcap, deterministic)
 
 
 def _setup_context(ctx, inputs, output):
-    # args: causal, scale, bottom_right, layout[, window_left, window_right, softcap]
+    # args: causal, scale, bottom_right, layout[, window_left, window_right, softcap,
+    # deterministic]
     q, k, v, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
@@ -301,29 +304,30 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, bottom_right, layout, window_left, window_right,
-                softcap):
+                softcap, deterministic):
         # (ctx-style forward: with a separate setup_context, Function.apply binds its arguments
         # through inspect.signature on every call, ~60 us on the CPU machine)
         args = (causal, scale, bottom_right, layout, window_left, window_right, softcap)
         output = _forward(q, k, v, *args)
-        _setup_context(ctx, (q, k, v, *args), output)
+        _setup_context(ctx, (q, k, v, *args, deterministic), output)
         ctx.set_materialize_grads(False)  # no zeros tensor for the unused LSE gradient
         return output
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # no gradient reached `out` (lse has none by construction)
-            return (None,) * 10
+            return (None,) * 11
         q, k, v, out, lse = ctx.saved_tensors
         # Compiled autograd traces this with dynamo, and create_graph=True runs it with grad
         # mode on: both get the op. A plain backward runs with grad mode off.
         traced = torch.compiler.is_compiling() or torch.is_grad_enabled()
         impl = _attention_bwd if traced else _backward_impl
-        return (*impl(dout, q, k, v, out, lse, *ctx.attention_args), *(None,) * 7)
+        return (*impl(dout, q, k, v, out, lse, *ctx.attention_args), *(None,) * 8)
 
 
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
-                    causal_alignment="top_left", window=(-1, -1), softcap=0.0, return_lse=False):
+                    causal_alignment="top_left", window=(-1, -1), softcap=0.0, return_lse=False,
+                    deterministic=True):
     """Attention softmax(q @ k^T * scale) @ v in one Triton kernel.
 
     Shapes (layout="bhsd", as SDPA):  q [batch, heads, q_len, head_dim],
@@ -363,19 +367,27 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
 
     Differentiable in q, k, v (Triton backward kernels, attnscope/kernels/attention_bwd.py); the
     LSE is returned with requires_grad=False, so no gradient flows through it. No double backward.
+
+    deterministic=True (the default): every backward gives the same gradients bit for bit.
+    deterministic=False lets eager bf16/fp16 head_dim-128 calls on Hopper (sm_90) without GQA
+    take a faster backward: one kernel adds dQ from every key block in whatever order its
+    programs run, so dQ's last bits may differ between runs (about 8 % faster on the H200,
+    README "Training"); every other call computes as with True.
     """
     _validate(q, k, v, causal, scale, layout, causal_alignment)
     # (the defaults skip the checks: eager calls at small shapes are bound by host time)
     left, right = ((-1, -1) if window == (-1, -1) and softcap == 0
                    else _validate_window_softcap(causal, window, softcap))
+    if deterministic is not True and deterministic is not False:
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    args = (causal, float(scale), causal_alignment == "bottom_right", layout, left, right,
+            float(softcap))
     if _traced(q):  # torch.compile, a dispatch mode, torch.func, fake tensors
-        forward = _attention_fwd
+        out, lse = _attention_fwd(q, k, v, *args, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        forward = _EagerAttention.apply
+        out, lse = _EagerAttention.apply(q, k, v, *args, deterministic)
     else:
-        forward = _forward
-    out, lse = forward(q, k, v, causal, float(scale), causal_alignment == "bottom_right", layout,
-                       left, right, float(softcap))
+        out, lse = _forward(q, k, v, *args)
     return (out, lse) if return_lse else out

@@ -48,6 +48,8 @@ non-differentiable); no double backward. Same devices as the forward.
 
 import functools
 
+import torch
+
 import triton
 import triton.language as tl
 
@@ -416,7 +418,8 @@ def config_for(head_dim):
 
 
 def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, causal_offset,
-                  window=(-1, -1), softcap=0.0, varlen=None, wrap=None, config=None):
+                  window=(-1, -1), softcap=0.0, varlen=None, wrap=None, config=None,
+                  deterministic=True):
     """Launch the backward. q, out, do, dq: [batch, heads, q_len, head_dim] views with any
     strides; k, v, dk, dv: [batch, kv_heads, kv_len, head_dim]; lse (the forward's, natural log)
     and delta (scratch, written here): contiguous fp32 [batch, heads, q_len]. Writes dq, dk, dv.
@@ -424,7 +427,9 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     as the forward's (attention_fwd.attention_fwd_triton); with varlen, lse and delta are
     [heads, total_q]. `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile
     sees the launches; without it the launches skip Triton's dispatch on repeats (FastLaunch).
-    `config`: a tuple named by CONFIG_FIELDS instead of the table's (tests, labs)."""
+    `config`: a tuple named by CONFIG_FIELDS instead of the table's (tests, labs).
+    deterministic=False lets the calls the Gluon kernels take without GQA add dQ from the dK/dV
+    kernel in any order (fused_dq); every other call computes as with True."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is None:
@@ -486,6 +491,13 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         launch, grid, args, kwargs = launches[0]
         launch(key, grid, args, kwargs)  # Delta
         gluon = _hopper()
+        if not deterministic and fused_dq(gluon, heads, kv_heads):
+            # dS K added into a zeroed fp32 buffer by the dK/dV kernel, then scaled into dq
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
+                                            scale=scale, causal_offset=offset, key=key,
+                                            dq_acc=dq_acc)
+            return torch.mul(dq_acc, scale, out=dq)
         gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
                                         scale=scale, causal_offset=offset, key=key)
         return gluon.attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, causal=bounded,
@@ -493,6 +505,15 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     for launch, grid, args, kwargs in launches:
         result = launch(key, grid, args, kwargs)
     return result
+
+
+def fused_dq(gluon, heads, kv_heads):
+    """Whether deterministic=False fuses dQ into the Gluon dK/dV kernel (a call the Gluon
+    kernels take): without GQA, where the copy engine can add into global memory. One kernel
+    instead of two: at head_dim 128, bf16, on the H200, 3.45 against 3.70 ms at
+    (4,32,4096,128) and 11.73 against 12.87 at (2,16,16384,128); under GQA its consumers spill
+    and it lost (4.35 against 3.63 ms with 8 K/V heads; notes/backward.md, lever 3)."""
+    return heads == kv_heads and gluon.tma_add is not None
 
 
 @functools.cache

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from attnscope.kernels.common import LOG2E, _grouped_tile, aligned, device_properties, l2_group
-from attnscope.kernels.gluon_compat import tma_load, tma_store
+from attnscope.kernels.gluon_compat import tma_add, tma_load, tma_store
 from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup, and query rows per streamed block
@@ -132,10 +132,12 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
 
 
 @gluon.jit
-def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
+def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, FUSED: gl.constexpr):
     (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H, GROUP,
      N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
+    if FUSED:
+        ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
     off_hkvz, n = _program_tile(n_hz // GROUP, NUM_TILES, HEAD_GROUP, False)
     n0 = n * (2 * ROWS)
     h_kv = H // GROUP
@@ -187,13 +189,43 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constex
             delta = gl.load(Delta + row, mask=col_ok, other=0.0)
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             # dV += P^T dO, dK += dS^T Q
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv,
-                               is_async=True)
-            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk,
-                               is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-            mbarrier.arrive(empty.index(slot))
+            if FUSED:  # dS^T through shared memory, where dQ needs both warpgroups'
+                buf = it % 2
+                ds_own = ds_smem.index(2 * buf + WG)
+                ds_own.store(ds_t.to(dtype))
+                fence_async_shared()
+                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv,
+                                   is_async=True)
+                dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+                # dQ[queries, this warpgroup's 64 columns] = dS K[:, columns], from both
+                # warpgroups' dS^T (keys along rows) read transposed; two steps deep, so a
+                # warpgroup writes a buffer again only after the other's product read it
+                mbarrier.arrive(ds_ready.index(buf))
+                mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+                dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)),
+                                   k_smem.index(0).slice(WG * ROWS, ROWS, dim=1), s_zero,
+                                   use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)),
+                                   k_smem.index(1).slice(WG * ROWS, ROWS, dim=1), dq,
+                                   is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+                mbarrier.arrive(empty.index(slot))
+                # to the dQ writer (_dq_writer) through this warpgroup's half of its tile
+                mbarrier.wait(dq_empty, (it & 1) ^ 1)
+                dq_smem.index(WG).store(dq)
+                fence_async_shared()
+                mbarrier.arrive(dq_full)
+            else:
+                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv,
+                                   is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk,
+                                   is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                mbarrier.arrive(empty.index(slot))
             it += 1
+    if FUSED:  # the other warpgroup's last dQ product reads this one's K tile, which stages dK
+        mbarrier.arrive(kv_done)
+        mbarrier.wait(kv_done, 0)
     # dS was taken w.r.t. the scaled scores: the chain rule puts the scale on dK. This warpgroup's
     # K and V tiles are no longer read (its last wgmma has retired): they stage dK and dV for
     # the copy engine, which drops the rows past the keys' end.
@@ -205,6 +237,57 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constex
     _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem), hz_kv, k0, k_tile)
     _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem), hz_kv, k0, v_tile)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+    # One warp: each step's dQ tile (both consumers' 64-column halves) added into the fp32
+    # buffer DQ by the copy engine's reduce-add, which drops rows past the end. Programs add to
+    # a query block in whatever order they run: the fp32 sums are not reproducible bit for bit.
+    (DQ, H, GROUP, N_CTX_Q, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP) = args
+    ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
+    off_hkvz, n = _program_tile(n_hz // GROUP, NUM_TILES, HEAD_GROUP, False)
+    n0 = n * (2 * ROWS)
+    h_kv = H // GROUP
+    b = off_hkvz // h_kv
+    # DQ [batch * H, N_CTX_Q, HEAD_DIM] fp32 in [1, ROWS, ROWS] tiles
+    dq_desc = tma.make_tensor_descriptor(DQ, [n_hz, N_CTX_Q, HEAD_DIM],
+                                         [N_CTX_Q * HEAD_DIM, HEAD_DIM, 1], [1, ROWS, ROWS],
+                                         dq_smem.index(0).reshape([1, ROWS, ROWS]).layout)
+    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL)
+    it = 0
+    for g in range(GROUP):
+        hz = b * H + (off_hkvz % h_kv) * GROUP + g
+        for m in range(lo, hi):
+            mbarrier.wait(dq_full, it & 1)
+            for wg in gl.static_range(2):
+                tma_add(dq_desc, [hz, m * ROWS, wg * ROWS],
+                        dq_smem.index(wg).reshape([1, ROWS, ROWS]))
+            tma.store_wait(0)  # the adds have read the tile: the consumers may write the next
+            mbarrier.arrive(dq_empty)
+            it += 1
+
+
+@gluon.jit
+def _fused_buffers(dtype: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr):
+    # The fused dQ's shared memory: both warpgroups' dS^T two steps deep ([step * 2 +
+    # warpgroup, keys, queries]), the dQ tile's two halves on their way to the writer, and
+    # their mbarriers (both dS^T in; both halves in; the writer done with them; both warpgroups
+    # done with the K tiles).
+    ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, ROWS], DS_LAYOUT)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, ROWS], DQ_LAYOUT)
+    layout: gl.constexpr = mbarrier.MBarrierLayout()
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], layout)
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], layout)
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], layout)
+    kv_done = gl.allocate_shared_memory(gl.int64, [1], layout)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+    mbarrier.init(dq_full, count=2)
+    mbarrier.init(dq_empty, count=1)
+    mbarrier.init(kv_done, count=2)
+    fence_async_shared()
+    return ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done
 
 
 @gluon.jit
@@ -225,12 +308,14 @@ def _barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K,
-                          CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
+def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, N_CTX_Q,
+                          N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, SMEM_LAYOUT: gl.constexpr):
+                          CONSUMER_REGS: gl.constexpr, SMEM_LAYOUT: gl.constexpr,
+                          FUSED: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr):
     # grid: batch * K/V heads * key blocks of 2 * ROWS (_program_tile); q, dO, LSE and Delta
-    # [batch * H, ...]
+    # [batch * H, ...]. FUSED: dQ = dS K (before its scale) added into DQ as well, a
+    # zeroed fp32 [batch * H, N_CTX_Q, HEAD_DIM] (unused otherwise), by a fourth partition.
     qk_scale = qk_scale.to(gl.float32)  # (scale * log2e)
     sm_scale = sm_scale.to(gl.float32)
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -245,11 +330,21 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, BATCH, H, GROUP, N_CT
     work = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H,
             GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES,
             HEAD_GROUP)
-    gl.warp_specialize([
-        (_consumer, (work, 0, HEAD_DIM, STAGES, CAUSAL)),
-        (_consumer, (work, 1, HEAD_DIM, STAGES, CAUSAL)),
-        (_loader, (loads, HEAD_DIM, STAGES, CAUSAL)),
-    ], [4, 1], [CONSUMER_REGS, 32])
+    if FUSED:
+        fused = _fused_buffers(dtype, DS_LAYOUT, DQ_LAYOUT)
+        writes = (DQ, H, GROUP, N_CTX_Q, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
+        gl.warp_specialize([
+            (_consumer, (work, fused, 0, HEAD_DIM, STAGES, CAUSAL, FUSED)),
+            (_consumer, (work, fused, 1, HEAD_DIM, STAGES, CAUSAL, FUSED)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL)),
+            (_dq_writer, (writes, fused, HEAD_DIM, CAUSAL)),
+        ], [4, 1, 1], [CONSUMER_REGS, 32, 32])
+    else:
+        gl.warp_specialize([
+            (_consumer, (work, None, 0, HEAD_DIM, STAGES, CAUSAL, FUSED)),
+            (_consumer, (work, None, 1, HEAD_DIM, STAGES, CAUSAL, FUSED)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, 32])
 
 
 # ---- dQ ---------------------------------------------------------------------------------------
@@ -408,10 +503,13 @@ def supports(q, k, v, do, dq, dk, dv, window=(-1, -1), softcap=0.0, varlen=None)
 
 
 def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
-                              causal_offset, key=None):
+                              causal_offset, key=None, dq_acc=None):
     """dK and dV into dk, dv (contiguous [batch, kv_heads, kv_len, head_dim]) of a call
     `supports` accepts; lse (the forward's, natural log) and delta (the preprocess's):
-    contiguous fp32 [batch, heads, q_len]. `key`: the backward's launch key (built when None)."""
+    contiguous fp32 [batch, heads, q_len]. `key`: the backward's launch key (built when None).
+    With dq_acc, a zeroed contiguous fp32 tensor of q's shape, the kernel also adds dS K into
+    it (dQ before its scale) in whatever order its programs run: not reproducible bit for bit
+    (attention_bwd's deterministic=False)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     stages, regs = CONFIGS[head_dim]
@@ -420,18 +518,22 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     # each K/V head's programs stream the Q and dO of its query heads
     group = l2_group(q.device, batch * kv_heads, 2 * q_len * head_dim * q.element_size()
                      * (heads // kv_heads))
-    args = (q, k, v, do, dk, dv, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
-            causal_offset, scale * LOG2E, scale, num_tiles, group)
+    fused = dq_acc is not None
+    args = (q, k, v, do, dk, dv, lse, delta, dq_acc if fused else lse, batch, heads,
+            heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_tiles,
+            group)
     kwargs = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs,
-                  SMEM_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)), num_warps=4)
+                  SMEM_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)), FUSED=fused,
+                  DS_LAYOUT=_smem_layout(64, 64, str(q.dtype)),
+                  DQ_LAYOUT=_smem_layout(64, 64, "torch.float32"), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:
         key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape,
                aligned(q, k, v, do, dk, dv, lse, delta), causal, causal_offset, scale)
     else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
         key = ("gluon-dkdv", key, scale)
-    return _launch(key, grid, args, kwargs, per_call=8, config=dict(STAGES=stages,
-                                                                    consumer_regs=regs))
+    return _launch(key + (fused,), grid, args, kwargs, per_call=9,
+                   config=dict(STAGES=stages, consumer_regs=regs, fused_dq=fused))
 
 
 def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causal_offset,
@@ -463,7 +565,8 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
 
 @functools.cache
 def _smem_layout(rows, head_dim, dtype):
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPES[dtype])
+    element = gl.float32 if dtype == "torch.float32" else _GL_DTYPES[dtype]
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], element)
 
 
 _launch = FastLaunch(_attn_bwd_dkdv_hopper)

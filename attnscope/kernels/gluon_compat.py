@@ -25,6 +25,29 @@ else:  # Triton 3.6, 3.7
     tma_load = getattr(tma, "async_copy_global_to_shared", None)
     tma_store = getattr(tma, "async_copy_shared_to_global", None)
 
+# The copy engine's reduce-add of a shared-memory tile into global memory (the non-deterministic
+# fused dQ of attention_bwd_hopper.py): tma.async_atomic_add from Triton 3.9; 3.6 and 3.7 have
+# the op (ttng.async_tma_reduce, which tl's descriptor atomic_add lowers to) in their IR builder
+# but Gluon does not name it, so it is made there. None where neither is found: the backward
+# then keeps its deterministic kernels.
+tma_add = getattr(tma, "async_atomic_add", None)
+if tma is not None and tma_add is None:
+    try:
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        _ADD = _ir.DESCRIPTOR_REDUCE_KIND.ADD
+
+        @_builtin
+        def tma_add(tensor_desc, coord, src, _semantic=None):
+            """Add the shared-memory tile src into global memory at coord by the copy engine
+            (cp.reduce.async.bulk.tensor ... add); tma.store_wait waits for it as for a store."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ADD, tensor_desc.handle, coord,
+                                                      src.handle)
+    except (ImportError, AttributeError):
+        tma_add = None
+
 
 def missing():
     """What the Hopper kernel uses and the installed Triton lacks, as a list of names (empty:

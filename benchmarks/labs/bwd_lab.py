@@ -1,7 +1,8 @@
 """Lab of the backward (attnscope/kernels/attention_bwd.py): its three launches timed under
 the configs given on the command line next to its table's, (--triton-kernels) with the Triton
-dK/dV and dQ kernels where the Gluon ones take the call on sm_90, and (--peers) cuDNN's backward,
-on one GPU.
+dK/dV and dQ kernels where the Gluon ones take the call on sm_90, (--nondeterministic) with
+deterministic=False (dQ added by the Gluon dK/dV kernel where attention_bwd.fused_dq takes the
+call), and (--peers) cuDNN's backward, on one GPU.
 
 For kernel work on the backward (notes/backward.md), not the benchmark of record (that is
 `attnscope bench --mode bwd`). A config is attention_bwd.CONFIG_FIELDS: the dK/dV kernel's
@@ -77,6 +78,8 @@ def main():
                         "(of the Triton kernels: where the Gluon ones take the call on sm_90 a "
                         "config changes only the preprocess; see --triton-kernels)")
     p.add_argument("--peers", action="store_true", help="also time cuDNN's backward")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="also time the table's config with deterministic=False")
     p.add_argument("--triton-kernels", action="store_true",
                    help="also time the table's config with the Triton dK/dV and dQ kernels where "
                         "the Gluon ones (attention_bwd_hopper.py) take the call")
@@ -89,23 +92,29 @@ def main():
         q, k, v, do, out, lse = problem(shape)
         refs = reference_grads(q, k, v, do)
         table = bwd.config_for(d)
-        configs = [(table, False)] + [(c, False) for c in args.configs if c != table]
+        # (config, Triton kernels where the Gluon ones take the call, deterministic)
+        configs = [(table, False, True)] + [(c, False, True) for c in args.configs if c != table]
         if args.triton_kernels:
-            configs.append((table, True))
+            configs.append((table, True, True))
+        if args.nondeterministic:
+            configs.append((table, False, False))
         timers, rows = {}, {}
-        for config, triton_kernels in configs:
+        for config, triton_kernels, deterministic in configs:
             name = (("table" if config == table else ",".join(map(str, config)))
-                    + (" triton-kernels" if triton_kernels else ""))
+                    + (" triton-kernels" if triton_kernels else "")
+                    + ("" if deterministic else " nondeterministic"))
             grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
             delta = torch.empty_like(lse)
 
-            def run(config=config, grads=grads, delta=delta, triton_kernels=triton_kernels):
+            def run(config=config, grads=grads, delta=delta, triton_kernels=triton_kernels,
+                    deterministic=deterministic):
                 gluon = bwd._hopper
                 if triton_kernels:  # the launch key tells the two paths apart
                     bwd._hopper = lambda: None
                 try:
                     bwd.attention_bwd(do, q, k, v, out, lse, *grads, delta, causal=True,
-                                      scale=d ** -0.5, causal_offset=0, config=config)
+                                      scale=d ** -0.5, causal_offset=0, config=config,
+                                      deterministic=deterministic)
                 finally:
                     bwd._hopper = gluon
             launch.forget_launches()
