@@ -24,6 +24,14 @@ dK/dV (`_attn_bwd_dkdv_hopper`):
   and dS^T as the wgmma's register operand. dK and dV are staged in the warpgroup's own K and V
   buffers once its loop is done and stored by the copy engine, which drops rows past the end.
 
+With FUSED (attention_bwd's deterministic=False, attention_bwd.fused_dq's calls) the dK/dV
+kernel computes dQ too, and no dQ kernel runs: each consumer stages its dS^T in shared memory,
+both meet there, and each multiplies the pair by its 64 columns of K (dQ = dS K, a 64 x 64 fp32
+tile); a fourth partition, one warp (`_dq_writer`), adds the two halves into a zeroed fp32
+buffer with the copy engine's reduce-add (`gluon_compat.tma_add`), which the host scales into
+dQ. Key blocks add in whatever order their programs run: dQ's fp32 sums differ between runs in
+their last bits.
+
 dQ (`_attn_bwd_dq_hopper`): the same with queries and keys exchanged. One program per (batch,
 query head, 128-row query tile), last tile first; Q and dO stay, (K, V) blocks of 64 keys
 stream; each consumer owns 64 rows: S = Q K^T, dP = dO V^T, dS = P * (dP - Delta), dQ += dS K.
