@@ -393,6 +393,11 @@ def test_fused_dq_takes_calls_without_gqa_where_the_copy_engine_adds():
     assert attention_bwd.fused_dq(adds, 8, 8)
     assert not attention_bwd.fused_dq(adds, 8, 2)  # GQA: its consumers spill, the split won
     assert not attention_bwd.fused_dq(none, 8, 8)  # a Triton whose Gluon cannot add
+    torch.use_deterministic_algorithms(True)  # PyTorch's global setting wins
+    try:
+        assert not attention_bwd.fused_dq(adds, 8, 8)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_gluon_backward_takes_no_cpu_call_and_groups_heads_for_l2(monkeypatch):

@@ -511,11 +511,13 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
 
 def fused_dq(gluon, heads, kv_heads):
     """Whether deterministic=False fuses dQ into the Gluon dK/dV kernel (a call the Gluon
-    kernels take): without GQA, where the copy engine can add into global memory. One kernel
+    kernels take): without GQA, where the copy engine can add into global memory, and not while
+    torch.use_deterministic_algorithms(True) is on (that setting wins). One kernel
     instead of two: at head_dim 128, bf16, on the H200, 3.45 against 3.70 ms at
     (4,32,4096,128) and 11.73 against 12.87 at (2,16,16384,128); under GQA its consumers spill
     and it lost (4.35 against 3.63 ms with 8 K/V heads; notes/backward.md, lever 3)."""
-    return heads == kv_heads and gluon.tma_add is not None
+    return (heads == kv_heads and gluon.tma_add is not None
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 @functools.cache

@@ -46,8 +46,9 @@ Two K/V sources, one kernel (constexpr PAGED):
   row n % PAGE_SIZE. A page that holds whole K/V tiles (PAGE_SIZE a multiple of BLOCK_N) costs
   one table entry a tile; smaller pages, any size, one entry per key row. Either is loaded one
   trip ahead (_page_of): a table load in the K load's own trip gets a pipeline stage of its own
-  and leaves one K/V tile pair fewer in flight, which cost 10-25 % on the H200 with whole-page
-  tiles (notes/lab/decode_paged_h200.txt). head_dim is the contiguous axis either way, so K/V
+  and leaves one K/V tile pair fewer in flight; on the H200 that made decode on 128-key pages
+  12-33 % slower at 8192-131072 keys, and left 1024 keys and a full grid of 4-query rows about
+  even (notes/lab/decode_paged_h200.txt). head_dim is the contiguous axis either way, so K/V
   loads stay 16-byte cp.async vectors.
 Sequences may have their own lengths (`seqlens`, int32 [batch]); splits past a sequence's end run
 no tile and write L_s = -inf.
@@ -507,9 +508,9 @@ class _Plan:
             long = long_config_for(head_dim, rows, q.dtype)
             # Only pages of whole long tiles take them. On smaller pages a long tile reads one
             # table entry a key row (twice the short tile's a tile, or instead of its one a tile
-            # where pages hold whole short tiles) in a program that has an SM to itself; the
-            # short tile read 16- and 32-key pages 1-14 % faster on the H200
-            # (notes/lab/decode_paged_h200.txt).
+            # where pages hold whole short tiles) in a program that has an SM to itself; on
+            # 16- and 32-key pages the short tile read up to 14 % faster on the H200 and at
+            # most 3 % slower (notes/lab/decode_paged_h200.txt).
             if long is not None and (page_size is None or page_size % long[1] == 0):
                 configs.append(long)
         block_m, _, block_d, _, _ = configs[0]  # the tiles differ in BLOCK_N and warps only
