@@ -106,14 +106,24 @@ def _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP):
+    # A dK/dV program's (batch * K/V head) index and its first key.
+    off_hkvz, n = _program_tile(n_hz // GROUP, NUM_TILES, HEAD_GROUP, False)
+    return off_hkvz, n * (2 * ROWS)
+
+
+@gluon.jit
+def _query_head(off_hkvz, H, GROUP, g):
+    # The index in [batch * H] of query head g of those that share K/V head off_hkvz.
+    h_kv = H // GROUP
+    return (off_hkvz // h_kv) * H + (off_hkvz % h_kv) * GROUP + g
+
+
+@gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP) = args
-    off_hkvz, n = _program_tile(n_hz // GROUP, NUM_TILES, HEAD_GROUP, False)
-    n0 = n * (2 * ROWS)
-    h_kv = H // GROUP
-    b = off_hkvz // h_kv
-    hz_kv = off_hkvz
+    hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
     q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem)
     do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem)
     k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, HEAD_DIM, k_smem)
@@ -128,7 +138,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
     lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL)
     it = 0
     for g in range(GROUP):
-        hz = b * H + (off_hkvz % h_kv) * GROUP + g
+        hz = _query_head(hz_kv, H, GROUP, g)
         for m in range(lo, hi):
             slot = it % STAGES
             # a fresh mbarrier is in phase 0: the first wait for parity 1 passes at once
@@ -146,10 +156,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
      N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
     if FUSED:
         ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
-    off_hkvz, n = _program_tile(n_hz // GROUP, NUM_TILES, HEAD_GROUP, False)
-    n0 = n * (2 * ROWS)
-    h_kv = H // GROUP
-    b = off_hkvz // h_kv
+    hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
     k0 = n0 + WG * ROWS  # this warpgroup's first key
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -167,7 +174,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
     lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL)
     it = 0
     for g in range(GROUP):
-        hz = b * H + (off_hkvz % h_kv) * GROUP + g
+        hz = _query_head(hz_kv, H, GROUP, g)
         for m in range(lo, hi):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
@@ -240,7 +247,6 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
     k_tile.store((dk * sm_scale).to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
-    hz_kv = off_hkvz
     n_kv = n_hz // GROUP
     _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem), hz_kv, k0, k_tile)
     _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem), hz_kv, k0, v_tile)
@@ -254,10 +260,7 @@ def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
     # a query block in whatever order they run: the fp32 sums are not reproducible bit for bit.
     (DQ, H, GROUP, N_CTX_Q, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP) = args
     ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
-    off_hkvz, n = _program_tile(n_hz // GROUP, NUM_TILES, HEAD_GROUP, False)
-    n0 = n * (2 * ROWS)
-    h_kv = H // GROUP
-    b = off_hkvz // h_kv
+    hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
     # DQ [batch * H, N_CTX_Q, HEAD_DIM] fp32 in [1, ROWS, ROWS] tiles
     dq_desc = tma.make_tensor_descriptor(DQ, [n_hz, N_CTX_Q, HEAD_DIM],
                                          [N_CTX_Q * HEAD_DIM, HEAD_DIM, 1], [1, ROWS, ROWS],
@@ -265,7 +268,7 @@ def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
     lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL)
     it = 0
     for g in range(GROUP):
-        hz = b * H + (off_hkvz % h_kv) * GROUP + g
+        hz = _query_head(hz_kv, H, GROUP, g)
         for m in range(lo, hi):
             mbarrier.wait(dq_full, it & 1)
             for wg in gl.static_range(2):
