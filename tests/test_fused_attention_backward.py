@@ -20,7 +20,7 @@ from attnscope import fused_attention
 from attnscope.attention.reference import attention_reference
 from attnscope.kernels import attention_bwd, common
 # nan_outputs: autouse; here it also poisons dq, dk, dv and Delta
-from fused_checks import CPU, make_qkv, nan_outputs  # noqa: F401
+from fused_checks import CPU, make_qkv, nan_outputs, on_hopper  # noqa: F401
 
 # (dtype, error floor per unit of the gradient's magnitude): fp16 2e-3 is two rounding steps
 # (eps 9.8e-4), bf16 4e-3 half of one (eps 7.8e-3), fp32 1e-5 ~80 eps (see assert_grads_close)
@@ -321,8 +321,7 @@ GLUON_SHAPES = [
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gpu_gluon_backward(shape):
     # The Gluon dK/dV and dQ kernels (attention_bwd_hopper.py) take contiguous head_dim-128 calls
@@ -338,8 +337,7 @@ def test_gpu_gluon_backward(shape):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 @pytest.mark.parametrize("dtype,floor", GPU_DTYPES)
 def test_gpu_gluon_backward_nondeterministic(shape, dtype, floor, monkeypatch):
@@ -358,8 +356,7 @@ def test_gpu_gluon_backward_nondeterministic(shape, dtype, floor, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
 def test_gpu_gluon_backward_takes_each_calls_scale():
     # A repeat of a launch passes only its tensors: the scale must be part of what tells
     # launches apart
@@ -415,8 +412,7 @@ def test_gluon_backward_takes_no_cpu_call_and_groups_heads_for_l2(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
 def test_gpu_gluon_backward_in_small_head_groups(monkeypatch):
     # Heads in groups of 3 (8 query heads, 4 K/V heads: a smaller last group in both kernels'
     # tile orders), as long sequences get where one head's streamed tensors fill L2
