@@ -118,16 +118,19 @@ def main():
         scale = 1 / math.sqrt(d)
         rows = {"fused_attention (op)": lambda: attnscope.fused_attention(
             q, k, v, causal_alignment="bottom_right")}
-        pins = [(f"decode splits={n}", dict(num_splits=n)) for n in args.splits]
-        pins += [(f"decode config={c}", dict(config=tuple(int(x) for x in c.split(","))))
-                 for c in args.configs]
-        for name, pin in pins:
-            def pinned(pin=pin):
+        def pinned(k, v, **pin):
+            # the kernel itself on caches k, v, with what `pin` fixes
+            def run():
                 o = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
                 decode.attention_decode(q, k, v, o, lse, causal=True, scale=scale, **pin)
                 return o
-            rows[name] = pinned
+            return run
+        configs = {c: tuple(int(x) for x in c.split(",")) for c in args.configs}
+        for n in args.splits:
+            rows[f"decode splits={n}"] = pinned(k, v, num_splits=n)
+        for c, config in configs.items():
+            rows[f"decode config={c}"] = pinned(k, v, config=config)
         for size in args.page_sizes:
             k_pool, v_pool, table = paged(k, v, size)
             seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
@@ -136,15 +139,9 @@ def main():
                 lambda k_pool=k_pool, v_pool=v_pool, table=table, seqlens=seqlens:
                 attnscope.fused_attention_with_kvcache(qs, k_pool, v_pool, seqlens,
                                                        block_table=table).transpose(1, 2))
-            for c in args.configs:  # the paged kernel at each pinned config too
-                def pinned_paged(k_pool=k_pool, v_pool=v_pool, table=table, seqlens=seqlens,
-                                 config=tuple(int(x) for x in c.split(","))):
-                    o = torch.empty_like(q)
-                    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-                    decode.attention_decode(q, k_pool, v_pool, o, lse, causal=True, scale=scale,
-                                            seqlens=seqlens, block_table=table, config=config)
-                    return o
-                rows[f"paged block_size={size} config={c}"] = pinned_paged
+            for c, config in configs.items():  # the paged kernel at each pinned config too
+                rows[f"paged block_size={size} config={c}"] = pinned(
+                    k_pool, v_pool, seqlens=seqlens, block_table=table, config=config)
         peers = {}
         if not args.no_peers:
             for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
