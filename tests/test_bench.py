@@ -144,6 +144,17 @@ def test_ratio_is_best_peer_time_over_own_time():
     assert "ratio_to_best_peer" not in rows[0]  # pure: the input is left alone
 
 
+def test_a_second_ours_entry_is_no_peer():
+    # fused_nondeterministic is ours too (the registry's): faster than every peer, it is not the
+    # best peer fused is compared with, and each of ours gets its own geometric mean
+    rows = [_r("fused", 0.05), _r("fused_nondeterministic", 0.04), _r("sdpa_cudnn", 0.06)]
+    ratios = [r["ratio_to_best_peer"] for r in bench.with_peer_ratios(rows)]
+    assert ratios == pytest.approx([0.06 / 0.05, 0.06 / 0.04, 1.0])
+    summary = bench.geomean_ratios(bench.with_peer_ratios(rows))
+    assert sorted(summary) == ["fused", "fused_nondeterministic"]
+    assert summary["fused_nondeterministic"]["geomean_ratio_to_best_peer"] == pytest.approx(1.5)
+
+
 def test_geomean_over_shapes():
     rows = [_r("fused", 1.0), _r("sdpa_cudnn", 2.0),
             _r("fused", 2.0, shape=(1, 1, 64, 64)), _r("sdpa_cudnn", 1.0, shape=(1, 1, 64, 64))]

@@ -36,7 +36,14 @@ def test_list(capsys):
     out = capsys.readouterr().out
     for name in IMPLEMENTATIONS:
         assert f"  {name} " in out
-    assert "sdpa_cudnn      no   cuDNN attention runs on CUDA only" in out
+    width = len("fused_nondeterministic")  # the longest name sets the column
+    assert max(map(len, IMPLEMENTATIONS)) == width
+    assert f"  {'sdpa_cudnn':<{width}}  no   cuDNN attention runs on CUDA only" in out
+    # the backward variant runs wherever fused does, and says what differs
+    status = {line.split()[0]: line[width + 2:] for line in out.splitlines()[1::2]}
+    assert list(status) == list(IMPLEMENTATIONS)  # a name line, then its description
+    assert status["fused_nondeterministic"] == status["fused"]
+    assert "fused with deterministic=False: the same forward" in out
 
 
 def test_compare_on_cpu(tmp_path, capsys):

@@ -231,6 +231,74 @@ def test_bench_paged_rows(tmp_path):
     assert row["status"] == "unsupported" and "forward only" in row["reason"]
 
 
+# --- a backward variant: fused_nondeterministic ---------------------------------------------------
+
+def test_a_backward_variant_is_refused_its_forward():
+    impl, base = IMPLEMENTATIONS["fused_nondeterministic"], IMPLEMENTATIONS["fused"]
+    assert impl.ours and impl.backward_variant_of == "fused"
+    assert (impl.gqa, impl.q_len_differs) == (base.gqa, base.q_len_differs)
+    c = sweeps.case(1, 2, 24, 128)
+    reason = scenarios.unsupported(impl, c, "fwd")
+    assert reason.startswith("its forward is fused's; it differs only in the backward")
+    assert "--mode bwd" in reason and "fwd_bwd" in reason
+    assert scenarios.unsupported(impl, c, "bwd") is None
+    assert scenarios.unsupported(impl, c, "fwd_bwd") is None
+    assert scenarios.unsupported(base, c, "fwd") is None  # only the variant: read off the field
+    # fused_attention_varlen and fused_attention_with_kvcache take no deterministic argument
+    assert "prepare_varlen" in scenarios.unsupported(impl, CASES["varlen"](2), "bwd")
+    assert "prepare_paged" in scenarios.unsupported(impl, CASES["paged"](2), "fwd_bwd")
+
+
+def test_a_backward_variant_names_a_registered_entry():
+    from attnscope.attention import registry
+
+    orphan = dataclasses.replace(IMPLEMENTATIONS["fused_nondeterministic"], name="orphan",
+                                 backward_variant_of="not_registered")
+    with pytest.raises(ValueError, match="'not_registered', which is not registered"):
+        registry.register(orphan)
+    assert "orphan" not in IMPLEMENTATIONS
+
+
+def test_bench_times_the_backward_variant_in_the_backward_modes(tmp_path):
+    path = tmp_path / "b.json"
+    argv = ("--scenario", "prefill", "--q-len", "24", "--dtype", "fp16", "--impl", "fused",
+            "fused_nondeterministic", "--json", str(path))
+    assert _bench(*argv, "--mode", "bwd") == 0
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["mode"] == "bwd" and row["median_ms"] > 0
+        assert row["error"] < 2e-3  # the forward output's (fp16), the same for both
+    assert rows["fused_nondeterministic"]["error"] == rows["fused"]["error"]
+    # ours, not a peer: with no peer timed neither has a ratio
+    assert rows["fused_nondeterministic"]["ratio_to_best_peer"] is None
+    assert _bench(*argv) == 0  # --mode fwd: refused before anything runs
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["fused"]["status"] == "ok"
+    variant = rows["fused_nondeterministic"]
+    assert variant["status"] == "unsupported" and variant["median_ms"] is None
+    assert variant["reason"].startswith("its forward is fused's")
+
+
+def test_backward_variant_gradients_are_fuseds_on_the_cpu():
+    # What bench --mode bwd times for each entry, at the shape of the calls fused_dq routes on
+    # sm_90 (fp16, head_dim 128, no GQA): on the CPU that route is never taken, so the gradients
+    # are fused's bit for bit (the NaN-poisoned buffers make an unwritten element fail).
+    c = sweeps.case(1, 2, 24, 128)
+    inputs = bench._with_grad(bench._make_inputs(c, torch.float16, torch.device("cpu"), 0))
+    grads = {}
+    for name in ("fused", "fused_nondeterministic"):
+        forward = scenarios.prepare(IMPLEMENTATIONS[name], inputs, causal=True)
+        grads[name] = bench._timed_call(forward, inputs.qkv, forward(), "bwd")()
+    assert all(torch.equal(a, b) for a, b in zip(grads["fused"], grads["fused_nondeterministic"]))
+    # and they are the gradients: within twice fp16 eager attention's error of float64's
+    q, k, v = inputs.qkv
+    dout = bench._upstream_grad(q)
+    ref = torch.autograd.grad(attention_reference(q, k, v), (q, k, v), dout.double())
+    low = torch.autograd.grad(attention_reference(q, k, v, dtype=q.dtype), (q, k, v), dout)
+    for g, r, lo in zip(grads["fused"], ref, low):
+        assert (g.double() - r).abs().max() <= 2 * (lo.double() - r).abs().max() + 1e-3
+
+
 def test_a_paged_row_is_its_own_case_for_ratios():
     # the serving sweep times the same decode shape contiguous and paged: the best peer of one
     # must not be taken for the other's

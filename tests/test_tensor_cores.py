@@ -10,6 +10,7 @@ longer used: the real CSVs have thousands separators, a units row, NVTX columns,
 around the table and kernels of every family it stood in for.
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -532,7 +533,7 @@ def test_ncu_run_cut_short_keeps_the_implementations_it_finished(tmp_path, monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("sdpa_cudnn", "fused"):
         monkeypatch.setitem(registry.IMPLEMENTATIONS, name, types.SimpleNamespace(
-            name=name, available=lambda device: (True, "")))
+            name=name, available=lambda device: (True, ""), backward_variant_of=None))
 
     def fake_ncu(command, **kwargs):
         log = Path(command[command.index("--log-file") + 1])
@@ -550,6 +551,39 @@ def test_ncu_run_cut_short_keeps_the_implementations_it_finished(tmp_path, monke
     rows = {row["impl"]: row for row in json.loads(path.read_text())["rows"]}
     assert rows["sdpa_cudnn"]["tensor_cores"] == {"verdict": "yes", "evidence": "counters"}
     assert rows["fused"]["kernels"][0]["tensor_cores"]["evidence"] != "counters"
+
+
+def test_ncu_skips_an_entry_whose_forward_is_anothers(tmp_path, monkeypatch, capsys):
+    """ncu profiles forwards: fused_nondeterministic's is fused's (backward_variant_of), so it is
+    skipped with the reason, and fused is profiled."""
+    import argparse
+    import subprocess
+
+    from attnscope.attention import registry
+    from attnscope.profile import ncu
+
+    _compare_output(tmp_path)
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("fused", "fused_nondeterministic"):  # the real entries, available as on a GPU
+        monkeypatch.setitem(registry.IMPLEMENTATIONS, name, dataclasses.replace(
+            registry.IMPLEMENTATIONS[name], available=lambda device: (True, "")))
+    profiled = []
+
+    def fake_ncu(command, **kwargs):
+        log = Path(command[command.index("--log-file") + 1])
+        profiled.append(log.stem)
+        log.write_text((NCU / f"{log.stem}.csv").read_text())
+        return subprocess.CompletedProcess(command, 0, stdout="")
+
+    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+    parser = argparse.ArgumentParser()
+    ncu.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--impl", "fused", "fused_nondeterministic"])
+    assert ncu.run(args) == 0
+    assert profiled == ["fused"]
+    err = capsys.readouterr().err
+    assert "[2/2] fused_nondeterministic: skipped (its forward is fused's" in err
 
 
 def test_ncu_and_kineto_names_of_one_kernel_share_a_key():

@@ -10,7 +10,7 @@ from attnscope.attention import sdpa  # noqa: E402,F401
 from attnscope.attention import flex  # noqa: E402,F401
 from attnscope.attention import hub  # noqa: E402,F401
 from attnscope.attention import flash_attn  # noqa: E402,F401
-from attnscope.attention import ours  # noqa: E402,F401  (the fused op's entry)
+from attnscope.attention import ours  # noqa: E402,F401  (the fused op's entries)
 
 __all__ = ["IMPLEMENTATIONS", "Implementation", "attention_reference", "causal_mask", "get",
            "register"]

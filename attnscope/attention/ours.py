@@ -1,7 +1,9 @@
-"""The registry entry of attnscope's own kernels, "fused": the public op and its packed-sequence
-form as the driver calls them, and the compiled kernels the op launched (CompiledKernel records,
-so profile/ never imports the kernels). Apart from fused.py because varlen.py is built on that
-module and this entry needs both."""
+"""The registry entries of attnscope's own kernels: "fused", the public op and its
+packed-sequence and paged forms as the driver calls them, and the compiled kernels the op launched
+(CompiledKernel records, so profile/ never imports the kernels); "fused_nondeterministic", the
+same op with deterministic=False, whose forward is fused's and whose backward the driver times
+next to the default. Apart from fused.py because varlen.py is built on that module and these
+entries need both."""
 
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ def _available(device):
 def _prepare(q, k, v, causal=True):
     # bottom_right: the registry's alignment for q_len < kv_len (top-left's at equal lengths).
     return lambda: fused_attention(q, k, v, causal=causal, causal_alignment="bottom_right")
+
+
+def _prepare_nondeterministic(q, k, v, causal=True):
+    # fused's call with the backward's option: the forward ignores it
+    return lambda: fused_attention(q, k, v, causal=causal, causal_alignment="bottom_right",
+                                   deterministic=False)
 
 
 def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -82,4 +90,27 @@ register(Implementation(
     prepare_varlen=_prepare_varlen,
     prepare_paged=_prepare_paged,
     compiled_kernels=_compiled_kernels,
+))
+
+# deterministic=False changes what attention_bwd.fused_dq routes, nothing else: the forward is
+# fused's (backward_variant_of, so the driver refuses to time it alone), and so is every backward
+# that route does not take (it also needs a Triton whose Gluon has the copy engine's reduce-add,
+# gluon_compat.tma_add). fused_attention_varlen and fused_attention_with_kvcache take no
+# deterministic argument, so this entry has no packed or paged form.
+register(Implementation(
+    name="fused_nondeterministic",
+    description="fused with deterministic=False: the same forward; in the backward, the calls "
+                "that take the Gluon kernels (eager bf16/fp16 head_dim 128 on sm_90, contiguous, "
+                "no window or softcap) without GQA add dQ in any order from the dK/dV kernel "
+                "instead of running the dQ kernel (attention_bwd.fused_dq); every other call "
+                "computes as fused, bit for bit, as does every call under "
+                "torch.use_deterministic_algorithms(True)",
+    seed_script="",
+    available=_available,
+    prepare=_prepare_nondeterministic,
+    ours=True,
+    backward_variant_of="fused",
+    gqa=True,
+    q_len_differs=True,
+    compiled_kernels=_compiled_kernels,  # fused's forward kernels: the same forward
 ))

@@ -33,6 +33,10 @@ class Implementation:
     prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Forward]
     # What the driver must know about an entry, as fields, so it never special-cases a name:
     ours: bool = False  # attnscope's own op; every other entry is a peer for ratios
+    # The name of the entry whose forward this one's is: it differs only in the backward (an
+    # option of the same op that the forward ignores), so timing its forward would time that
+    # entry again; the driver times it in the backward modes only. Registered after that entry.
+    backward_variant_of: str | None = None
     # Builds the [batch, heads, q_len, kv_len] scores in device memory (its memory grows with
     # the square of the length; bench skips it where that would not fit).
     materializes_scores: bool = False
@@ -92,6 +96,10 @@ def inductor_available(device, what: str, cpu_ok: str) -> tuple[bool, str]:
 def register(impl: Implementation) -> Implementation:
     if impl.name in IMPLEMENTATIONS:
         raise ValueError(f"implementation {impl.name!r} is registered twice")
+    if impl.backward_variant_of is not None and impl.backward_variant_of not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation {impl.name!r} is a backward variant of "
+                         f"{impl.backward_variant_of!r}, which is not registered (register it "
+                         f"first)")
     IMPLEMENTATIONS[impl.name] = impl
     return impl
 

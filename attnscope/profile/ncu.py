@@ -27,7 +27,8 @@ RANGE = "attnscope_fwd"  # the NVTX push/pop range around each profiled forward
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", nargs="+", metavar="NAME", default=None,
-                        help="implementations to profile (default: every one available here)")
+                        help="implementations to profile (default: every one available here; "
+                        "an entry that differs from another only in the backward is skipped)")
     batch, heads, seq, head_dim = SHAPES["cuda"]  # compare's, so the counters match its traces
     parser.add_argument("--batch", type=int, default=batch, help=f"batch size (default: {batch})")
     parser.add_argument("--heads", type=int, default=heads,
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from attnscope.attention import IMPLEMENTATIONS, get
+    from attnscope.profile.scenarios import forward_elsewhere
 
     ncu = find_ncu(args.ncu)
     if ncu is None:
@@ -104,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         ok, reason = impl.available(torch.device("cuda"))
         if not ok:
             print(f"[{i}/{len(impls)}] {impl.name}: skipped ({reason})", file=sys.stderr)
+            continue
+        elsewhere = forward_elsewhere(impl)  # ncu profiles forwards: it would be another's
+        if elsewhere:
+            print(f"[{i}/{len(impls)}] {impl.name}: skipped ({elsewhere})", file=sys.stderr)
             continue
         print(f"[{i}/{len(impls)}] {impl.name}: profiling under ncu ...", file=sys.stderr,
               flush=True)

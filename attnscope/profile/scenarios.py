@@ -14,8 +14,9 @@
   table in a seeded random order, bottom-right causal.
 
 What an entry can express is read off its registry fields (`q_len_differs`, `prepare_varlen`,
-`prepare_paged`, `gqa`, `explicit_mask`), never its name; one that cannot is a row with status
-'unsupported' and the reason. The float64 reference and the FLOP count follow the scenario.
+`prepare_paged`, `gqa`, `explicit_mask`, `backward_variant_of`), never its name; one that cannot
+is a row with status 'unsupported' and the reason. The float64 reference and the FLOP count
+follow the scenario.
 """
 
 from __future__ import annotations
@@ -158,9 +159,21 @@ def paged_cache(k, v, page_size: int, seed: int) -> tuple:
     return pack(k), pack(v), table, seqlens
 
 
+def forward_elsewhere(impl) -> str | None:
+    """Why timing or profiling `impl`'s forward alone would measure another entry (its forward is
+    that entry's, the registry's backward_variant_of), or None."""
+    if impl.backward_variant_of is None:
+        return None
+    return (f"its forward is {impl.backward_variant_of}'s; it differs only in the backward (the "
+            f"registry's backward_variant_of): time it with a backward, bench --mode bwd or "
+            f"fwd_bwd, compare --mode fwd_bwd")
+
+
 def unsupported(impl, c: Case, mode: str = "fwd") -> str | None:
     """Why `impl` cannot express case `c` (its registry fields) in `mode` (fwd, bwd, fwd_bwd),
     or None."""
+    if mode == "fwd" and impl.backward_variant_of is not None:
+        return forward_elsewhere(impl)
     if c.kv_heads != c.heads and not impl.gqa:
         return "takes no K/V with fewer heads than q (the registry's gqa field)"
     if c.page_size is not None and impl.prepare_paged is None:
