@@ -87,8 +87,8 @@ def stub_decode_launches():
     """The decode kernels' launches become no-ops that FastLaunch keeps, so repeats take the
     kept launch's path (launch._Bound, minus Triton's C launcher) as on the GPU."""
     launch.direct_launch_ok = lambda: True
-    for fast in (attention_decode._split_launch, attention_decode._merge_launch):
-        fast.kernel, fast.jit = _NoLaunch(fast.kernel.arg_names), True
+    fast = attention_decode._split_launch
+    fast.kernel, fast.jit = _NoLaunch(fast.kernel.arg_names), True
 
 
 def rows(d, stubbed):
@@ -149,7 +149,7 @@ def decode_rows(d, stubbed, kv_len=1024, q_len=8):
         ("public op fused_attention (decode route)", public),
         ("fused_attention_with_kvcache (cache_seqlens)",
          lambda: attnscope.fused_attention_with_kvcache(q_bshd, k_cache, v_cache, seqlens)),
-        ("attention_decode (split + merge launch)",
+        ("attention_decode (split launch)",
          lambda: attention_decode.attention_decode(q, k, v, out, lse, causal=True,
                                                    scale=d ** -0.5)),
         ("_validate", lambda: fused._validate(q, k, v, True, None, "bhsd", "bottom_right")),

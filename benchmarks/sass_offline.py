@@ -154,11 +154,12 @@ def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=Fa
                                             lse, lse, **kw)
 
 
-def compile_decode(head_dim, config, dtype="bf16", page_size=None):
+def compile_decode(head_dim, config, dtype="bf16", page_size=None, num_splits=None):
     """The CompiledKernel of the decode split kernel (attention_decode._decode_split) for sm_90,
     through attention_decode's own launch (so its split rule, constexprs and tiles are a
     launch's): 4 sequences x 32 query heads on 8 K/V heads, one query, 8192 keys, contiguous or
-    on a paged cache of page_size-key pages."""
+    on a paged cache of page_size-key pages; num_splits: that many splits (the kernel that
+    merges them) instead of the rule's count for an offline device."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_decode as module
@@ -173,7 +174,7 @@ def compile_decode(head_dim, config, dtype="bf16", page_size=None):
         def __call__(self, key, grid, args, kwargs, **_):
             if self.kernel is not None:
                 compiled.append(self.kernel.warmup(*args, grid=grid, **kwargs))
-    module._split_launch, module._merge_launch = Offline(module._decode_split), Offline()
+    module._split_launch = Offline(module._decode_split)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     batch, kv_len = 4, 8192
     q = torch.empty(batch, 32, 1, head_dim, dtype=torch_dtype)
@@ -185,7 +186,7 @@ def compile_decode(head_dim, config, dtype="bf16", page_size=None):
     else:
         k = torch.empty(batch, 8, kv_len, head_dim, dtype=torch_dtype)
     module.attention_decode(q, k, k, torch.empty_like(q), torch.empty(batch, 32, 1), causal=True,
-                            scale=head_dim ** -0.5, config=config, **kw)
+                            scale=head_dim ** -0.5, config=config, num_splits=num_splits, **kw)
     return compiled[0]
 
 
@@ -233,6 +234,9 @@ def main():
                    help="the split-KV decode kernel (attention_decode.py) instead")
     p.add_argument("--page-size", type=int, default=None,
                    help="with --decode: on a paged cache of this many keys a page")
+    p.add_argument("--splits", type=int, default=None,
+                   help="with --decode: that many key splits (2 or more: the kernel that merges "
+                        "its partials), not the split rule's count")
     p.add_argument("--varlen", action="store_true",
                    help="with --gluon: its packed-sequence variant (fused_attention_varlen's)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
@@ -259,7 +263,7 @@ def main():
         config = args.config and tuple(int(x) for x in args.config.split(","))
         if config and len(config) != 4:
             p.error("--decode --config takes BLOCK_M,BLOCK_N,num_warps,num_stages")
-        compiled = compile_decode(args.head_dim, config, args.dtype, args.page_size)
+        compiled = compile_decode(args.head_dim, config, args.dtype, args.page_size, args.splits)
     elif args.gluon:
         config = args.config and tuple(int(x) for x in args.config.split(","))
         if config and len(config) != 3:

@@ -522,9 +522,9 @@ def kept_launches(monkeypatch):
     (kernel, "triton" | "kept")."""
     counts = collections.Counter()
     monkeypatch.setattr(launch, "direct_launch_ok", lambda: True)
-    for fast, name in ((kernels._split_launch, "split"), (kernels._merge_launch, "merge")):
-        monkeypatch.setattr(fast, "jit", True)
-        monkeypatch.setattr(fast, "kernel", _KeepingKernel(fast.kernel, name, counts))
+    fast = kernels._split_launch
+    monkeypatch.setattr(fast, "jit", True)
+    monkeypatch.setattr(fast, "kernel", _KeepingKernel(fast.kernel, "split", counts))
     return counts
 
 
@@ -542,15 +542,14 @@ def test_a_growing_cache_keeps_its_launches(kept_launches, splits):
     # A plain decode loop: K/V made anew each step with one key more (torch.cat's layout: every
     # stride but the last changes). Within one split count the key holds only what Triton
     # specializes the length on: 33..37 keys share launches, 48 (a multiple of 16) takes its own
-    # split kernel and keeps the merge. 2 splits of 32 keys at every length.
+    # split kernel. 2 splits of 32 keys at every length, merged in the split kernel.
     splits(2)
     q, k, v = make_cache(1, 2, 8, 2, 48, 32, torch.float16, seed=40)
     for n in (33, 34, 35, 36, 37, 48):
         k_n, v_n = (_bhsd(t[:, :n]).contiguous() for t in (k, v))
         out, lse = _decode(q, k_n, v_n, scale=32 ** -0.5)
         assert_close(out, lse, q, k, v, [n], 1e-3, 1e-3)
-    assert kept_launches == {("split", "triton"): 2, ("split", "kept"): 4,
-                             ("merge", "triton"): 1, ("merge", "kept"): 5}
+    assert kept_launches == {("split", "triton"): 2, ("split", "kept"): 4}
 
 
 def test_a_growing_cache_switches_tiles_in_one_plan(kept_launches, tiles_taken, long_chunk):
@@ -558,7 +557,7 @@ def test_a_growing_cache_switches_tiles_in_one_plan(kept_launches, tiles_taken, 
     # threshold lowered to 160 keys: 100 and 104 keys take one 128-key chunk in 32-key tiles
     # (short of it: 16-key tiles), 161 and 170 one of 192 (32-key tiles). One plan throughout;
     # the tile is in the split kernel's key: 100 and 161 go through Triton, 104 and 170 (their
-    # specializations) launch those kernels again; one split each, so no merge.
+    # specializations) launch those kernels again; one split each.
     long_chunk(160)
     q, k, v = make_cache(1, 2, 8, 2, 170, 32, torch.float16, seed=63)
     for n in (100, 104, 161, 170):
@@ -585,8 +584,7 @@ def test_a_kv_cache_loop_keeps_its_launches(page_size, kept_launches, splits):
         out, lse = fused_attention_with_kvcache(q, k_cache, v_cache, seqlens, block_table=table,
                                                 scale=scale, return_lse=True)
         assert_close(out, lse, q, k, v, lengths, 1e-3, 1e-3, scale=scale)
-    assert kept_launches == {("split", "triton"): 1, ("split", "kept"): 2,
-                             ("merge", "triton"): 1, ("merge", "kept"): 2}
+    assert kept_launches == {("split", "triton"): 1, ("split", "kept"): 2}
 
 
 def test_what_the_key_fixes_is_a_new_launch(kept_launches):
@@ -748,8 +746,8 @@ def test_gpu_top_left_window_keeps_the_prefill_kernel(monkeypatch):
 
 
 def _kept():
-    # How many launches the decode kernels keep (none where the direct launcher does not fit).
-    return len(kernels._split_launch.bound), len(kernels._merge_launch.bound)
+    # How many launches the decode kernel keeps (none where the direct launcher does not fit).
+    return len(kernels._split_launch.bound)
 
 
 @pytest.mark.cuda
@@ -768,7 +766,7 @@ def test_gpu_decode_loop_through_the_op_keeps_its_launches(dtype, floor, lse_tol
         assert_close(_bhsd(out), lse, q, k, v, [n], floor, lse_tol, scale=scale)
         kept.append(_kept())
     if launch.direct_launch_ok():
-        assert kept[0][0] == 1 and kept[1:] == kept[:1] * 3
+        assert kept[0] == 1 and kept[1:] == kept[:1] * 3
     shifted = torch.empty(q.numel() + 1, dtype=dtype, device="cuda")[1:].view(q.shape).copy_(q)
     out, lse = fused_attention(_bhsd(shifted), k_n, v_n, causal_alignment="bottom_right",
                                return_lse=True)
@@ -799,7 +797,7 @@ def test_gpu_kv_cache_loop_keeps_its_launches(page_size, dtype, floor, lse_tol):
         assert_close(out, lse, q, k, v, seqlens.tolist(), floor, lse_tol, scale=scale)
         kept.append(_kept())
     if launch.direct_launch_ok():
-        assert kept[0][0] == 1 and kept[1:] == kept[:1] * 2
+        assert kept[0] == 1 and kept[1:] == kept[:1] * 2
 
 
 def _h200():
@@ -869,7 +867,7 @@ def test_gpu_growing_cache_switches_tiles_in_one_plan(dtype, floor, lse_tol, til
         out, lse = fused_attention(_bhsd(q), k_n, v_n, causal_alignment="bottom_right",
                                    return_lse=True)
         assert_close(_bhsd(out), lse, q, k, v, [n] * 16, floor, lse_tol)
-        kept.append(_kept()[0])
+        kept.append(_kept())
     assert len(kernels._plans) == 1
     if _h200():
         assert tiles_taken == [64, 64, 128, 128]

@@ -28,10 +28,15 @@ reading K and V from HBM once, so this kernel is organised around that read:
    their own occupancy, leave each split LONG_CHUNK keys or more, the call runs them; shorter
    chunks keep 64-key tiles.
 
-3. Merge. A second small kernel, one program per output row, combines the partials exactly:
-   with M = max_s L_s and w_s = 2^(L_s - M), out = sum_s w_s O_s / sum_s w_s and
-   LSE = (M + log2(sum_s w_s)) * ln 2. A split that saw no key has L_s = -inf, so w_s = 0. With
-   one split the first kernel writes the output and LSE itself (no partials, no merge).
+3. Merge, in the same launch. Each split writes its partial, then counts its arrival in an
+   int32 per (batch, kv head, row block) (`_arrivals`: one zeroed buffer per stream, which the
+   merging split zeroes again); the split whose arrival completes the count combines the
+   block's partials exactly (`_merge_row_block`): with M = max_s L_s and w_s = 2^(L_s - M),
+   out = sum_s w_s O_s / sum_s w_s and LSE = (M + log2(sum_s w_s)) * ln 2. A split that saw no
+   key has L_s = -inf, so w_s = 0. With one split the kernel writes the output and LSE itself
+   (no partials, no merge). A second merge kernel (the design before) cost a launch and, on
+   the H200, 0.7-3.6 % at 8 x 8192 keys and 1.0 % at 8 x 32768 (2 splits each), even at 16
+   splits (notes/serving.md, "The merge in the split kernel").
 
 Masking. Causal decode is aligned bottom-right (flash-attn, KV caches): query i of q_len sees
 keys j <= kv_len - q_len + i, so only the last q_len keys need a mask. Within a chunk, the K
@@ -95,7 +100,9 @@ PROGRAM_COST_TILES = 2
 MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 256
 MAX_RESIDENT = 4
-MERGE_TILE = 16  # partial rows the merge reads per step
+# The merge's step (_merge_row_block): partials whose tiles hold at most this many fp32 values
+# (64 a thread at 4 warps) load at once.
+MERGE_VALUES = 8192
 # Key tiles by chunk length (split_rule). Where LONG_BLOCK_N-key tiles (long_config_for), their
 # split count worked out for their own occupancy, leave each split a chunk of LONG_CHUNK keys or
 # more, the call walks them; otherwise config_for's 64-key tiles. A long walk is streaming-bound:
@@ -212,7 +219,7 @@ def _last_query(row_start, GROUP, Q_LEN, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _decode_split(Q, K, V, Out, Lse, Part, SeqLens, BlockTable,  #
+def _decode_split(Q, K, V, Out, Lse, Part, Arrivals, SeqLens, BlockTable,  #
                   stride_kz, stride_kh, stride_kn, stride_kd,  #
                   stride_vz, stride_vh, stride_vn, stride_vd,  #
                   stride_btz, KV_LEN, CHUNK, qk_scale, softcap_log2,  #
@@ -223,9 +230,11 @@ def _decode_split(Q, K, V, Out, Lse, Part, SeqLens, BlockTable,  #
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, FINAL: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr):
+                  INPUT_PRECISION: tl.constexpr, BLOCK_S: tl.constexpr,
+                  MERGE_SPLITS: tl.constexpr):
     # Grid: (split, batch * kv head, row block). stride_kz/stride_vz step a batch entry, or a
-    # cache block when PAGED. FINAL (one split): write the output and LSE, not partials.
+    # cache block when PAGED. FINAL (one split): write the output and LSE, not partials;
+    # otherwise the row block's last split to finish merges them (_merge_row_block).
     # The arguments up to softcap_log2 are the ones a kept launch takes per call (the tensors,
     # what depends on the cache's length and layout, the scale); the rest its key fixes.
     # WINDOW: the diagonal moves right by right_shift and keys j < i + off + left_shift are hidden.
@@ -327,42 +336,53 @@ def _decode_split(Q, K, V, Out, Lse, Part, SeqLens, BlockTable,  #
         tl.store(Part + rows * NUM_SPLITS * HEAD_DIM + part, lse2, mask=m_ok)
         tl.store(Part + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=m_ok[:, None] & d_ok[None, :])
+        # Arrive: every thread's partial stores come before the count (the barrier), and the
+        # count releases them to the GPU; the split that brings it to NUM_SPLITS acquires the
+        # others' and merges, then zeroes the count for the next launch on this stream.
+        tl.debug_barrier()
+        arrival = Arrivals + off_zh * tl.num_programs(2) + tl.program_id(2)
+        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            tl.store(arrival, 0)
+            _merge_row_block(Part, Out, Lse, row, rows, m_ok, off_z, off_h, query, offs_d, d_ok,
+                             stride_oz, stride_oh, stride_om, stride_od, NUM_SPLITS, HEAD_DIM,
+                             BLOCK_M, BLOCK_D, BLOCK_S, MERGE_SPLITS)
 
 
 @triton.jit
-def _decode_merge(Part, Out, Lse,  #
-                  stride_oz, stride_oh, stride_om, stride_od,  #
-                  HEADS, Q_LEN, NUM_SPLITS,  #
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                  MERGE_TILE: tl.constexpr):
-    # One program per output row (batch, head, query): the LSE-weighted mean of its partials.
-    row = tl.program_id(0).to(tl.int64)
-    LsePart = Part + tl.num_programs(0).to(tl.int64) * NUM_SPLITS * HEAD_DIM  # after O's
-    off_z = row // (HEADS * Q_LEN)
-    off_h = row // Q_LEN % HEADS
-    query = row % Q_LEN
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+def _merge_row_block(Part, Out, Lse, row, rows, m_ok, off_z, off_h, query, offs_d, d_ok,
+                     stride_oz, stride_oh, stride_om, stride_od, NUM_SPLITS,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    # The row block's output and LSE from its NUM_SPLITS partials (row: each row's index in
+    # Lse; Part as _decode_split writes it): with M = max_s L_s and w_s = 2^(L_s - M),
+    # out = sum_s w_s O_s / sum_s w_s and LSE = (M + log2(sum_s w_s)) * ln 2. A split that saw no
+    # key has L_s = -inf (w_s = 0); a row no split saw gets 0 and -inf. The partials are read
+    # past L1 (.cg): other SMs wrote them during this launch. MERGE_SPLITS partials a step, so
+    # that many tile loads are in flight at once.
+    LsePart = Part + rows * NUM_SPLITS * HEAD_DIM  # after O's
     offs_s = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(LsePart + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS,
-                    other=float("-inf"))
-    m = tl.max(lse_s, 0)
+    lse_s = tl.load(LsePart + row[:, None] * NUM_SPLITS + offs_s[None, :],
+                    mask=m_ok[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"),
+                    cache_modifier=".cg")
+    m = tl.max(lse_s, 1)
     m_sub = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
-    total = tl.sum(tl.math.exp2(lse_s - m_sub), 0)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    # Partials in tiles of MERGE_TILE splits: a [BLOCK_S, BLOCK_D] tile would not fit registers.
-    for s0 in tl.range(0, NUM_SPLITS, MERGE_TILE):
-        offs_t = s0 + tl.arange(0, MERGE_TILE)
-        t_ok = offs_t < NUM_SPLITS
-        w = tl.math.exp2(tl.load(LsePart + row * NUM_SPLITS + offs_t, mask=t_ok,
-                                 other=float("-inf")) - m_sub)
-        o = tl.load(Part + (row * NUM_SPLITS + offs_t)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(o * w[:, None], 0)
-    acc = acc / tl.where(total == 0.0, 1.0, total)
-    tl.store(Lse + row, (m + tl.math.log2(total)) * LN2)
-    tl.store(Out + off_z * stride_oz + off_h * stride_oh + query * stride_om + offs_d * stride_od,
-             acc.to(Out.dtype.element_ty), mask=d_ok)
+    total = tl.sum(tl.math.exp2(lse_s - m_sub[:, None]), 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    o_ok = m_ok[:, None] & d_ok[None, :]
+    for s0 in tl.range(0, NUM_SPLITS, MERGE_SPLITS):
+        for t in tl.static_range(MERGE_SPLITS):  # unrolled: the steps' loads issue together
+            part = row * NUM_SPLITS + s0 + t
+            t_ok = s0 + t < NUM_SPLITS
+            w = tl.math.exp2(tl.load(LsePart + part, mask=m_ok & t_ok, other=float("-inf"),
+                                     cache_modifier=".cg") - m_sub)
+            o = tl.load(Part + part[:, None] * HEAD_DIM + offs_d[None, :], mask=o_ok & t_ok,
+                        other=0.0, cache_modifier=".cg")
+            acc += o * w[:, None]
+    acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(Lse + row, (m + tl.math.log2(total)) * LN2, mask=m_ok)
+    o_ptrs = (Out + off_z * stride_oz + off_h[:, None] * stride_oh + query[:, None] * stride_om
+              + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 def is_interpreted():
@@ -473,12 +493,10 @@ def _empty(shape, dtype, device):
 
 # Eager launches (launch.FastLaunch): Triton's dispatch once per key, a direct launch after.
 _split_launch = FastLaunch(_decode_split)
-_merge_launch = FastLaunch(_decode_merge)
-# Per-call arguments of the split kernel: the eight tensors, then the ints and floats a kept
+# Per-call arguments of the split kernel: the nine tensors, then the ints and floats a kept
 # launch takes anew each call (K/V and block-table strides, KV_LEN, CHUNK, qk_scale,
 # softcap_log2).
-SPLIT_PER_CALL = 21
-MERGE_PER_CALL = 3  # Part, Out, Lse
+SPLIT_PER_CALL = 22
 
 
 class _Plan:
@@ -539,14 +557,14 @@ class _Plan:
                       dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
                            num_stages=num_stages))
             for _, block_n, _, num_warps, num_stages in configs}
-        self.merge_grid = (batch * heads * q_len,)
-        self.merge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_TILE=MERGE_TILE,
-                                     num_warps=4 if block_d <= 128 else 8)
+        self.rows = batch * heads * q_len  # output rows, each a partial per split
+        # partials the merge reads a step: at most MERGE_VALUES fp32 values of the block's tiles
+        self.merge_splits = max(1, MERGE_VALUES // (block_m * block_d))
         self.lengths = {}
 
     def for_length(self, kv_len):
-        """(num_splits, chunk, block_n, split kernel's key, merge kernel's key) for kv_len keys a
-        sequence may hold."""
+        """(num_splits, chunk, block_n, split kernel's key) for kv_len keys a sequence may
+        hold."""
         got = self.lengths.get(kv_len)
         if got is None:
             if len(self.lengths) >= self.MAX_LENGTHS:
@@ -558,11 +576,25 @@ class _Plan:
         block_n, num_splits, chunk = split_rule(kv_len, self.window_keys, self.programs,
                                                 self.tiles, self.forced_splits, LONG_CHUNK)
         return (num_splits, chunk, block_n,
-                (self, block_n, num_splits, int_specializations(kv_len, chunk)),
-                (self, num_splits))
+                (self, block_n, num_splits, int_specializations(kv_len, chunk)))
 
 
 _plans = launch_table()  # _Plan by decode key; forget_launches clears it
+_arrival_counts = {}  # (device, stream): zeroed int32 counts, _arrivals'
+
+
+def _arrivals(device, programs):
+    """Zeroed int32 counts, one per program of a split launch's grid but its split axis, that
+    the row blocks' splits count their arrivals in (the last one merges) on the current stream
+    of `device`. Each launch leaves them zero (the merging split zeroes its count), so one
+    buffer serves every launch on one stream; another stream, whose launches may overlap, gets
+    its own (a CUDA graph keeps the buffer of the stream it was captured on)."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    counts = _arrival_counts.get((device, stream))
+    if counts is None or counts.numel() < programs:
+        counts = torch.zeros(max(programs, 1024), dtype=torch.int32, device=device)
+        _arrival_counts[(device, stream)] = counts
+    return counts
 MAX_PLANS = 256
 
 
@@ -613,15 +645,15 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
             _plans.clear()
         plan = _plans[key] = _Plan(q, out, kv_heads, page_size, causal, window, softcap, config,
                                    num_splits)
-    num_splits, chunk, block_n, split_key, merge_key = plan.for_length(kv_len)
+    num_splits, chunk, block_n, split_key = plan.for_length(kv_len)
     final = num_splits == 1
     if final:
-        part = out  # unused: the split kernel writes out and lse itself
+        part = arrivals = out  # unused: the split kernel writes out and lse itself
     else:  # the partial outputs, then their LSEs (a fresh allocation: 16-byte aligned)
-        part = _empty((plan.merge_grid[0] * num_splits * (q.shape[3] + 1),), torch.float32,
-                      q.device)
+        part = _empty((plan.rows * num_splits * (q.shape[3] + 1),), torch.float32, q.device)
+        arrivals = _arrivals(q.device, plan.programs)
     qk_scale, softcap_log2, _ = score_scales(scale, softcap)
-    per_call = (q, k, v, out, lse, part, seqlens_arg, table_arg,  #
+    per_call = (q, k, v, out, lse, part, arrivals, seqlens_arg, table_arg,  #
                 *k_strides, *v_strides, table_stride, kv_len, chunk, qk_scale, softcap_log2)
     bound = _split_launch.bound.get(split_key)
     if bound is not None:
@@ -631,17 +663,8 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
         args = (*per_call, *plan.fixed, num_splits, *plan.shifts)
         constexprs, config = plan.launches[block_n]
         _split_launch(split_key, grid, args,
-                      dict(constexprs, VARLEN=seqlens is not None, FINAL=final),
+                      dict(constexprs, VARLEN=seqlens is not None, FINAL=final,
+                           BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
+                           MERGE_SPLITS=plan.merge_splits),
                       per_call=SPLIT_PER_CALL, config=config)
-    if not final:
-        per_call = (part, out, lse)
-        bound = _merge_launch.bound.get(merge_key)
-        if bound is not None:
-            bound(per_call)
-        else:
-            heads, q_len = q.shape[1], q.shape[2]
-            block_s = max(MERGE_TILE, triton.next_power_of_2(num_splits))
-            _merge_launch(merge_key, plan.merge_grid,
-                          (*per_call, *plan.out_strides, heads, q_len, num_splits),
-                          dict(plan.merge_constexprs, BLOCK_S=block_s), per_call=MERGE_PER_CALL)
     return num_splits, block_n
