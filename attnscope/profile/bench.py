@@ -464,6 +464,12 @@ def run(args) -> int:
         return 2
     for note in notes:
         print(note, file=sys.stderr)
+    if args.mode == "bwd":
+        # "bwd" differentiates one saved graph again and again (retain_graph=True); a compiled
+        # entry (flex) would otherwise hand its saved buffers to the first backward (AOT
+        # autograd's donated buffers) and refuse every later one.
+        import torch._functorch.config as functorch_config
+        functorch_config.donated_buffer = False
     env = collect_env()
     gpu = env.get("gpu") or {}
     l2_bytes = None
