@@ -368,15 +368,15 @@ def _merge_row_block(Part, Out, Lse, row, rows, m_ok, off_z, off_h, query, offs_
     m_sub = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
     total = tl.sum(tl.math.exp2(lse_s - m_sub[:, None]), 1)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    o_ok = m_ok[:, None] & d_ok[None, :]
     for s0 in tl.range(0, NUM_SPLITS, MERGE_SPLITS):
         for t in tl.static_range(MERGE_SPLITS):  # unrolled: the steps' loads issue together
-            part = row * NUM_SPLITS + s0 + t
-            t_ok = s0 + t < NUM_SPLITS
-            w = tl.math.exp2(tl.load(LsePart + part, mask=m_ok & t_ok, other=float("-inf"),
+            split = row * 0 + s0 + t  # a vector: the interpreter takes no scalar in a mask
+            part = row * NUM_SPLITS + split
+            t_ok = m_ok & (split < NUM_SPLITS)
+            w = tl.math.exp2(tl.load(LsePart + part, mask=t_ok, other=float("-inf"),
                                      cache_modifier=".cg") - m_sub)
-            o = tl.load(Part + part[:, None] * HEAD_DIM + offs_d[None, :], mask=o_ok & t_ok,
-                        other=0.0, cache_modifier=".cg")
+            o = tl.load(Part + part[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=t_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
             acc += o * w[:, None]
     acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(Lse + row, (m + tl.math.log2(total)) * LN2, mask=m_ok)
