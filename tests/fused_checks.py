@@ -93,3 +93,41 @@ def replays_in_a_cuda_graph(q, k, v):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+class _KeepingKernel:
+    """Stands in for a JIT kernel so that FastLaunch keeps launches in the interpreter too: its
+    launch runs the interpreted kernel and returns a compiled-kernel stand-in whose launch runs
+    it again with what a kept launch passes (the call's arguments, then those kept from the
+    key's first call). A key that misses an argument then gives a wrong result, as on the GPU."""
+
+    def __init__(self, kernel, name, counts):
+        self.kernel, self.name, self.counts = kernel, name, counts
+        self.arg_names = kernel.arg_names
+
+    def __getitem__(self, grid):
+        def launch_through_triton(*args, **kwargs):
+            self.counts[self.name, "triton"] += 1
+            self.kernel[grid](*args, **kwargs)
+            return _KeptKernel(self)
+        return launch_through_triton
+
+
+class _KeptKernel:
+    def __init__(self, keeping):
+        self.keeping = keeping
+
+    def __getitem__(self, grid):
+        def kept_launch(*args):  # every parameter in order, constexprs included
+            self.keeping.counts[self.keeping.name, "kept"] += 1
+            self.keeping.kernel[grid](*args)
+        return kept_launch
+
+
+def keep_launches(monkeypatch, fast, name, counts):
+    """Make the launch.FastLaunch `fast` keep launches in the interpreter as on the GPU,
+    counting them in `counts` (a Counter) by (name, "triton" | "kept")."""
+    from attnscope.kernels import launch
+    monkeypatch.setattr(launch, "direct_launch_ok", lambda: True)
+    monkeypatch.setattr(fast, "jit", True)
+    monkeypatch.setattr(fast, "kernel", _KeepingKernel(fast.kernel, name, counts))

@@ -28,6 +28,7 @@ from attnscope.kernels import attention_decode as kernels
 from attnscope.kernels import launch
 
 # (dtype, absolute error floor, LSE relative tolerance) and the NaN fill of the op's outputs
+from fused_checks import keep_launches
 from test_fused_attention import CPU_DTYPES, GPU_DTYPES, nan_outputs  # noqa: F401
 
 CPU = torch.device("cpu")
@@ -487,44 +488,12 @@ def test_a_pinned_long_tile_on_pages_of_short_tiles():
 
 # ---- kept launches: the launch keys, in the interpreter ----------------------------------------
 
-class _KeepingKernel:
-    """Stands in for a JIT kernel so that FastLaunch keeps launches in the interpreter too: its
-    launch runs the interpreted kernel and returns a compiled-kernel stand-in whose launch runs
-    it again with what a kept launch passes (the call's arguments, then those kept from the
-    key's first call). A key that misses an argument then gives a wrong result, as on the GPU."""
-
-    def __init__(self, kernel, name, counts):
-        self.kernel, self.name, self.counts = kernel, name, counts
-        self.arg_names = kernel.arg_names
-
-    def __getitem__(self, grid):
-        def launch_through_triton(*args, **kwargs):
-            self.counts[self.name, "triton"] += 1
-            self.kernel[grid](*args, **kwargs)
-            return _KeptKernel(self)
-        return launch_through_triton
-
-
-class _KeptKernel:
-    def __init__(self, keeping):
-        self.keeping = keeping
-
-    def __getitem__(self, grid):
-        def kept_launch(*args):  # every parameter in order, constexprs included
-            self.keeping.counts[self.keeping.name, "kept"] += 1
-            self.keeping.kernel[grid](*args)
-        return kept_launch
-
-
 @pytest.fixture
 def kept_launches(monkeypatch):
     """The decode kernels' launches are kept as on the GPU; returns a Counter of launches by
     (kernel, "triton" | "kept")."""
     counts = collections.Counter()
-    monkeypatch.setattr(launch, "direct_launch_ok", lambda: True)
-    fast = kernels._split_launch
-    monkeypatch.setattr(fast, "jit", True)
-    monkeypatch.setattr(fast, "kernel", _KeepingKernel(fast.kernel, "split", counts))
+    keep_launches(monkeypatch, kernels._split_launch, "split", counts)
     return counts
 
 

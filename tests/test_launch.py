@@ -1,18 +1,20 @@
 """The launch cache and direct launcher (attnscope/kernels/launch.py): Triton's dispatch once
 per key, the gate on the installed launcher's shape and its fallback, the launched-kernel
-records, forget_launches, the per-thread scratch allocator; on the GPU, repeated and kept
-launches of the real kernels.
+records, forget_launches, the per-thread scratch allocator; the op's eager inference repeats
+(attention/fused.py, `_repeats`); on the GPU, repeated and kept launches of the real kernels.
 """
 
+import collections
 import warnings
 
 import pytest
 import torch
 
 from attnscope import fused_attention
-from attnscope.kernels import launch
+from attnscope.attention import fused
+from attnscope.kernels import attention_fwd, launch
 # nan_outputs: autouse, poisons every buffer the op allocates
-from fused_checks import CPU, check, make_qkv, nan_outputs  # noqa: F401
+from fused_checks import CPU, check, keep_launches, make_qkv, nan_outputs  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
@@ -291,3 +293,83 @@ def test_launched_lists_the_most_recently_used_kernel_first(direct_launcher_fits
     fast_a(("k",), (7,), ("y", 3), kwargs)  # a kept launch: a is the latest now
     assert [(name, config) for name, _, config in launch.launched()] == [
         ("a", {"BLOCK": 64}), ("b", None)]
+
+
+# ---- the op's eager inference repeats -------------------------------------------------------
+
+@pytest.fixture
+def kept_forward(monkeypatch):
+    """The Triton forward's launches are kept in the interpreter as on the GPU; returns a
+    Counter of them by ("fwd", "triton" | "kept")."""
+    counts = collections.Counter()
+    keep_launches(monkeypatch, attention_fwd._launch, "fwd", counts)
+    return counts
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """Every call of the op's input checks, recorded (they still run)."""
+    calls = []
+    checks = fused._validate
+
+    def recording(*args):
+        calls.append(args)
+        return checks(*args)
+    monkeypatch.setattr(fused, "_validate", recording)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_an_inference_repeat_runs_the_kept_launch_without_the_checks(kept_forward, validations,
+                                                                      layout):
+    # The second call of one signature skips validation and dispatch: fresh NaN-poisoned
+    # outputs, the first call's kernel launched directly, the same output and LSE bit for bit.
+    q, k, v = make_qkv(2, 4, 2, 40, 56, 16, torch.float16, CPU, layout)
+    first = check(q, k, v, 1e-3, 1e-3, layout=layout, causal_alignment="bottom_right")
+    again = check(q, k, v, 1e-3, 1e-3, layout=layout, causal_alignment="bottom_right")
+    assert len(validations) == 1 and kept_forward == {("fwd", "triton"): 1, ("fwd", "kept"): 1}
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert again[0].data_ptr() != first[0].data_ptr()  # a new output, not the old one again
+
+
+def test_what_the_repeat_key_holds_is_a_new_call(kept_forward, validations):
+    # Another scale, alignment, causal flag, layout of the same memory, q address off a
+    # 16-byte boundary or dtype: each is validated and dispatched anew, and right.
+    q, k, v = make_qkv(1, 2, 1, 33, 40, 16, torch.float16, CPU)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    calls = [((q, k, v), {}), ((q, k, v), dict(scale=0.3)),
+             ((q, k, v), dict(causal_alignment="bottom_right")), ((q, k, v), dict(causal=False)),
+             ((shifted, k, v), {}), ((q.float(), k.float(), v.float()), {}),
+             ((q, k, v), dict(scale=0.3))]  # the last: a repeat of the second
+    for (qq, kk, vv), kwargs in calls:
+        check(qq, kk, vv, 1e-5 if qq.dtype == torch.float32 else 1e-3, 1e-3, **kwargs)
+    assert len(validations) == 6 and kept_forward["fwd", "kept"] == 1
+
+
+def test_a_repeat_still_refuses_what_the_checks_refuse(kept_forward):
+    # A bool causal, a bool scale, a non-finite scale, a bad deterministic flag: the key never
+    # matches them (or they fail its type rules), so the checks run and raise.
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 16, torch.float16, CPU)
+    fused_attention(q, k, v, scale=1.0)
+    fused_attention(q, k, v, causal=True)
+    for kwargs, error in ((dict(causal=1), TypeError), (dict(scale=True), TypeError),
+                          (dict(scale=float("inf")), TypeError),
+                          (dict(deterministic="yes"), TypeError),
+                          (dict(layout="bsdh"), ValueError)):
+        with pytest.raises(error):
+            fused_attention(q, k, v, **kwargs)
+
+
+def test_training_calls_and_forget_launches_bypass_the_repeats(kept_forward, validations):
+    # Inputs that need gradients take autograd's path whatever was remembered; forget_launches
+    # drops the remembered calls with the launches they hold.
+    q, k, v = make_qkv(1, 2, 2, 24, 24, 16, torch.float32, CPU)
+    fused_attention(q, k, v)
+    fused_attention(q, k, v)
+    assert len(validations) == 1
+    q.requires_grad_()
+    fused_attention(q, k, v).sum().backward()
+    assert q.grad is not None and len(validations) == 2
+    launch.forget_launches()
+    fused_attention(q.detach(), k, v)
+    assert len(validations) == 3 and kept_forward["fwd", "triton"] == 2

@@ -187,9 +187,10 @@ def _check_interpreter(kernels, q):
 
 
 def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, window_right=-1,
-             softcap=0.0, wrap=None):
+             softcap=0.0, wrap=None, repeat_key=None):
     # Eager inference at small shapes is bound by this function's host time (benchmarks/
-    # host_cost.py), so it reads the device once.
+    # host_cost.py), so it reads the device once. repeat_key: fused_attention's _repeat_key of
+    # a validated eager inference call, under which its launch is remembered (_repeats).
     kernels = _kernels()
     device = q.device
     if device.type == "cpu":
@@ -211,6 +212,9 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
         with _on_device(device):
             decode(q4, k4, v4, out4, lse, causal=causal, scale=scale,
                    window=(window_left, window_right), softcap=softcap)
+        if repeat_key is not None:
+            _remember(repeat_key, _repeat(layout, functools.partial(decode, causal=causal,
+                                                                    scale=scale)))
         return out, lse
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
@@ -219,7 +223,61 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
         kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
                               causal_offset=offset, window=(window_left, window_right),
                               softcap=softcap, wrap=wrap)
+    if repeat_key is not None:
+        kept = kernels.kept_forward(q4, k4, v4, out4, lse, causal=causal, scale=scale,
+                                    causal_offset=offset)
+        if kept is not None:
+            _remember(repeat_key, _repeat(layout, lambda *tensors: kept(tensors)))
     return out, lse
+
+
+# ---- eager inference repeats ------------------------------------------------------------------
+# An eager inference call (no grad, nothing traced) whose _repeat_key matches one that passed
+# _validate and launched (`_repeats`) runs that call's launch again: two allocations and the
+# kept launch, without the checks, the dispatch and its launch key (benchmarks/host_cost.py:
+# the public op's host time at small shapes, where it bounds the call). Windowed and softcapped
+# calls, and any whose inputs are not plain tensors, take the full path every time.
+
+_repeats = None  # key -> run(q, k, v); a launch table (forget_launches clears it), made on first use
+MAX_REPEATS = 1024
+
+
+def _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap):
+    """What _validate reads of a call and what fixes its kernel and launch: shapes, strides,
+    dtypes, devices, 16-byte alignment and the arguments. None for a call that takes the full
+    path every time: a window or softcap, or an argument of a type _validate may refuse (a
+    bool scale equals an int one in a key; only the int passes)."""
+    if (type(window) is not tuple or window != (-1, -1) or type(causal) is not bool
+            or not (type(softcap) is float or type(softcap) is int) or softcap != 0
+            or type(layout) is not str or type(causal_alignment) is not str
+            or not (scale is None or type(scale) is float or type(scale) is int)):
+        return None
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, q.data_ptr() % 16 == 0,
+            k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, causal, scale, layout,
+            causal_alignment)
+
+
+def _remember(key, run):
+    global _repeats
+    if _repeats is None:
+        _repeats = _kernels().launch_table()
+    if len(_repeats) >= MAX_REPEATS:
+        _repeats.clear()
+    _repeats[key] = run
+
+
+def _repeat(layout, launch):
+    # A remembered call: its output and LSE allocated as _forward does, then launch(q4, k4, v4,
+    # out4, lse) on the [batch, heads, seq, head_dim] views.
+    def run(q, k, v):
+        out = _empty(q.shape, q.dtype, q.device)
+        q4, k4, v4, out4 = (_as_bhsd(t, layout) for t in (q, k, v, out))
+        lse = _empty(q4.shape[:-1], torch.float32, q.device)
+        with _on_device(q.device):
+            launch(q4, k4, v4, out4, lse)
+        return out, lse
+    return run
 
 
 @triton_op("attnscope::attention_fwd", mutates_args=())
@@ -375,6 +433,20 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     H200; notes/backward.md, lever 3); every other call computes as with True, as does every
     call while torch.use_deterministic_algorithms(True) is on.
     """
+    # Eager inference (plain tensors, nothing traced, no gradient): a repeat of a validated
+    # call runs its kept launch (_repeats); a first call is remembered under its key.
+    traced = _traced(q)
+    key = None
+    eager_inference = (not traced and type(q) is torch.Tensor and type(k) is torch.Tensor
+                       and type(v) is torch.Tensor
+                       and not (torch.is_grad_enabled()
+                                and (q.requires_grad or k.requires_grad or v.requires_grad)))
+    if eager_inference:
+        key = _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap)
+        run = _repeats.get(key) if key is not None and _repeats is not None else None
+        if run is not None and (deterministic is True or deterministic is False):
+            out, lse = run(q, k, v)
+            return (out, lse) if return_lse else out
     _validate(q, k, v, causal, scale, layout, causal_alignment)
     # (the defaults skip the checks: eager calls at small shapes are bound by host time)
     left, right = ((-1, -1) if window == (-1, -1) and softcap == 0
@@ -385,7 +457,9 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
         scale = 1.0 / math.sqrt(q.shape[-1])
     args = (causal, float(scale), causal_alignment == "bottom_right", layout, left, right,
             float(softcap))
-    if _traced(q):  # torch.compile, a dispatch mode, torch.func, fake tensors
+    if eager_inference:
+        out, lse = _forward(q, k, v, *args, repeat_key=key)
+    elif traced:  # torch.compile, a dispatch mode, torch.func, fake tensors
         out, lse = _attention_fwd(q, k, v, *args, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _EagerAttention.apply(q, k, v, *args, deterministic)

@@ -17,10 +17,11 @@ import triton
 from attnscope.kernels import attention_fwd as triton_fwd
 from attnscope.kernels.attention_bwd import attention_bwd
 from attnscope.kernels.common import device_properties, interpreter_ready, is_interpreted
-from attnscope.kernels.launch import FORWARD_LAUNCHES, forget_launches, launched
+from attnscope.kernels.launch import FORWARD_LAUNCHES, forget_launches, launch_table, launched
 
 __all__ = ["attention_fwd", "attention_bwd", "uses_hopper_kernel", "launched_forward_kernels",
-           "forget_launches", "interpreter_ready", "is_interpreted"]
+           "kept_forward", "forget_launches", "launch_table", "interpreter_ready",
+           "is_interpreted"]
 
 # The forward kernels launched_forward_kernels lists, and the modules that define them.
 KERNEL_MODULES = {"_attn_fwd": "attnscope.kernels.attention_fwd",
@@ -90,6 +91,16 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1
     return triton_fwd.attention_fwd_triton(q, k, v, out, lse, causal=causal, scale=scale,
                                            causal_offset=causal_offset, window=window,
                                            softcap=softcap, varlen=varlen, key=key)
+
+
+def kept_forward(q, k, v, out, lse, *, causal, scale, causal_offset):
+    """The launch attention_fwd kept for an eager call of these tensors (no window, softcap or
+    packed batch) that ran: called with (q, k, v, out, lse) of the same shapes, strides, dtypes
+    and alignment, it launches that call's kernel with its config and every other argument
+    (launch._Bound). None where none was kept (the interpreter, a Triton whose launcher the
+    direct call does not fit)."""
+    return FORWARD_LAUNCHES.get(triton_fwd.launch_key(q, k, v, out, lse, causal, causal_offset,
+                                                      scale, (-1, -1), 0.0))
 
 
 def launched_forward_kernels():
