@@ -159,6 +159,36 @@ def test_any_split_count_gives_the_same_attention(num_splits, splits):
     assert_close(out, lse, q, k, v, [100, 100], 1e-5, 1e-5)
 
 
+@pytest.mark.parametrize("merge_values", [256, 2048])
+def test_the_merge_in_column_parts_and_unrolled_steps(merge_values, splits, monkeypatch):
+    # The merge's budget set small: at 256 values a 16-row block takes four 16-column parts of
+    # head_dim 40's 64-wide tiles (one cut by the mask, one wholly masked) one partial a step;
+    # at 2048 one part and two partials a step over 5 splits (the last step half past
+    # NUM_SPLITS). The arrival counts are zero again after each call.
+    monkeypatch.setattr(kernels, "MERGE_VALUES", merge_values)
+    splits(5)
+    q, k, v = make_cache(2, 2, 4, 2, 90, 40, torch.float32, seed=17)
+    for _ in range(2):
+        out, lse = fused_attention_with_kvcache(q, k, v, 90, return_lse=True)
+        assert_close(out, lse, q, k, v, [90, 90], 1e-5, 1e-5)
+        assert all(not counts.any() for counts in kernels._arrival_counts.values())
+
+
+def test_arrival_counts_outgrown_are_kept(monkeypatch, splits):
+    # A call with more programs than the buffer holds makes a bigger one and keeps the old
+    # alive (a captured graph or a running launch may hold its address).
+    monkeypatch.setattr(kernels, "MIN_ARRIVALS", 2)
+    monkeypatch.setattr(kernels, "_arrival_counts", {})
+    monkeypatch.setattr(kernels, "_retired_counts", [])
+    splits(2)
+    for batch in (1, 3):
+        q, k, v = make_cache(batch, 1, 4, 2, 50, 32, torch.float32, seed=18 + batch)
+        out, lse = fused_attention_with_kvcache(q, k, v, 50, return_lse=True)
+        assert_close(out, lse, q, k, v, [50] * batch, 1e-5, 1e-5)
+    (counts,) = kernels._arrival_counts.values()
+    assert counts.numel() == 6 and [c.numel() for c in kernels._retired_counts] == [2]
+
+
 @pytest.mark.parametrize("dtype,floor,lse_tol", CPU_DTYPES)
 def test_non_causal(dtype, floor, lse_tol, splits):
     splits(3)

@@ -535,3 +535,15 @@ def test_resume_refuses_another_commands_file(fakes, tmp_path, capsys, change, s
 def test_resume_needs_json(fakes, capsys):
     assert bench.run(_parse("--sweep", "cpu", "--resume", *FAST)) == 2
     assert "give --json PATH" in capsys.readouterr().err
+
+
+def test_bwd_mode_runs_without_donated_buffers_and_restores_them(monkeypatch):
+    # A compiled entry's backward is timed again and again on one retained graph, which AOT
+    # autograd's donated buffers refuse: off for a --mode bwd run, as before after it.
+    import torch._functorch.config as functorch_config
+    seen = []
+    monkeypatch.setattr(bench, "_run", lambda args: seen.append(functorch_config.donated_buffer))
+    before = functorch_config.donated_buffer
+    for mode in ("bwd", "fwd_bwd"):
+        bench.run(_parse("--sweep", "cpu", "--mode", mode))
+    assert seen == [False, before] and functorch_config.donated_buffer == before

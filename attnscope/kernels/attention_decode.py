@@ -31,12 +31,13 @@ reading K and V from HBM once, so this kernel is organised around that read:
 3. Merge, in the same launch. Each split writes its partial, then counts its arrival in an
    int32 per (batch, kv head, row block) (`_arrivals`: one zeroed buffer per stream, which the
    merging split zeroes again); the split whose arrival completes the count combines the
-   block's partials exactly (`_merge_row_block`): with M = max_s L_s and w_s = 2^(L_s - M),
-   out = sum_s w_s O_s / sum_s w_s and LSE = (M + log2(sum_s w_s)) * ln 2. A split that saw no
-   key has L_s = -inf, so w_s = 0. With one split the kernel writes the output and LSE itself
-   (no partials, no merge). A second merge kernel (the design before) cost a launch and, on
-   the H200, 0.7-3.6 % at 8 x 8192 keys and 1.0 % at 8 x 32768 (2 splits each), even at 16
-   splits (notes/serving.md, "The merge in the split kernel").
+   block's partials exactly (`_merge_row_block`, online over the splits, in column parts):
+   with M = max_s L_s and w_s = 2^(L_s - M), out = sum_s w_s O_s / sum_s w_s and
+   LSE = (M + log2(sum_s w_s)) * ln 2. A split that saw no key has L_s = -inf, so w_s = 0.
+   With one split the kernel writes the output and LSE itself (no partials, no merge). A
+   second merge kernel (the design before) cost a launch and, on the H200, 0.7-3.6 % at 8 x
+   8192 keys and 1.0 % at 8 x 32768 (2 splits each), even at 16 splits, against the first
+   form of this merge (notes/serving.md, "The merge in the split kernel").
 
 Masking. Causal decode is aligned bottom-right (flash-attn, KV caches): query i of q_len sees
 keys j <= kv_len - q_len + i, so only the last q_len keys need a mask. Within a chunk, the K
@@ -100,8 +101,8 @@ PROGRAM_COST_TILES = 2
 MIN_SPLIT_BLOCKS = 4
 MAX_SPLITS = 256
 MAX_RESIDENT = 4
-# The merge's step (_merge_row_block): partials whose tiles hold at most this many fp32 values
-# (64 a thread at 4 warps) load at once.
+# The merge's step (_merge_row_block): the partials' column parts it loads at once hold at most
+# this many fp32 values (64 a thread at 4 warps).
 MERGE_VALUES = 8192
 # Key tiles by chunk length (split_rule). Where LONG_BLOCK_N-key tiles (long_config_for), their
 # split count worked out for their own occupancy, leave each split a chunk of LONG_CHUNK keys or
@@ -230,7 +231,7 @@ def _decode_split(Q, K, V, Out, Lse, Part, Arrivals, SeqLens, BlockTable,  #
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                   SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, VARLEN: tl.constexpr, FINAL: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr, BLOCK_S: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, MERGE_COLS: tl.constexpr,
                   MERGE_SPLITS: tl.constexpr):
     # Grid: (split, batch * kv head, row block). stride_kz/stride_vz step a batch entry, or a
     # cache block when PAGED. FINAL (one split): write the output and LSE, not partials;
@@ -343,46 +344,53 @@ def _decode_split(Q, K, V, Out, Lse, Part, Arrivals, SeqLens, BlockTable,  #
         arrival = Arrivals + off_zh * tl.num_programs(2) + tl.program_id(2)
         if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
             tl.store(arrival, 0)
-            _merge_row_block(Part, Out, Lse, row, rows, m_ok, off_z, off_h, query, offs_d, d_ok,
+            tl.debug_barrier()  # the acquire reaches every thread (not left to the lowering)
+            _merge_row_block(Part, Out, Lse, row, rows, m_ok, off_z, off_h, query,
                              stride_oz, stride_oh, stride_om, stride_od, NUM_SPLITS, HEAD_DIM,
-                             BLOCK_M, BLOCK_D, BLOCK_S, MERGE_SPLITS)
+                             BLOCK_M, BLOCK_D, MERGE_COLS, MERGE_SPLITS)
 
 
 @triton.jit
-def _merge_row_block(Part, Out, Lse, row, rows, m_ok, off_z, off_h, query, offs_d, d_ok,
+def _merge_row_block(Part, Out, Lse, row, rows, m_ok, off_z, off_h, query,
                      stride_oz, stride_oh, stride_om, stride_od, NUM_SPLITS,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_S: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+                     MERGE_COLS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
     # The row block's output and LSE from its NUM_SPLITS partials (row: each row's index in
     # Lse; Part as _decode_split writes it): with M = max_s L_s and w_s = 2^(L_s - M),
-    # out = sum_s w_s O_s / sum_s w_s and LSE = (M + log2(sum_s w_s)) * ln 2. A split that saw no
-    # key has L_s = -inf (w_s = 0); a row no split saw gets 0 and -inf. The partials are read
-    # past L1 (.cg): other SMs wrote them during this launch. MERGE_SPLITS partials a step, so
-    # that many tile loads are in flight at once.
+    # out = sum_s w_s O_s / sum_s w_s and LSE = (M + log2(sum_s w_s)) * ln 2, taken online (the
+    # running max m, the sum and the output rescaled as it grows), so no [rows, splits] tile is
+    # held. A split that saw no key has L_s = -inf (w_s = 0); a row no split saw gets 0 and
+    # -inf. The partials are read past L1 (.cg): other SMs wrote them during this launch.
+    # MERGE_COLS columns at a time and MERGE_SPLITS partials a step (unrolled, so their loads
+    # are in flight together): a [64, 256] tile and its addresses would spill.
     LsePart = Part + rows * NUM_SPLITS * HEAD_DIM  # after O's
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(LsePart + row[:, None] * NUM_SPLITS + offs_s[None, :],
-                    mask=m_ok[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"),
-                    cache_modifier=".cg")
-    m = tl.max(lse_s, 1)
-    m_sub = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not NaN
-    total = tl.sum(tl.math.exp2(lse_s - m_sub[:, None]), 1)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s0 in tl.range(0, NUM_SPLITS, MERGE_SPLITS):
-        for t in tl.static_range(MERGE_SPLITS):  # unrolled: the steps' loads issue together
-            split = row * 0 + s0 + t  # a vector: the interpreter takes no scalar in a mask
-            part = row * NUM_SPLITS + split
-            t_ok = m_ok & (split < NUM_SPLITS)
-            w = tl.math.exp2(tl.load(LsePart + part, mask=t_ok, other=float("-inf"),
-                                     cache_modifier=".cg") - m_sub)
-            o = tl.load(Part + part[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=t_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-            acc += o * w[:, None]
-    acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(Lse + row, (m + tl.math.log2(total)) * LN2, mask=m_ok)
-    o_ptrs = (Out + off_z * stride_oz + off_h[:, None] * stride_oh + query[:, None] * stride_om
-              + offs_d[None, :] * stride_od)
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    for c0 in tl.static_range(0, BLOCK_D, MERGE_COLS):
+        cols = c0 + tl.arange(0, MERGE_COLS)
+        c_ok = cols < HEAD_DIM
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, MERGE_COLS], dtype=tl.float32)
+        for s0 in tl.range(0, NUM_SPLITS, MERGE_SPLITS):
+            for t in tl.static_range(MERGE_SPLITS):
+                split = row * 0 + s0 + t  # a vector: the interpreter takes no scalar in a mask
+                part = row * NUM_SPLITS + split
+                t_ok = m_ok & (split < NUM_SPLITS)
+                lse_s = tl.load(LsePart + part, mask=t_ok, other=float("-inf"),
+                                cache_modifier=".cg")
+                o = tl.load(Part + part[:, None] * HEAD_DIM + cols[None, :],
+                            mask=t_ok[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, lse_s)
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split yet: weights 0
+                alpha = tl.math.exp2(m - m_sub)
+                w = tl.math.exp2(lse_s - m_sub)
+                total = total * alpha + w
+                acc = acc * alpha[:, None] + o * w[:, None]
+                m = m_new
+        acc = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        o_ptrs = (Out + off_z * stride_oz + off_h[:, None] * stride_oh
+                  + query[:, None] * stride_om + cols[None, :] * stride_od)
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+    tl.store(Lse + row, (m + tl.math.log2(total)) * LN2, mask=m_ok)  # every column part's
 
 
 def is_interpreted():
@@ -503,7 +511,7 @@ class _Plan:
     """What a decode call's key fixes, worked out once: the config of each key tile the call may
     take (config_for's, and long_config_for's for long chunks: split_rule), the grid but its
     split axis, the visibility arguments and the split rule's inputs; and, per key length met,
-    the tile, split count, chunk and the two launches' keys.
+    the tile, split count, chunk and the split kernel's launch key.
 
     The key leaves out what a decode loop changes every step, which the kernel takes per call:
     the key length, the chunk (both in K/V tiles, so within one tile and split count a call's
@@ -558,8 +566,9 @@ class _Plan:
                            num_stages=num_stages))
             for _, block_n, _, num_warps, num_stages in configs}
         self.rows = batch * heads * q_len  # output rows, each a partial per split
-        # partials the merge reads a step: at most MERGE_VALUES fp32 values of the block's tiles
-        self.merge_splits = max(1, MERGE_VALUES // (block_m * block_d))
+        # the merge's column part and partials a step: at most MERGE_VALUES fp32 values a step
+        self.merge_cols = min(block_d, max(16, MERGE_VALUES // block_m))
+        self.merge_splits = max(1, MERGE_VALUES // (block_m * self.merge_cols))
         self.lengths = {}
 
     def for_length(self, kv_len):
@@ -581,6 +590,9 @@ class _Plan:
 
 _plans = launch_table()  # _Plan by decode key; forget_launches clears it
 _arrival_counts = {}  # (device, stream): zeroed int32 counts, _arrivals'
+_retired_counts = []  # outgrown ones, kept alive (_arrivals)
+MIN_ARRIVALS = 4096  # counts a buffer holds at least (16 KB; e.g. 512 sequences x 8 kv heads)
+MAX_PLANS = 256
 
 
 def _arrivals(device, programs):
@@ -588,14 +600,24 @@ def _arrivals(device, programs):
     the row blocks' splits count their arrivals in (the last one merges) on the current stream
     of `device`. Each launch leaves them zero (the merging split zeroes its count), so one
     buffer serves every launch on one stream; another stream, whose launches may overlap, gets
-    its own (a CUDA graph keeps the buffer of the stream it was captured on)."""
+    its own. A buffer outgrown is kept, never freed: a captured CUDA graph, or a launch still
+    running, holds its address. Graphs captured on one stream share its buffer, so they must not
+    replay at the same time. The first split call of a stream, or one with more programs than
+    its buffer holds, may not happen during CUDA-graph capture: warm up outside it."""
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     counts = _arrival_counts.get((device, stream))
     if counts is None or counts.numel() < programs:
-        counts = torch.zeros(max(programs, 1024), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "attnscope's decode kernel needs a new buffer of arrival counts during CUDA-graph "
+                "capture (the first call on this stream that splits its keys, or one with more "
+                "programs than before). Call the op once with these shapes on this stream before "
+                "capturing (a warm-up run).")
+        if counts is not None:
+            _retired_counts.append(counts)
+        counts = torch.zeros(max(programs, MIN_ARRIVALS), dtype=torch.int32, device=device)
         _arrival_counts[(device, stream)] = counts
     return counts
-MAX_PLANS = 256
 
 
 def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_table=None,
@@ -617,7 +639,7 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     (split_rule's choice).
 
     An eager call is looked up by what fixes its kernels and their fixed arguments (_Plan says
-    what is left out); a repeat launches both kernels directly (launch._Bound). Module state the
+    what is left out); a repeat launches the kernel directly (launch._Bound). Module state the
     key does not hold (num_splits_for, config_for, long_config_for: what tests replace) is
     forgotten by launch.forget_launches().
     """
@@ -664,7 +686,6 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
         constexprs, config = plan.launches[block_n]
         _split_launch(split_key, grid, args,
                       dict(constexprs, VARLEN=seqlens is not None, FINAL=final,
-                           BLOCK_S=max(16, triton.next_power_of_2(num_splits)),
-                           MERGE_SPLITS=plan.merge_splits),
+                           MERGE_COLS=plan.merge_cols, MERGE_SPLITS=plan.merge_splits),
                       per_call=SPLIT_PER_CALL, config=config)
     return num_splits, block_n

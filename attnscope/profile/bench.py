@@ -453,6 +453,17 @@ def _available(impl, device: torch.device) -> tuple[bool, str]:
 
 
 def run(args) -> int:
+    if args.mode != "bwd":
+        return _run(args)
+    # "bwd" differentiates one saved graph again and again (retain_graph=True); a compiled entry
+    # (flex) would otherwise hand its saved buffers to the first backward (AOT autograd's donated
+    # buffers) and refuse every later one. For this run only ("fwd_bwd" keeps them).
+    import torch._functorch.config as functorch_config
+    with functorch_config.patch(donated_buffer=False):
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         device, sweep, cases, impls, notes = _resolve(args)
         if args.resume and not args.json:
@@ -464,12 +475,6 @@ def run(args) -> int:
         return 2
     for note in notes:
         print(note, file=sys.stderr)
-    if args.mode == "bwd":
-        # "bwd" differentiates one saved graph again and again (retain_graph=True); a compiled
-        # entry (flex) would otherwise hand its saved buffers to the first backward (AOT
-        # autograd's donated buffers) and refuse every later one.
-        import torch._functorch.config as functorch_config
-        functorch_config.donated_buffer = False
     env = collect_env()
     gpu = env.get("gpu") or {}
     l2_bytes = None
