@@ -333,17 +333,28 @@ def test_an_inference_repeat_runs_the_kept_launch_without_the_checks(kept_forwar
 
 
 def test_what_the_repeat_key_holds_is_a_new_call(kept_forward, validations):
-    # Another scale, alignment, causal flag, layout of the same memory, q address off a
-    # 16-byte boundary or dtype: each is validated and dispatched anew, and right.
-    q, k, v = make_qkv(1, 2, 1, 33, 40, 16, torch.float16, CPU)
-    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    # Another scale, alignment, causal flag, dtype, key length, q or k address off a 16-byte
+    # boundary, k's strides, a window or softcap, the same memory read as bshd, or inputs that
+    # are a tensor subclass: each is validated and dispatched anew, and right.
+    q, k, v = make_qkv(1, 2, 2, 33, 40, 16, torch.float16, CPU)
+
+    def shifted(t):
+        return torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+    strided_k = torch.empty(1, 2, 40, 32, dtype=k.dtype)[..., :16].copy_(k)
+    as_bshd = tuple(t.transpose(1, 2) for t in (q, k, v))  # [1, 2, 33|40, 16] read as bshd
     calls = [((q, k, v), {}), ((q, k, v), dict(scale=0.3)),
              ((q, k, v), dict(causal_alignment="bottom_right")), ((q, k, v), dict(causal=False)),
-             ((shifted, k, v), {}), ((q.float(), k.float(), v.float()), {}),
+             ((q.float(), k.float(), v.float()), {}), ((q, k[:, :, :36], v[:, :, :36]), {}),
+             ((shifted(q), k, v), {}), ((q, shifted(k), v), {}), ((q, strided_k, v), {}),
+             ((q, k, v), dict(window=(4, 0))), ((q, k, v), dict(softcap=5.0)),
+             (as_bshd, dict(layout="bshd")),
+             (tuple(torch.nn.Parameter(t, requires_grad=False) for t in (q, k, v)), {}),
              ((q, k, v), dict(scale=0.3))]  # the last: a repeat of the second
     for (qq, kk, vv), kwargs in calls:
         check(qq, kk, vv, 1e-5 if qq.dtype == torch.float32 else 1e-3, 1e-3, **kwargs)
-    assert len(validations) == 6 and kept_forward["fwd", "kept"] == 1
+    # kept twice: the repeat, and the subclass call (checked, then the dispatch's kept launch
+    # of the first call: the same tensors underneath)
+    assert len(validations) == len(calls) - 1 and kept_forward["fwd", "kept"] == 2
 
 
 def test_a_repeat_still_refuses_what_the_checks_refuse(kept_forward):
@@ -373,3 +384,16 @@ def test_training_calls_and_forget_launches_bypass_the_repeats(kept_forward, val
     launch.forget_launches()
     fused_attention(q.detach(), k, v)
     assert len(validations) == 3 and kept_forward["fwd", "triton"] == 2
+
+
+def test_inputs_that_require_grad_under_no_grad_are_not_remembered(kept_forward, validations):
+    # Under no_grad such inputs take _forward's full path (which keeps them off the decode
+    # route): never a repeat, and a plain call of the same shapes after them is remembered.
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 16, torch.float32, CPU)
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        for _ in range(2):
+            fused_attention(qg, k, v)
+    fused_attention(q, k, v)
+    fused_attention(q, k, v)
+    assert len(validations) == 3

@@ -239,15 +239,19 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
 # calls, and any whose inputs are not plain tensors, take the full path every time.
 
 _repeats = None  # key -> run(q, k, v); a launch table (forget_launches clears it), made on first use
-MAX_REPEATS = 1024
+MAX_REPEATS = 256  # as many as the launch table keeps (launch.FastLaunch.MAX_KEYS)
 
 
 def _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap):
     """What _validate reads of a call and what fixes its kernel and launch: shapes, strides,
     dtypes, devices, 16-byte alignment and the arguments. None for a call that takes the full
-    path every time: a window or softcap, or an argument of a type _validate may refuse (a
-    bool scale equals an int one in a key; only the int passes)."""
-    if (type(window) is not tuple or window != (-1, -1) or type(causal) is not bool
+    path every time: a window or softcap, inputs that require grad (under no_grad: _forward
+    keeps them off the decode route), a tensor layout other than strided, or an argument of a
+    type _validate may refuse (a bool scale equals an int one in a key; only the int passes)."""
+    if (q.layout is not torch.strided or k.layout is not torch.strided
+            or v.layout is not torch.strided  # (a nested tensor's strides raise)
+            or q.requires_grad or k.requires_grad or v.requires_grad  # no_grad: another route
+            or type(window) is not tuple or window != (-1, -1) or type(causal) is not bool
             or not (type(softcap) is float or type(softcap) is int) or softcap != 0
             or type(layout) is not str or type(causal_alignment) is not str
             or not (scale is None or type(scale) is float or type(scale) is int)):
