@@ -220,14 +220,11 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
     if _shapes_only(kernels, q):
         return out, lse
     with _on_device(device):
-        kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
-                              causal_offset=offset, window=(window_left, window_right),
-                              softcap=softcap, wrap=wrap)
-    if repeat_key is not None:
-        kept = kernels.kept_forward(q4, k4, v4, out4, lse, causal=causal, scale=scale,
-                                    causal_offset=offset)
-        if kept is not None:
-            _remember(repeat_key, _repeat(layout, lambda *tensors: kept(tensors)))
+        kept = kernels.attention_fwd(q4, k4, v4, out4, lse, causal=causal, scale=scale,
+                                     causal_offset=offset, window=(window_left, window_right),
+                                     softcap=softcap, wrap=wrap, kept=repeat_key is not None)
+    if repeat_key is not None and kept is not None:
+        _remember(repeat_key, _repeat(layout, lambda *tensors: kept(tensors)))
     return out, lse
 
 

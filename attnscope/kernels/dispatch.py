@@ -20,8 +20,7 @@ from attnscope.kernels.common import device_properties, interpreter_ready, is_in
 from attnscope.kernels.launch import FORWARD_LAUNCHES, forget_launches, launch_table, launched
 
 __all__ = ["attention_fwd", "attention_bwd", "uses_hopper_kernel", "launched_forward_kernels",
-           "kept_forward", "forget_launches", "launch_table", "interpreter_ready",
-           "is_interpreted"]
+           "forget_launches", "launch_table", "interpreter_ready", "is_interpreted"]
 
 # The forward kernels launched_forward_kernels lists, and the modules that define them.
 KERNEL_MODULES = {"_attn_fwd": "attnscope.kernels.attention_fwd",
@@ -61,13 +60,17 @@ def uses_hopper_kernel(q, k, v, out, scale, window=(-1, -1), softcap=0.0, varlen
 
 
 def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1, -1),
-                  softcap=0.0, varlen=None, wrap=None):
+                  softcap=0.0, varlen=None, wrap=None, kept=False):
     """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
     `window`, `softcap` and `varlen` (packed sequences) as attention_fwd.attention_fwd_triton's:
     windowed and softcapped calls run the Triton kernel. `wrap` lets the custom op pass
     torch.library.wrap_triton so torch.compile sees the launch (always the Triton kernel).
-    Returns what the launch returns (the compiled kernel, when called eagerly).
+    Returns what the launch returns (the compiled kernel, when called eagerly); with kept=True
+    (an eager call) the launch kept under the call's key instead (launch._Bound: called with the
+    five tensors of a call with the same shapes, strides, dtypes and alignment, it launches this
+    call's kernel with every other argument), or None where none was kept (the interpreter, a
+    Triton whose launcher the direct call does not fit): the op remembers it (fused._repeats).
 
     An eager call is looked up first by what fixes the kernel, its config and every argument
     but the five tensors: a repeat launches at once (launch._Bound), skipping the choice of
@@ -83,24 +86,17 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1
                                 varlen)
     bound = FORWARD_LAUNCHES.get(key)
     if bound is not None:
-        return bound((q, k, v, out, lse) if varlen is None else (q, k, v, out, lse, *varlen[:2]))
-    if uses_hopper_kernel(q, k, v, out, scale, window, softcap, varlen):
-        return _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
-                                              causal_offset=causal_offset, varlen=varlen,
-                                              key=key)
-    return triton_fwd.attention_fwd_triton(q, k, v, out, lse, causal=causal, scale=scale,
-                                           causal_offset=causal_offset, window=window,
-                                           softcap=softcap, varlen=varlen, key=key)
-
-
-def kept_forward(q, k, v, out, lse, *, causal, scale, causal_offset):
-    """The launch attention_fwd kept for an eager call of these tensors (no window, softcap or
-    packed batch) that ran: called with (q, k, v, out, lse) of the same shapes, strides, dtypes
-    and alignment, it launches that call's kernel with its config and every other argument
-    (launch._Bound). None where none was kept (the interpreter, a Triton whose launcher the
-    direct call does not fit)."""
-    return FORWARD_LAUNCHES.get(triton_fwd.launch_key(q, k, v, out, lse, causal, causal_offset,
-                                                      scale, (-1, -1), 0.0))
+        result = bound((q, k, v, out, lse) if varlen is None else
+                       (q, k, v, out, lse, *varlen[:2]))
+    elif uses_hopper_kernel(q, k, v, out, scale, window, softcap, varlen):
+        result = _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
+                                                causal_offset=causal_offset, varlen=varlen,
+                                                key=key)
+    else:
+        result = triton_fwd.attention_fwd_triton(q, k, v, out, lse, causal=causal, scale=scale,
+                                                 causal_offset=causal_offset, window=window,
+                                                 softcap=softcap, varlen=varlen, key=key)
+    return FORWARD_LAUNCHES.get(key) if kept else result
 
 
 def launched_forward_kernels():
