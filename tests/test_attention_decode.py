@@ -15,6 +15,7 @@ including issue 20's two decode shapes.
 """
 
 import collections
+import functools
 import math
 
 import pytest
@@ -157,6 +158,23 @@ def test_any_split_count_gives_the_same_attention(num_splits, splits):
     q, k, v = make_cache(2, 3, 4, 2, 100, 32, torch.float32)
     out, lse = fused_attention_with_kvcache(q, k, v, 100, return_lse=True)
     assert_close(out, lse, q, k, v, [100, 100], 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_a_remembered_decode_call_gives_the_op_s_result(layout, splits):
+    # The op remembers an eager decode-route call (CUDA only) as fused._repeat over
+    # attention_decode; that closure, run here in the interpreter, gives the reference's
+    # output and LSE in either layout.
+    splits(3)
+    q, k, v = make_cache(2, 3, 4, 2, 70, 32, torch.float32, seed=19)
+    run = fused._repeat(layout, functools.partial(kernels.attention_decode, causal=True,
+                                                  scale=32 ** -0.5))
+    if layout == "bshd":
+        out, lse = run(q, k, v)
+    else:
+        out, lse = run(*(_bhsd(t) for t in (q, k, v)))
+        out = _bhsd(out)
+    assert_close(out, lse, q, k, v, [70, 70], 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize("merge_values", [256, 2048])
