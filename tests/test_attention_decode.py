@@ -768,6 +768,32 @@ def _kept():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_a_repeated_decode_call_is_remembered(layout, monkeypatch):
+    # The same decode-route call twice through the op: the second is a repeat (no checks),
+    # right, and bit for bit the first (the merge adds the splits in one order whichever split
+    # finishes last). A call of the same shapes whose q requires grad, under no_grad, is
+    # checked again and keeps off the decode route.
+    q, k, v = make_cache(4, 1, 32, 8, 3000, 128, torch.bfloat16, "cuda", seed=80)
+    args = (q, k, v) if layout == "bshd" else tuple(_bhsd(t) for t in (q, k, v))
+    checks, decodes = [], []
+    validate, decode = fused._validate, kernels.attention_decode
+    monkeypatch.setattr(fused, "_validate", lambda *a: checks.append(a) or validate(*a))
+    monkeypatch.setattr(kernels, "attention_decode",
+                        lambda *a, **kw: decodes.append(a) or decode(*a, **kw))
+    outs = [fused_attention(*args, layout=layout, causal_alignment="bottom_right",
+                            return_lse=True) for _ in range(2)]
+    assert len(checks) == 1 and len(decodes) == 2
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    out, lse = outs[1]
+    assert_close(out if layout == "bshd" else _bhsd(out), lse, q, k, v, [3000] * 4, 4e-3, 1e-3)
+    with torch.no_grad():
+        fused_attention(args[0].clone().requires_grad_(), *args[1:], layout=layout,
+                        causal_alignment="bottom_right")
+    assert len(checks) == 2 and len(decodes) == 2
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 def test_gpu_decode_loop_through_the_op_keeps_its_launches(dtype, floor, lse_tol):
     # A plain decode loop through fused_attention: K/V made anew with one key more each step
