@@ -186,6 +186,15 @@ def _check_interpreter(kernels, q):
                         "or float32 on CPU, bfloat16 on CUDA")
 
 
+def _outputs(q, k, v, layout, device):
+    # The output, allocated contiguous in the caller's layout, its fp32 LSE [batch, heads,
+    # q_len], and (q, k, v, out) as the [batch, heads, seq, head_dim] views the kernels see,
+    # whatever their strides.
+    out = _empty(q.shape, q.dtype, device)
+    views = tuple(_as_bhsd(t, layout) for t in (q, k, v, out))
+    return out, _empty(views[0].shape[:-1], torch.float32, device), views
+
+
 def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, window_right=-1,
              softcap=0.0, wrap=None, repeat_key=None):
     # Eager inference at small shapes is bound by this function's host time (benchmarks/
@@ -195,12 +204,8 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
     device = q.device
     if device.type == "cpu":
         _check_interpreter(kernels, q)
-    # The output is allocated contiguous in the caller's layout; the kernel sees every tensor as
-    # a [batch, heads, seq, head_dim] view, whatever its strides.
-    out = _empty(q.shape, q.dtype, device)
-    q4, k4, v4, out4 = (_as_bhsd(t, layout) for t in (q, k, v, out))
-    batch, heads, q_len, _ = q4.shape
-    lse = _empty((batch, heads, q_len), torch.float32, device)
+    out, lse, (q4, k4, v4, out4) = _outputs(q, k, v, layout, device)
+    q_len = q4.shape[2]
     # Eager CUDA inference with few queries: the split-KV decode kernel (all q heads of a KV head
     # in one program, keys split over programs) instead of one program per query block and head.
     # Its window is aligned bottom-right: a top-left window (or mask) takes the prefill kernel.
@@ -269,14 +274,13 @@ def _remember(key, run):
 
 
 def _repeat(layout, launch):
-    # A remembered call: its output and LSE allocated as _forward does, then launch(q4, k4, v4,
-    # out4, lse) on the [batch, heads, seq, head_dim] views.
+    # A remembered call: its outputs allocated as _forward does, then launch(q4, k4, v4, out4,
+    # lse) on the [batch, heads, seq, head_dim] views.
     def run(q, k, v):
-        out = _empty(q.shape, q.dtype, q.device)
-        q4, k4, v4, out4 = (_as_bhsd(t, layout) for t in (q, k, v, out))
-        lse = _empty(q4.shape[:-1], torch.float32, q.device)
-        with _on_device(q.device):
-            launch(q4, k4, v4, out4, lse)
+        device = q.device
+        out, lse, views = _outputs(q, k, v, layout, device)
+        with _on_device(device):
+            launch(*views, lse)
         return out, lse
     return run
 
