@@ -15,7 +15,6 @@ including issue 20's two decode shapes.
 """
 
 import collections
-import functools
 import math
 
 import pytest
@@ -160,21 +159,40 @@ def test_any_split_count_gives_the_same_attention(num_splits, splits):
     assert_close(out, lse, q, k, v, [100, 100], 1e-5, 1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-def test_a_remembered_decode_call_gives_the_op_s_result(layout, splits):
-    # The op remembers an eager decode-route call (CUDA only) as fused._repeat over
-    # attention_decode; that closure, run here in the interpreter, gives the reference's
-    # output and LSE in either layout.
-    splits(3)
-    q, k, v = make_cache(2, 3, 4, 2, 70, 32, torch.float32, seed=19)
-    run = fused._repeat(layout, functools.partial(kernels.attention_decode, causal=True,
-                                                  scale=32 ** -0.5))
-    if layout == "bshd":
-        out, lse = run(q, k, v)
-    else:
-        out, lse = run(*(_bhsd(t) for t in (q, k, v)))
-        out = _bhsd(out)
-    assert_close(out, lse, q, k, v, [70, 70], 1e-5, 1e-5)
+def test_a_remembered_decode_call_gives_the_op_s_result(layout, num_splits, splits,
+                                                         kept_launches):
+    # The op remembers an eager decode-route call (CUDA only) as fused._repeat over the launch
+    # attention_decode kept for it (kept=True). Run here in the interpreter on new inputs of the
+    # same shapes, that launch alone (no second Triton launch) gives the reference's output and
+    # LSE, in either layout, with and without the merge; so does a repeat on another stream's
+    # counts (none on the CPU: one buffer).
+    splits(num_splits)
+
+    def in_layout(tensors):  # make_cache's bshd tensors as the op takes them in `layout`
+        return tensors if layout == "bshd" else tuple(_bhsd(t) for t in tensors)
+    first = in_layout(make_cache(2, 3, 4, 2, 70, 32, torch.float32, seed=19))
+    _, lse, views = fused._outputs(*first, layout, CPU)  # as the op's first call
+    kept = kernels.attention_decode(*views[:3], views[3], lse, causal=True, scale=32 ** -0.5,
+                                    kept=True)
+    assert kept_launches == {("split", "triton"): 1}
+    run = fused._repeat(layout, kept)
+    q, k, v = make_cache(2, 3, 4, 2, 70, 32, torch.float32, seed=20)
+    for _ in range(2):
+        out, lse = run(*in_layout((q, k, v)))
+        assert_close(in_layout((out,))[0], lse, q, k, v, [70, 70], 1e-5, 1e-5)
+    assert kept_launches == {("split", "triton"): 1, ("split", "kept"): 2}
+
+
+def test_only_contiguous_calls_keep_a_launch_for_repeats(kept_launches):
+    # A kept launch passes a call's scalars as they were: a cache with per-sequence lengths
+    # (which may change between calls) is refused.
+    q, k, v = make_cache(1, 1, 4, 2, 40, 32, torch.float32, seed=21)
+    out, lse = torch.empty(1, 4, 1, 32), torch.empty(1, 4, 1)
+    with pytest.raises(ValueError, match="contiguous K/V without seqlens"):
+        kernels.attention_decode(_bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=True, scale=1.0,
+                                 seqlens=torch.tensor([40], dtype=torch.int32), kept=True)
 
 
 @pytest.mark.parametrize("merge_values", [256, 2048])
@@ -770,10 +788,11 @@ def _kept():
 @pytest.mark.cuda
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_gpu_a_repeated_decode_call_is_remembered(layout, monkeypatch):
-    # The same decode-route call twice through the op: the second is a repeat (no checks),
-    # right, and bit for bit the first (the merge adds the splits in one order whichever split
-    # finishes last). A call of the same shapes whose q requires grad, under no_grad, is
-    # checked again and keeps off the decode route.
+    # The same decode-route call twice through the op: the second is a repeat (no checks, and
+    # the launch kept for it rather than attention_decode), right, and bit for bit the first
+    # (the merge adds the splits in one order whichever split finishes last). A call of the
+    # same shapes whose q requires grad, under no_grad, is checked again and keeps off the
+    # decode route.
     q, k, v = make_cache(4, 1, 32, 8, 3000, 128, torch.bfloat16, "cuda", seed=80)
     args = (q, k, v) if layout == "bshd" else tuple(_bhsd(t) for t in (q, k, v))
     checks, decodes = [], []
@@ -783,14 +802,14 @@ def test_gpu_a_repeated_decode_call_is_remembered(layout, monkeypatch):
                         lambda *a, **kw: decodes.append(a) or decode(*a, **kw))
     outs = [fused_attention(*args, layout=layout, causal_alignment="bottom_right",
                             return_lse=True) for _ in range(2)]
-    assert len(checks) == 1 and len(decodes) == 2
+    assert len(checks) == 1 and len(decodes) == 1
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     out, lse = outs[1]
     assert_close(out if layout == "bshd" else _bhsd(out), lse, q, k, v, [3000] * 4, 4e-3, 1e-3)
     with torch.no_grad():
         fused_attention(args[0].clone().requires_grad_(), *args[1:], layout=layout,
                         causal_alignment="bottom_right")
-    assert len(checks) == 2 and len(decodes) == 2
+    assert len(checks) == 2 and len(decodes) == 1
 
 
 @pytest.mark.cuda

@@ -213,13 +213,12 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
     if (wrap is None and device.type == "cuda" and q_len <= _decode_kernels().MAX_Q_LEN
             and (bottom_right or not causal and window_left == window_right == -1)
             and not (q.requires_grad or k.requires_grad or v.requires_grad)):
-        decode = _decode_kernels().attention_decode
         with _on_device(device):
-            decode(q4, k4, v4, out4, lse, causal=causal, scale=scale,
-                   window=(window_left, window_right), softcap=softcap)
-        if repeat_key is not None:
-            _remember(repeat_key, _repeat(layout, functools.partial(decode, causal=causal,
-                                                                    scale=scale)))
+            kept = _decode_kernels().attention_decode(
+                q4, k4, v4, out4, lse, causal=causal, scale=scale,
+                window=(window_left, window_right), softcap=softcap, kept=repeat_key is not None)
+        if repeat_key is not None and kept is not None:
+            _remember(repeat_key, _repeat(layout, kept))
         return out, lse
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):

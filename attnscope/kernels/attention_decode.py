@@ -566,6 +566,7 @@ class _Plan:
                            num_stages=num_stages))
             for _, block_n, _, num_warps, num_stages in configs}
         self.rows = batch * heads * q_len  # output rows, each a partial per split
+        self.head_dim = head_dim
         # the merge's column part and partials a step: at most MERGE_VALUES fp32 values a step
         self.merge_cols = min(block_d, max(16, MERGE_VALUES // block_m))
         self.merge_splits = max(1, MERGE_VALUES // (block_m * self.merge_cols))
@@ -621,7 +622,7 @@ def _arrivals(device, programs):
 
 
 def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_table=None,
-                     window=(-1, -1), softcap=0.0, num_splits=None, config=None):
+                     window=(-1, -1), softcap=0.0, num_splits=None, config=None, kept=False):
     """Launch split-KV decode attention.
 
     q, out: [batch, heads, q_len, head_dim] views with any strides; lse: contiguous fp32
@@ -636,7 +637,8 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     split). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `config_for`'s and
     `long_config_for`'s (the lab's sweeps; BLOCK_M, BLOCK_N powers of two >= 16). Call with q's
     device current. Returns the number of splits launched and the key tile (BLOCK_N) they walked
-    (split_rule's choice).
+    (split_rule's choice); with kept=True (contiguous K/V, no seqlens) the call's launch kept for
+    its repeats instead (`_repeat_launch`), or None where none was kept (the interpreter).
 
     An eager call is looked up by what fixes its kernels and their fixed arguments (_Plan says
     what is left out); a repeat launches the kernel directly (launch._Bound). Module state the
@@ -688,4 +690,28 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
                       dict(constexprs, VARLEN=seqlens is not None, FINAL=final,
                            MERGE_COLS=plan.merge_cols, MERGE_SPLITS=plan.merge_splits),
                       per_call=SPLIT_PER_CALL, config=config)
+    if kept:
+        if paged or seqlens is not None:
+            raise ValueError("attention_decode keeps launches for repeats of contiguous K/V "
+                             "without seqlens only")
+        return _repeat_launch(plan, num_splits, split_key, per_call[9:])
     return num_splits, block_n
+
+
+def _repeat_launch(plan, num_splits, split_key, scalars):
+    """The launch of a call again, for one with the same key, K/V shapes and strides and scale
+    (the op's remembered calls: fused._repeat_key holds them), or None where the call kept no
+    launch. It takes (q, k, v, out, lse) and passes the call's scalars (strides, key length,
+    chunk, scales) as they were: no key, plan or split rule to work out again, only the partials
+    and the stream's arrival counts (a repeat may run on another stream)."""
+    bound = _split_launch.bound.get(split_key)
+    if bound is None:
+        return None
+    if num_splits == 1:
+        return lambda q, k, v, out, lse: bound((q, k, v, out, lse, out, out, lse, lse, *scalars))
+    size, programs = plan.rows * num_splits * (plan.head_dim + 1), plan.programs
+
+    def launch(q, k, v, out, lse):
+        part = _empty((size,), torch.float32, q.device)
+        bound((q, k, v, out, lse, part, _arrivals(q.device, programs), lse, lse, *scalars))
+    return launch
