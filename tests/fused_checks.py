@@ -31,6 +31,7 @@ def nan_outputs(monkeypatch):
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     monkeypatch.setattr(fused, "_empty", poisoned)
+    monkeypatch.setattr(fused, "_empty_like", lambda t: torch.full_like(t, float("nan")))
 
 
 def make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, device, layout="bhsd"):

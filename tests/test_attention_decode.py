@@ -174,8 +174,8 @@ def test_a_remembered_decode_call_gives_the_op_s_result(layout, num_splits, spli
         return tensors if layout == "bshd" else tuple(_bhsd(t) for t in tensors)
     first = in_layout(make_cache(2, 3, 4, 2, 70, 32, torch.float32, seed=19))
     _, lse, views = fused._outputs(*first, layout, CPU)  # as the op's first call
-    kept = kernels.attention_decode(*views[:3], views[3], lse, causal=True, scale=32 ** -0.5,
-                                    kept=True)
+    *_, kept = kernels.attention_decode(*views[:3], views[3], lse, causal=True,
+                                        scale=32 ** -0.5, kept=True)
     assert kept_launches == {("split", "triton"): 1}
     run = fused._repeat(layout, kept)
     q, k, v = make_cache(2, 3, 4, 2, 70, 32, torch.float32, seed=20)
@@ -492,9 +492,9 @@ def tiles_taken(monkeypatch):
     launch = kernels.attention_decode
 
     def recording(*args, **kwargs):
-        num_splits, block_n = launch(*args, **kwargs)
-        taken.append(block_n)
-        return num_splits, block_n
+        result = launch(*args, **kwargs)  # (num_splits, block_n[, kept launch])
+        taken.append(result[1])
+        return result
     monkeypatch.setattr(kernels, "attention_decode", recording)
     return taken
 

@@ -35,6 +35,10 @@ def _poison(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
+def _poison_like(t):
+    return torch.full_like(t, float("nan"))
+
+
 def _full_inputs(layout, heads, kv_heads, seq, head_dim, dtype, seed):
     """The full sequence's q, k, v and upstream gradient, the same on every rank."""
     g = torch.Generator().manual_seed(seed)
@@ -113,7 +117,7 @@ def check_unequal_shards_refused(group=None):
 
 def _rank_main(rank, size, port, cases, backend):
     torch.set_num_threads(1)  # the CPU ranks share two cores
-    fused._empty = _poison  # this process only: every op output starts as NaN
+    fused._empty, fused._empty_like = _poison, _poison_like  # this process only: outputs start NaN
     device = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -191,6 +195,7 @@ def test_three_ranks(monkeypatch):
 @pytest.fixture
 def nan_outputs(monkeypatch):
     monkeypatch.setattr(fused, "_empty", _poison)
+    monkeypatch.setattr(fused, "_empty_like", _poison_like)
 
 
 @pytest.mark.parametrize("load_balance", ["zigzag", "none"])

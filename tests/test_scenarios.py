@@ -26,6 +26,7 @@ def nan_outputs(monkeypatch):
     """Every output buffer the fused op allocates starts as NaN: an unwritten row cannot pass."""
     monkeypatch.setattr(fused, "_empty", lambda shape, dtype, device: torch.full(
         shape, float("nan"), dtype=dtype, device=device))
+    monkeypatch.setattr(fused, "_empty_like", lambda t: torch.full_like(t, float("nan")))
 
 
 def _cu(lengths):

@@ -637,8 +637,8 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     split). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `config_for`'s and
     `long_config_for`'s (the lab's sweeps; BLOCK_M, BLOCK_N powers of two >= 16). Call with q's
     device current. Returns the number of splits launched and the key tile (BLOCK_N) they walked
-    (split_rule's choice); with kept=True (contiguous K/V, no seqlens) the call's launch kept for
-    its repeats instead (`_repeat_launch`), or None where none was kept (the interpreter).
+    (split_rule's choice); with kept=True (contiguous K/V, no seqlens) also, third, the call's
+    launch kept for its repeats (`_repeat_launch`), or None where none was kept (the interpreter).
 
     An eager call is looked up by what fixes its kernels and their fixed arguments (_Plan says
     what is left out); a repeat launches the kernel directly (launch._Bound). Module state the
@@ -694,7 +694,7 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
         if paged or seqlens is not None:
             raise ValueError("attention_decode keeps launches for repeats of contiguous K/V "
                              "without seqlens only")
-        return _repeat_launch(plan, num_splits, split_key, per_call[9:])
+        return num_splits, block_n, _repeat_launch(plan, num_splits, split_key, per_call[9:])
     return num_splits, block_n
 
 
