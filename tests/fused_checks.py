@@ -28,10 +28,9 @@ GPU_DTYPES = [(torch.bfloat16, 4e-3, 1e-3), (torch.float16, 1e-3, 1e-3)]
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
     """Every output buffer the op allocates starts as NaN."""
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    def poisoned(like, shape, dtype):
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
     monkeypatch.setattr(fused, "_empty", poisoned)
-    monkeypatch.setattr(fused, "_empty_like", lambda t: torch.full_like(t, float("nan")))
 
 
 def make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, device, layout="bhsd"):

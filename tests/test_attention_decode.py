@@ -37,8 +37,8 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def nan_scratch(monkeypatch):
     """The kernel's partial results start as NaN too: the merge must read only written ones."""
-    monkeypatch.setattr(kernels, "_empty", lambda shape, dtype, device: torch.full(
-        shape, float("nan"), dtype=dtype, device=device))
+    monkeypatch.setattr(kernels, "_empty", lambda like, shape, dtype: torch.full(
+        shape, float("nan"), dtype=dtype, device=like.device))
 
 
 @pytest.fixture(autouse=True)

@@ -429,9 +429,8 @@ def test_attention_function_softcap():
 
 def test_attention_function_packs_a_padded_decode_and_zeroes_padding_rows(monkeypatch):
     monkeypatch.setattr(fused, "_empty",  # NaN: an element the kernel skips would show
-                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                device=device))
-    monkeypatch.setattr(fused, "_empty_like", lambda t: torch.full_like(t, float("nan")))
+                        lambda like, shape, dtype: torch.full(shape, float("nan"), dtype=dtype,
+                                                              device=like.device))
     q, k, v = _qkv(7, batch=3, q_len=2, kv_len=8)
     # Row 0 left-padded by 3, row 1 right-padded (its last query is padding), row 2 all padding.
     padding = torch.tensor([[0] * 3 + [1] * 5, [1] * 7 + [0], [0] * 8], dtype=torch.bool)

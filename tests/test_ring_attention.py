@@ -31,12 +31,9 @@ FLOORS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3}
 SPAWN_TIMEOUT_S = 240  # a hung collective fails the test instead of blocking CI
 
 
-def _poison(shape, dtype, device):
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+def _poison(like, shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
 
-
-def _poison_like(t):
-    return torch.full_like(t, float("nan"))
 
 
 def _full_inputs(layout, heads, kv_heads, seq, head_dim, dtype, seed):
@@ -117,7 +114,7 @@ def check_unequal_shards_refused(group=None):
 
 def _rank_main(rank, size, port, cases, backend):
     torch.set_num_threads(1)  # the CPU ranks share two cores
-    fused._empty, fused._empty_like = _poison, _poison_like  # this process only: outputs start NaN
+    fused._empty = _poison  # this process only: every op output starts as NaN
     device = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -195,7 +192,6 @@ def test_three_ranks(monkeypatch):
 @pytest.fixture
 def nan_outputs(monkeypatch):
     monkeypatch.setattr(fused, "_empty", _poison)
-    monkeypatch.setattr(fused, "_empty_like", _poison_like)
 
 
 @pytest.mark.parametrize("load_balance", ["zigzag", "none"])

@@ -24,9 +24,8 @@ from attnscope.profile.flops import attention_flops, varlen_flops
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
     """Every output buffer the fused op allocates starts as NaN: an unwritten row cannot pass."""
-    monkeypatch.setattr(fused, "_empty", lambda shape, dtype, device: torch.full(
-        shape, float("nan"), dtype=dtype, device=device))
-    monkeypatch.setattr(fused, "_empty_like", lambda t: torch.full_like(t, float("nan")))
+    monkeypatch.setattr(fused, "_empty", lambda like, shape, dtype: torch.full(
+        shape, float("nan"), dtype=dtype, device=like.device))
 
 
 def _cu(lengths):

@@ -128,9 +128,9 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
         k_cache, v_cache = k_cache[:, :cache_seqlens], v_cache[:, :cache_seqlens]  # views
     elif seqlens is None:  # one length for every sequence of a paged cache
         seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=device)
-    out = fused._empty(q.shape, q.dtype, device)
+    out = fused._empty(q, q.shape, q.dtype)
     batch, q_len, heads, _ = q.shape
-    lse = fused._empty((batch, heads, q_len), torch.float32, device)
+    lse = fused._empty(q, (batch, heads, q_len), torch.float32)
     q4, out4 = q.transpose(1, 2), out.transpose(1, 2)  # b s h d -> b h s d views
     if block_table is None:
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)

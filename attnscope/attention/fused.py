@@ -116,16 +116,15 @@ def _as_bhsd(t, layout):
     return t if layout == "bhsd" else t.transpose(1, 2)
 
 
-def _empty(shape, dtype, device):
-    # The places outputs are allocated (this and _empty_like): tests replace both with a NaN
-    # fill to prove that the kernel writes every element.
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _empty_like(t):
-    # A contiguous t's shape, dtype and device: the cheapest allocation from Python (3.7 against
-    # torch.empty's 8.0 us on the H200 machine's host), for the output of a contiguous q.
-    return torch.empty_like(t)
+def _empty(like, shape, dtype):
+    """A new uninitialized tensor of `shape` and `dtype` on like's device, contiguous: the one
+    place outputs are allocated (tests replace it with a NaN fill to prove that the kernel
+    writes every element). Python's cheapest ways, on the H200 machine's host: torch.empty_like
+    where `like` itself is contiguous with that shape and dtype (1.8-3.7 us), else
+    Tensor.new_empty (3.6 us) rather than torch.empty (5-8 us)."""
+    if like.dtype == dtype and like.shape == shape and like.is_contiguous():
+        return torch.empty_like(like)
+    return like.new_empty(shape, dtype=dtype)
 
 
 def _on_device(device):
@@ -196,9 +195,9 @@ def _outputs(q, k, v, layout, device):
     # The output, allocated contiguous in the caller's layout, its fp32 LSE [batch, heads,
     # q_len], and (q, k, v, out) as the [batch, heads, seq, head_dim] views the kernels see,
     # whatever their strides.
-    out = _empty_like(q) if q.is_contiguous() else _empty(q.shape, q.dtype, device)
+    out = _empty(q, q.shape, q.dtype)
     views = tuple(_as_bhsd(t, layout) for t in (q, k, v, out))
-    return out, _empty(views[0].shape[:-1], torch.float32, device), views
+    return out, _empty(q, views[0].shape[:-1], torch.float32), views
 
 
 def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, window_right=-1,
@@ -314,13 +313,13 @@ def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
     # The backward op's body, also run directly by _EagerAttention.
     kernels = _kernels()
     # Gradients are allocated contiguous in the caller's layout, like the forward's output.
-    dq = _empty(q.shape, q.dtype, q.device)
-    dk = _empty(k.shape, k.dtype, k.device)
-    dv = _empty(v.shape, v.dtype, v.device)
+    dq = _empty(q, q.shape, q.dtype)
+    dk = _empty(k, k.shape, k.dtype)
+    dv = _empty(v, v.shape, v.dtype)
     q4, k4, v4, out4, dout4, dq4, dk4, dv4 = (_as_bhsd(t, layout)
                                               for t in (q, k, v, out, dout, dq, dk, dv))
     batch, heads, q_len, _ = q4.shape
-    delta = _empty((batch, heads, q_len), torch.float32, q.device)  # rowsum(dO * O), scratch
+    delta = _empty(q, (batch, heads, q_len), torch.float32)  # rowsum(dO * O), scratch
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
         return dq, dk, dv

@@ -95,8 +95,8 @@ def _varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
     kernels = fused._kernels()
     if q.device.type == "cpu":
         fused._check_interpreter(kernels, q)
-    out = fused._empty(q.shape, q.dtype, q.device)
-    lse = fused._empty((q.shape[1], q.shape[0]), torch.float32, q.device)  # flash-attn's layout
+    out = fused._empty(q, q.shape, q.dtype)
+    lse = fused._empty(q, (q.shape[1], q.shape[0]), torch.float32)  # flash-attn's layout
     if fused._shapes_only(kernels, q) or q.shape[0] == 0:
         return out, lse
     batch = cu_seqlens_q.shape[0] - 1
@@ -117,10 +117,10 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                 scale: float, window_left: int, window_right: int, softcap: float
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kernels = fused._kernels()
-    dq = fused._empty(q.shape, q.dtype, q.device)
-    dk = fused._empty(k.shape, k.dtype, k.device)
-    dv = fused._empty(v.shape, v.dtype, v.device)
-    delta = fused._empty(lse.shape, torch.float32, q.device)  # rowsum(dO * O), scratch
+    dq = fused._empty(q, q.shape, q.dtype)
+    dk = fused._empty(k, k.shape, k.dtype)
+    dv = fused._empty(v, v.shape, v.dtype)
+    delta = fused._empty(q, lse.shape, torch.float32)  # rowsum(dO * O), scratch
     if fused._shapes_only(kernels, q):
         return dq, dk, dv
     if q.shape[0] == 0:  # no query: no key is seen

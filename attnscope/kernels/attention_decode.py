@@ -494,9 +494,10 @@ def _chunks(kv_len, window_keys, groups, block_n, slots, forced_splits):
     return block_n, -(-max(span, 1) // chunk), chunk  # no split left without keys by rounding
 
 
-def _empty(shape, dtype, device):
-    # Scratch for the partials: tests replace it with a NaN fill to prove every partial is written.
-    return torch.empty(shape, dtype=dtype, device=device)
+def _empty(like, shape, dtype):
+    # Scratch for the partials, on like's device: tests replace it with a NaN fill to prove every
+    # partial is written. (Tensor.new_empty: fewer arguments to parse than torch.empty's.)
+    return like.new_empty(shape, dtype=dtype)
 
 
 # Eager launches (launch.FastLaunch): Triton's dispatch once per key, a direct launch after.
@@ -674,7 +675,7 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     if final:
         part = arrivals = out  # unused: the split kernel writes out and lse itself
     else:  # the partial outputs, then their LSEs (a fresh allocation: 16-byte aligned)
-        part = _empty((plan.rows * num_splits * (q.shape[3] + 1),), torch.float32, q.device)
+        part = _empty(q, (plan.rows * num_splits * (q.shape[3] + 1),), torch.float32)
         arrivals = _arrivals(q.device, plan.programs)
     qk_scale, softcap_log2, _ = score_scales(scale, softcap)
     per_call = (q, k, v, out, lse, part, arrivals, seqlens_arg, table_arg,  #
@@ -712,6 +713,6 @@ def _repeat_launch(plan, num_splits, split_key, scalars):
     size, programs = plan.rows * num_splits * (plan.head_dim + 1), plan.programs
 
     def launch(q, k, v, out, lse):
-        part = _empty((size,), torch.float32, q.device)
+        part = _empty(q, (size,), torch.float32)
         bound((q, k, v, out, lse, part, _arrivals(q.device, programs), lse, lse, *scalars))
     return launch
