@@ -6,7 +6,7 @@ alone. head_dim 64 takes the Triton kernel,
 128 the Gluon one on sm_90 with Triton 3.6. --profile adds cProfile's top functions (by own time)
 of the public op, so a layer's cost can be traced to the function that spends it.
 --decode measures a decode step instead: one sequence, 32 query heads on 8 K/V heads, 1024 keys,
-8 queries, bottom-right (the shape at which the op was host-bound), through the fused op's
+8 queries (--q-len), bottom-right (the shape at which the op was host-bound), through the fused op's
 decode route, fused_attention_with_kvcache on a fixed-capacity cache, and the split-KV launch.
 --stub-launches measures the Python layers alone on a machine without a GPU: fp16 CPU tensors,
 the kernel launches replaced by no-ops (best of --rounds loops; a CPU machine's timings are
@@ -179,9 +179,13 @@ def main():
     p.add_argument("--decode", action="store_true",
                    help="time a decode step (1 x 32/8 heads x 1024 keys x 8 queries) instead of "
                         "the (1, 1, 128) prefill call")
+    p.add_argument("--q-len", type=int, default=8,
+                   help="queries of the --decode step (1-8; default 8)")
     p.add_argument("--rounds", type=int, default=1,
                    help="timing loops per row, the best one reported (default 1)")
     args = p.parse_args()
+    if not 1 <= args.q_len <= attention_decode.MAX_Q_LEN:
+        p.error(f"--q-len must be 1..{attention_decode.MAX_Q_LEN} (the decode route's queries)")
     if args.stub_launches:
         stub_launches()
     elif not torch.cuda.is_available():
@@ -189,9 +193,9 @@ def main():
     for d in args.head_dim:
         step = None
         if args.decode:
-            public, timed = decode_rows(d, args.stub_launches)
-            print(f"decode, head_dim {d}: " + ("kernel launches stubbed out" if args.stub_launches
-                                                else "the split-KV kernel"), flush=True)
+            public, timed = decode_rows(d, args.stub_launches, q_len=args.q_len)
+            what = "kernel launches stubbed out" if args.stub_launches else "the split-KV kernel"
+            print(f"decode, q_len {args.q_len}, head_dim {d}: {what}", flush=True)
         else:
             kernel, public, step, timed = rows(d, args.stub_launches)
             print(f"head_dim {d}: " + (f"the op runs the {kernel} kernel" if kernel else
