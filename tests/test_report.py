@@ -424,6 +424,26 @@ def test_compare_writes_the_records_an_entry_hands_over(tmp_path, monkeypatch):
     assert "missing" not in page.text["fused"]
 
 
+def test_a_backward_variant_s_forward_kernels_are_written_once(tmp_path, monkeypatch, capsys):
+    """An entry that differs from ours only in the backward (backward_variant_of) hands over the
+    same forward kernels: compare --mode fwd_bwd writes them once, under the entry they belong
+    to, and its trace's kernels get the same fields. Listed first, the variant still waits."""
+    record = _h200_record()
+    for name, variant_of in (("ours", None), ("ours_variant", "ours")):
+        monkeypatch.setitem(IMPLEMENTATIONS, name, Implementation(
+            name, "stand-in", "", lambda device: (True, "test"),
+            lambda q, k, v: lambda: q * k.sum() + v.sum(), ours=True,
+            compiled_kernels=lambda: [record], backward_variant_of=variant_of))
+    out = tmp_path / "out"
+    assert main(["compare", *TINY, "--mode", "fwd_bwd", "--impl", "ours_variant", "ours",
+                 "--out", str(out)]) == 0
+    run = out / runs.LATEST
+    assert (run / artifacts.folder_for("ours") / f"{KERNEL}.meta.json").is_file()
+    assert not (run / artifacts.folder_for("ours_variant")).exists()
+    assert json.loads((run / runs.RESULTS).read_text())["kernel_artifacts"] == "ours/kernel"
+    assert "ours_variant: its forward kernels are ours's" in capsys.readouterr().err
+
+
 def test_compiled_evidence_of_our_entry_comes_from_its_records(monkeypatch):
     monkeypatch.setattr(compiled, "triton_verdicts", lambda names: {})  # nothing found in Triton's
     impl = Implementation("ours", "", "", lambda d: (True, ""), lambda q, k, v: None,

@@ -306,8 +306,15 @@ def _finish(args, results, folder: Path, impls, shape, dtype_name):
     """Compiled artifacts of our kernels, then the annotated traces (which cite them)."""
     rows = {r["impl"]: r for r in results["rows"]}
     metas = {}
-    for impl in impls:
+    # An entry that differs from another only in its backward (backward_variant_of) hands over
+    # that entry's forward kernels: written once, under the entry they belong to.
+    for impl in sorted(impls, key=lambda impl: impl.backward_variant_of is not None):
         if not (impl.ours or impl.compiled_kernels) or rows[impl.name]["status"] != "ok":
+            continue
+        if impl.backward_variant_of in metas:
+            metas[impl.name] = metas[impl.backward_variant_of]
+            _progress(f"compiled artifacts of {impl.name}: its forward kernels are "
+                      f"{impl.backward_variant_of}'s, written there")
             continue
         records = _records(impl)
         target = Path(args.dump_kernel) if args.dump_kernel else folder / artifacts.folder_for(
