@@ -177,7 +177,7 @@ def main():
                    help="CPU fp16 tensors and no-op kernel launches: the Python layers alone, "
                         "on a machine without a GPU")
     p.add_argument("--decode", action="store_true",
-                   help="time a decode step (1 x 32/8 heads x 1024 keys x 8 queries) instead of "
+                   help="time a decode step (1 x 32/8 heads x 1024 keys x --q-len queries) instead of "
                         "the (1, 1, 128) prefill call")
     p.add_argument("--q-len", type=int, default=8,
                    help="queries of the --decode step (1-8; default 8)")

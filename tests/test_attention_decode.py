@@ -166,8 +166,7 @@ def test_a_remembered_decode_call_gives_the_op_s_result(layout, num_splits, spli
     # The op remembers an eager decode-route call (CUDA only) as fused._repeat over the launch
     # attention_decode kept for it (kept=True). Run here in the interpreter on new inputs of the
     # same shapes, that launch alone (no second Triton launch) gives the reference's output and
-    # LSE, in either layout, with and without the merge; so does a repeat on another stream's
-    # counts (none on the CPU: one buffer).
+    # LSE, in either layout, with and without the merge.
     splits(num_splits)
 
     def in_layout(tensors):  # make_cache's bshd tensors as the op takes them in `layout`
@@ -802,14 +801,16 @@ def test_gpu_a_repeated_decode_call_is_remembered(layout, monkeypatch):
                         lambda *a, **kw: decodes.append(a) or decode(*a, **kw))
     outs = [fused_attention(*args, layout=layout, causal_alignment="bottom_right",
                             return_lse=True) for _ in range(2)]
-    assert len(checks) == 1 and len(decodes) == 1
+    # (where the direct launcher does not fit this Triton, the repeat calls attention_decode)
+    repeat_decodes = 0 if launch.direct_launch_ok() else 1
+    assert len(checks) == 1 and len(decodes) == 1 + repeat_decodes
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     out, lse = outs[1]
     assert_close(out if layout == "bshd" else _bhsd(out), lse, q, k, v, [3000] * 4, 4e-3, 1e-3)
     with torch.no_grad():
         fused_attention(args[0].clone().requires_grad_(), *args[1:], layout=layout,
                         causal_alignment="bottom_right")
-    assert len(checks) == 2 and len(decodes) == 1
+    assert len(checks) == 2 and len(decodes) == 1 + repeat_decodes
 
 
 @pytest.mark.cuda

@@ -350,3 +350,19 @@ def test_compiled_kernels_are_records_of_what_the_launches_kept(monkeypatch):
                                    "n_regs": 168, "n_spills": 0}
     launch._note("_attn_fwd", older, {"BLOCK_M": 128})  # used again: first now
     assert [r.name for r in get("fused").compiled_kernels()] == ["_attn_fwd", "_attn_fwd_hopper"]
+
+
+def test_outputs_are_plain_tensors_with_standard_strides():
+    # The allocation hook's cheap paths (empty_like, new_empty) keep the outputs as torch.empty
+    # made them: standard contiguous strides even where q's size-1 or empty dims carry others,
+    # and plain tensors for a subclass input.
+    from attnscope.attention import fused
+    q = torch.randn(1, 5, 4, 16)[:, -1:]  # contiguous, strides (320, 64, 16, 1)
+    assert fused._empty(q, q.shape, q.dtype).stride() == (64, 64, 16, 1)
+    empty = torch.empty_strided((0, 2, 3, 4), (0, 1, 7, 3))
+    assert fused._empty(empty, empty.shape, torch.float32).stride() == (24, 12, 4, 1)
+    lse = fused._empty(q, (1, 1, 4), torch.float32)
+    assert lse.dtype == torch.float32 and lse.stride() == (4, 4, 1)
+    param = torch.nn.Parameter(torch.randn(2, 3))
+    out = fused._empty(param, param.shape, param.dtype)
+    assert type(out) is torch.Tensor and not out.requires_grad

@@ -35,7 +35,6 @@ def _poison(like, shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
 
 
-
 def _full_inputs(layout, heads, kv_heads, seq, head_dim, dtype, seed):
     """The full sequence's q, k, v and upstream gradient, the same on every rank."""
     g = torch.Generator().manual_seed(seed)

@@ -496,7 +496,10 @@ def _chunks(kv_len, window_keys, groups, block_n, slots, forced_splits):
 
 def _empty(like, shape, dtype):
     # Scratch for the partials, on like's device: tests replace it with a NaN fill to prove every
-    # partial is written. (Tensor.new_empty: fewer arguments to parse than torch.empty's.)
+    # partial is written. (Tensor.new_empty parses fewer arguments than torch.empty; a subclass
+    # such as a Parameter gets torch.empty's plain tensor.)
+    if type(like) is not torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=like.device)
     return like.new_empty(shape, dtype=dtype)
 
 
@@ -647,6 +650,9 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     forgotten by launch.forget_launches().
     """
     paged = block_table is not None
+    if kept and (paged or seqlens is not None):
+        raise ValueError("attention_decode keeps launches for repeats of contiguous K/V without "
+                         "seqlens only")
     if paged:  # [num_blocks, page_size, kv_heads, d]: block, head, row, column strides
         page_size, kv_heads = k.shape[1], k.shape[2]
         kv_len = block_table.shape[1] * page_size  # keys a sequence may hold
@@ -692,9 +698,6 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
                            MERGE_COLS=plan.merge_cols, MERGE_SPLITS=plan.merge_splits),
                       per_call=SPLIT_PER_CALL, config=config)
     if kept:
-        if paged or seqlens is not None:
-            raise ValueError("attention_decode keeps launches for repeats of contiguous K/V "
-                             "without seqlens only")
         return num_splits, block_n, _repeat_launch(plan, num_splits, split_key, per_call[9:])
     return num_splits, block_n
 
