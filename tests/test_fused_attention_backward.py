@@ -12,6 +12,8 @@ heads: the interpreter's time grows with seq^2 * heads. The `cuda` tests repeat 
 and fp16 at realistic sizes.
 """
 
+import collections
+
 import pytest
 import torch
 from einops import rearrange
@@ -20,7 +22,7 @@ from attnscope import fused_attention
 from attnscope.attention.reference import attention_reference
 from attnscope.kernels import attention_bwd, common
 # nan_outputs: autouse; here it also poisons dq, dk, dv and Delta
-from fused_checks import CPU, make_qkv, nan_outputs, on_hopper  # noqa: F401
+from fused_checks import CPU, keep_launches, make_qkv, nan_outputs, on_hopper  # noqa: F401
 
 # (dtype, error floor per unit of the gradient's magnitude): fp16 2e-3 is two rounding steps
 # (eps 9.8e-4), bf16 4e-3 half of one (eps 7.8e-3), fp32 1e-5 ~80 eps (see assert_grads_close)
@@ -206,6 +208,70 @@ def test_eager_autograd_matches_the_custom_ops():
     q.requires_grad_()
     out = fused_attention(q, k, v)
     assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+
+
+@pytest.fixture
+def kept_backward(monkeypatch):
+    """The backward's Triton launches are kept in the interpreter as on the GPU; returns the
+    list of the op's calls into the backward launch (dispatch.attention_bwd): a remembered
+    backward (fused._backward_repeat) does not make one. Starts and ends with nothing kept."""
+    from attnscope.attention import fused
+    from attnscope.kernels import launch as launches
+    launches.forget_launches()
+    counts, calls = collections.Counter(), []
+    for name in ("_launch_preprocess", "_launch_dkdv", "_launch_dq"):
+        keep_launches(monkeypatch, getattr(attention_bwd, name), name, counts)
+    dispatch = fused._kernels()
+    launch = dispatch.attention_bwd
+    monkeypatch.setattr(dispatch, "attention_bwd",
+                        lambda *a, **kw: calls.append(kw) or launch(*a, **kw))
+    yield calls
+    launches.forget_launches()
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_backward_repeat_runs_the_kept_launches(kept_backward, layout):
+    # The second backward of one signature runs the three launches the first kept, with fresh
+    # NaN-poisoned gradients and Delta: right on new inputs (GQA, bottom-right, a window that
+    # cuts blocks, a dO of other strides than q's), bit for bit the full path on the same ones.
+    kwargs = dict(layout=layout, causal_alignment="bottom_right", window=(20, 0))
+    q, k, v = make_qkv(2, 4, 2, 40, 56, 16, torch.float16, CPU, layout)
+    dout = torch.randn(q.shape[::-1], dtype=q.dtype).permute(3, 2, 1, 0)  # other strides
+    first = check_grads(q, k, v, 2e-3, dout=dout, **kwargs)
+    assert len(kept_backward) == 1 and kept_backward[0]["kept"]
+    again = check_grads(q, k, v, 2e-3, dout=dout, **kwargs)
+    assert len(kept_backward) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    q, k, v = make_qkv(2, 4, 2, 40, 56, 16, torch.float16, CPU, layout)
+    check_grads(q, k, v, 2e-3, dout=torch.randn(q.shape[::-1], dtype=q.dtype).permute(3, 2, 1, 0),
+                **kwargs)
+    assert len(kept_backward) == 1
+
+
+def test_each_backward_key_component_is_a_new_call(kept_backward):
+    # What fixes the launches' arguments: dO's strides, the scale, the alignment, the lengths,
+    # the deterministic flag; a call that differs in one takes the full path (and is right).
+    q, k, v = make_qkv(1, 2, 1, 24, 24, 16, torch.float32, CPU)
+    check_grads(q, k, v, 1e-5)
+    check_grads(q, k, v, 1e-5, dout=torch.randn(q.shape[::-1]).permute(3, 2, 1, 0))
+    check_grads(q, k, v, 1e-5, scale=0.3)
+    check_grads(q, k, v, 1e-5, op_kwargs=dict(deterministic=False))
+    shifted = torch.empty(q.numel() + 1)[1:].view(q.shape).copy_(q)  # 4-byte aligned
+    check_grads(shifted, k, v, 1e-5)
+    q2, k2, v2 = make_qkv(1, 2, 1, 25, 24, 16, torch.float32, CPU)
+    check_grads(q2, k2, v2, 1e-5, causal_alignment="bottom_right")
+    assert len(kept_backward) == 6  # each a first call
+    check_grads(q, k, v, 1e-5, scale=0.3)  # a repeat
+    assert len(kept_backward) == 6
+
+
+def test_forget_launches_forgets_the_remembered_backward(kept_backward):
+    from attnscope.kernels import launch
+    q, k, v = make_qkv(1, 2, 1, 24, 24, 16, torch.float32, CPU)
+    check_grads(q, k, v, 1e-5)
+    launch.forget_launches()
+    check_grads(q, k, v, 1e-5)
+    assert len(kept_backward) == 2
 
 
 def test_second_order_gradients_raise_instead_of_dropping_terms():

@@ -313,27 +313,66 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 # Gradients flow to q, k, v through `out`; the LSE output is marked non-differentiable (it is
 # saved for the backward, not a quantity the formula below differentiates).
 
-def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout, window_left=-1,
-                   window_right=-1, softcap=0.0, deterministic=True):
-    # The backward op's body, also run directly by _EagerAttention.
-    kernels = _kernels()
-    # Gradients are allocated contiguous in the caller's layout, like the forward's output.
-    dq = _empty(q, q.shape, q.dtype)
-    dk = _empty(k, k.shape, k.dtype)
-    dv = _empty(v, v.shape, v.dtype)
+def _gradients(dout, q, k, v, out, layout):
+    # dq, dk, dv, allocated contiguous in the caller's layout like the forward's output, then
+    # the ten tensors the backward kernels take, as [batch, heads, seq, head_dim] views but the
+    # LSE (the caller's, put in its place) and Delta (rowsum(dO * O), scratch).
+    dq, dk, dv = _empty(q, q.shape, q.dtype), _empty(k, k.shape, k.dtype), _empty(v, v.shape,
+                                                                                 v.dtype)
     q4, k4, v4, out4, dout4, dq4, dk4, dv4 = (_as_bhsd(t, layout)
                                               for t in (q, k, v, out, dout, dq, dk, dv))
-    batch, heads, q_len, _ = q4.shape
-    delta = _empty(q, (batch, heads, q_len), torch.float32)  # rowsum(dO * O), scratch
-    offset = k4.shape[2] - q_len if bottom_right else 0
+    delta = _empty(q, q4.shape[:-1], torch.float32)
+    return (dq, dk, dv), [dout4, q4, k4, v4, out4, None, dq4, dk4, dv4, delta]
+
+
+def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout, window_left=-1,
+                   window_right=-1, softcap=0.0, deterministic=True, repeat_key=None):
+    # The backward op's body, also run directly by _EagerAttention. repeat_key: its
+    # _backward_key of an eager call, under which its kept launches are remembered.
+    kernels = _kernels()
+    grads, tensors = _gradients(dout, q, k, v, out, layout)
+    tensors[5] = lse
+    q_len, kv_len = tensors[1].shape[2], tensors[2].shape[2]
     if _shapes_only(kernels, q):
-        return dq, dk, dv
+        return grads
     with _on_device(q.device):
-        kernels.attention_bwd(dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta, causal=causal,
-                              scale=scale, causal_offset=offset,
-                              window=(window_left, window_right), softcap=softcap,
-                              wrap=_launch_wrap(q), deterministic=deterministic)
-    return dq, dk, dv
+        kept = kernels.attention_bwd(*tensors, causal=causal, scale=scale,
+                                     causal_offset=kv_len - q_len if bottom_right else 0,
+                                     window=(window_left, window_right), softcap=softcap,
+                                     wrap=_launch_wrap(q), deterministic=deterministic,
+                                     kept=repeat_key is not None)
+    if repeat_key is not None and kept is not None:
+        _remember(repeat_key, _backward_repeat(layout, kept))
+    return grads
+
+
+def _backward_key(dout, q, k, v, attention_args):
+    """What fixes an eager backward's kernels and launch arguments besides its tensors, as
+    _repeat_key does for the forward: dO's and q, k, v's shapes, strides, dtypes, devices and
+    16-byte alignment, the call's arguments (scale, causal offset, window, softcap and
+    deterministic among them), and whether deterministic algorithms are forced. The output, LSE,
+    gradients and Delta are the op's own allocations: contiguous and aligned, so q's shape and
+    the layout fix theirs; the arguments were checked by the forward. None for a dO that is
+    not a plain strided tensor (it takes the full path every time)."""
+    if type(dout) is not torch.Tensor or dout.layout is not torch.strided:
+        return None
+    return ("backward", dout.shape, q.shape, k.shape, v.shape, dout.stride(), q.stride(),
+            k.stride(), v.stride(), dout.dtype, q.dtype, k.dtype, v.dtype, dout.device, q.device,
+            k.device, v.device, dout.data_ptr() % 16 == 0, q.data_ptr() % 16 == 0,
+            k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, attention_args,
+            torch.are_deterministic_algorithms_enabled())
+
+
+def _backward_repeat(layout, launch):
+    # A remembered backward: its gradients and Delta allocated as _backward_impl does, then
+    # launch(dO, q, k, v, out, lse, dq, dk, dv, delta) on the kernels' views.
+    def run(dout, q, k, v, out, lse):
+        grads, tensors = _gradients(dout, q, k, v, out, layout)
+        tensors[5] = lse
+        with _on_device(q.device):
+            launch(*tensors)
+        return grads
+    return run
 
 
 @triton_op("attnscope::attention_bwd", mutates_args=())
@@ -390,11 +429,17 @@ class _EagerAttention(torch.autograd.Function):
         if dout is None:  # no gradient reached `out` (lse has none by construction)
             return (None,) * 11
         q, k, v, out, lse = ctx.saved_tensors
+        args = ctx.attention_args
         # Compiled autograd traces this with dynamo, and create_graph=True runs it with grad
-        # mode on: both get the op. A plain backward runs with grad mode off.
-        traced = torch.compiler.is_compiling() or torch.is_grad_enabled()
-        impl = _attention_bwd if traced else _backward_impl
-        return (*impl(dout, q, k, v, out, lse, *ctx.attention_args), *(None,) * 8)
+        # mode on: both get the op. A plain backward runs with grad mode off; a repeat of one
+        # whose launches were kept runs them again (_backward_repeat).
+        if torch.compiler.is_compiling() or torch.is_grad_enabled():
+            return (*_attention_bwd(dout, q, k, v, out, lse, *args), *(None,) * 8)
+        key = _backward_key(dout, q, k, v, args)
+        run = _repeats.get(key) if key is not None and _repeats is not None else None
+        grads = (run(dout, q, k, v, out, lse) if run is not None
+                 else _backward_impl(dout, q, k, v, out, lse, *args, repeat_key=key))
+        return (*grads, *(None,) * 8)
 
 
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",

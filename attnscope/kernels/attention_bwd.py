@@ -421,7 +421,7 @@ def config_for(head_dim):
 
 def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, causal_offset,
                   window=(-1, -1), softcap=0.0, varlen=None, wrap=None, config=None,
-                  deterministic=True):
+                  deterministic=True, kept=False):
     """Launch the backward. q, out, do, dq: [batch, heads, q_len, head_dim] views with any
     strides; k, v, dk, dv: [batch, kv_heads, kv_len, head_dim]; lse (the forward's, natural log)
     and delta (scratch, written here): contiguous fp32 [batch, heads, q_len]. Writes dq, dk, dv.
@@ -431,7 +431,10 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     sees the launches; without it the launches skip Triton's dispatch on repeats (FastLaunch).
     `config`: a tuple named by CONFIG_FIELDS instead of the table's (tests, labs).
     deterministic=False lets the calls the Gluon kernels take without GQA add dQ from the dK/dV
-    kernel in any order (fused_dq); every other call computes as with True."""
+    kernel in any order (fused_dq); every other call computes as with True.
+    kept=True (an eager call) returns the call's launches kept for its repeats instead
+    (`_kept_backward`), or None where they are not kept (the Gluon kernels, a packed batch, the
+    interpreter)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is None:
@@ -499,14 +502,43 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
             gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
                                             scale=scale, causal_offset=offset, key=key,
                                             dq_acc=dq_acc)
-            return torch.mul(dq_acc, scale, out=dq)
-        gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
-                                        scale=scale, causal_offset=offset, key=key)
-        return gluon.attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, causal=bounded,
-                                             scale=scale, causal_offset=offset, key=key)
+            result = torch.mul(dq_acc, scale, out=dq)
+        else:
+            gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
+                                            scale=scale, causal_offset=offset, key=key)
+            result = gluon.attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, causal=bounded,
+                                                   scale=scale, causal_offset=offset, key=key)
+        return None if kept else result
     for launch, grid, args, kwargs in launches:
         result = launch(key, grid, args, kwargs)
+    if kept:
+        return _kept_backward(key, launches) if varlen is None else None
     return result
+
+
+# How many tensors lead each Triton launch's arguments (the rest the launch key fixes): Delta's
+# (out, do, delta), dK/dV's (q, k, v, do, dk, dv, lse, delta) and dQ's (q, k, v, do, dq, lse,
+# delta); a packed batch's cumulative lengths follow them, so its launches are never kept here.
+_LEADING_TENSORS = (3, 8, 7)
+
+
+def _kept_backward(key, launches):
+    """The three Triton launches of a call again, for calls with the same key and the same
+    scale (every argument but the leading tensors is the first call's: strides, lengths, the
+    causal offset, the scales), or None where a launch was not kept (the interpreter, a cache
+    hook). It takes the ten tensors attention_bwd takes, in its order."""
+    bounds = [launch.bound.get(key) for launch, *_ in launches]
+    if None in bounds:
+        return None
+    (pre, dkdv, dq_launch), rests = bounds, [args[n:] for (_, _, args, _), n in
+                                             zip(launches, _LEADING_TENSORS)]
+    pre_rest, dkdv_rest, dq_rest = rests
+
+    def launch(do, q, k, v, out, lse, dq, dk, dv, delta):
+        pre((out, do, delta, *pre_rest))
+        dkdv((q, k, v, do, dk, dv, lse, delta, *dkdv_rest))
+        dq_launch((q, k, v, do, dq, lse, delta, *dq_rest))
+    return launch
 
 
 def fused_dq(gluon, heads, kv_heads):
