@@ -359,6 +359,28 @@ def test_gpu_fp32():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_a_repeated_backward_is_remembered(layout, monkeypatch):
+    # Two backwards of one signature on the Triton kernels (head_dim 64, GQA, bottom-right):
+    # the second runs the kept launches (no attention_bwd call where the direct launcher fits),
+    # right and bit for bit the first.
+    from attnscope.attention import fused
+    from attnscope.kernels import launch
+    launch.forget_launches()
+    dispatch, calls = fused._kernels(), []
+    bwd = dispatch.attention_bwd
+    monkeypatch.setattr(dispatch, "attention_bwd",
+                        lambda *a, **kw: calls.append(kw) or bwd(*a, **kw))
+    q, k, v = make_qkv(2, 8, 2, 300, 520, 64, torch.bfloat16, "cuda", layout)
+    dout = torch.randn_like(q)
+    kwargs = dict(layout=layout, causal_alignment="bottom_right")
+    grads = [check_grads(q, k, v, 4e-3, dout=dout, **kwargs) for _ in range(2)]
+    assert len(calls) == (1 if launch.direct_launch_ok() else 2)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    launch.forget_launches()
+
+
+@pytest.mark.cuda
 def test_gpu_torch_compile_fullgraph_forward_and_backward():
     q, k, v = make_qkv(4, 8, 2, 512, 512, 64, torch.bfloat16, "cuda")
 
