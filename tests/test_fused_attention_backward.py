@@ -265,6 +265,36 @@ def test_each_backward_key_component_is_a_new_call(kept_backward):
     assert len(kept_backward) == 6
 
 
+def test_a_saved_output_moved_by_a_hook_is_a_new_call(kept_backward):
+    # A saved-tensor hook may hand the backward the output in other strides than the op's own
+    # allocation: the key holds the saved output's and LSE's strides, so that is a first call
+    # (and right), not a repeat with the first call's strides.
+    def relaid(t):  # every 4-D tensor column-major
+        return t.permute(3, 2, 1, 0).contiguous().permute(3, 2, 1, 0) if t.dim() == 4 else t
+    q, k, v = make_qkv(1, 2, 1, 24, 24, 16, torch.float32, CPU)
+    check_grads(q, k, v, 1e-5)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, relaid):
+        check_grads(q, k, v, 1e-5)
+    assert len(kept_backward) == 2
+
+
+def test_a_traced_backward_is_never_a_repeat(kept_backward, monkeypatch):
+    # Under a dispatch mode (what fused._traced detects) the backward takes the full path, so
+    # the mode sees its launches, whatever was remembered. (The launches are left eager here:
+    # the interpreter stand-ins cannot be wrapped by wrap_triton.)
+    from attnscope.attention import fused
+    q, k, v = make_qkv(1, 2, 1, 24, 24, 16, torch.float32, CPU)
+    dout = torch.randn_like(q)
+    first = _grads(fused_attention, q, k, v, dout)  # remembered
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fused_attention(*leaves)  # eager autograd (_EagerAttention), then traced:
+    monkeypatch.setattr(fused, "_traced", lambda t: True)
+    monkeypatch.setattr(fused, "_launch_wrap", lambda t: None)
+    again = torch.autograd.grad(out, leaves, dout)
+    assert len(kept_backward) == 2 and not kept_backward[1]["kept"]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 def test_forget_launches_forgets_the_remembered_backward(kept_backward):
     from attnscope.kernels import launch
     q, k, v = make_qkv(1, 2, 1, 24, 24, 16, torch.float32, CPU)
@@ -374,10 +404,14 @@ def test_gpu_a_repeated_backward_is_remembered(layout, monkeypatch):
     q, k, v = make_qkv(2, 8, 2, 300, 520, 64, torch.bfloat16, "cuda", layout)
     dout = torch.randn_like(q)
     kwargs = dict(layout=layout, causal_alignment="bottom_right")
-    grads = [check_grads(q, k, v, 4e-3, dout=dout, **kwargs) for _ in range(2)]
-    assert len(calls) == (1 if launch.direct_launch_ok() else 2)
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-    launch.forget_launches()
+    try:
+        grads = [check_grads(q, k, v, 4e-3, dout=dout, **kwargs) for _ in range(2)]
+        assert len(calls) == (1 if launch.direct_launch_ok() else 2)
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        q, k, v = make_qkv(2, 8, 2, 300, 520, 64, torch.bfloat16, "cuda", layout)
+        check_grads(q, k, v, 4e-3, **kwargs)  # new inputs, a repeat
+    finally:
+        launch.forget_launches()
 
 
 @pytest.mark.cuda

@@ -346,21 +346,22 @@ def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
     return grads
 
 
-def _backward_key(dout, q, k, v, attention_args):
+def _backward_key(dout, q, k, v, out, lse, attention_args):
     """What fixes an eager backward's kernels and launch arguments besides its tensors, as
-    _repeat_key does for the forward: dO's and q, k, v's shapes, strides, dtypes, devices and
-    16-byte alignment, the call's arguments (scale, causal offset, window, softcap and
-    deterministic among them), and whether deterministic algorithms are forced. The output, LSE,
-    gradients and Delta are the op's own allocations: contiguous and aligned, so q's shape and
-    the layout fix theirs; the arguments were checked by the forward. None for a dO that is
-    not a plain strided tensor (it takes the full path every time)."""
+    _repeat_key does for the forward: the shapes, strides, dtypes, devices and 16-byte alignment
+    of dO, q, k, v and of the saved output and LSE (the op's own allocations, unless a
+    saved-tensor hook moved them), the call's arguments (scale, alignment, window, softcap and
+    deterministic among them), and whether deterministic algorithms are forced. The gradients
+    and Delta are allocated here, contiguous and aligned, so q's shape and the layout fix
+    theirs; the arguments were checked by the forward. None for a dO that is not a plain
+    strided tensor (it takes the full path every time)."""
     if type(dout) is not torch.Tensor or dout.layout is not torch.strided:
         return None
     return ("backward", dout.shape, q.shape, k.shape, v.shape, dout.stride(), q.stride(),
-            k.stride(), v.stride(), dout.dtype, q.dtype, k.dtype, v.dtype, dout.device, q.device,
-            k.device, v.device, dout.data_ptr() % 16 == 0, q.data_ptr() % 16 == 0,
-            k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, attention_args,
-            torch.are_deterministic_algorithms_enabled())
+            k.stride(), v.stride(), out.stride(), lse.stride(), dout.dtype, q.dtype, k.dtype,
+            v.dtype, out.dtype, dout.device, q.device, k.device, v.device, out.device,
+            lse.device, tuple(t.data_ptr() % 16 == 0 for t in (dout, q, k, v, out, lse)),
+            attention_args, torch.are_deterministic_algorithms_enabled())
 
 
 def _backward_repeat(layout, launch):
@@ -435,7 +436,7 @@ class _EagerAttention(torch.autograd.Function):
         # whose launches were kept runs them again (_backward_repeat).
         if torch.compiler.is_compiling() or torch.is_grad_enabled():
             return (*_attention_bwd(dout, q, k, v, out, lse, *args), *(None,) * 8)
-        key = _backward_key(dout, q, k, v, args)
+        key = _backward_key(dout, q, k, v, out, lse, args) if not _traced(q) else None
         run = _repeats.get(key) if key is not None and _repeats is not None else None
         grads = (run(dout, q, k, v, out, lse) if run is not None
                  else _backward_impl(dout, q, k, v, out, lse, *args, repeat_key=key))

@@ -486,7 +486,7 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     if wrap is not None:
         for launch, grid, args, kwargs in launches:
             result = wrap(launch.kernel)[grid](*args, **kwargs)
-        return result
+        return None if kept else result
     # one key for the three launches: shapes, strides, alignment and the config fix them all
     key = (q.device, tuple(t.dtype for t in tensors), q.shape, k.shape, strides,
            aligned(*tensors), causal, causal_offset, window, softcap, config, hopper)
