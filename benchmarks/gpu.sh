@@ -19,6 +19,8 @@
 #            printed
 #   compare  `attnscope compare` at the seed shape, with its report, into compare/
 #   ncu      `attnscope ncu` (hardware counters) into compare/
+#   host     `benchmarks/host_cost.py`: the op's host time a call by layer (head_dim 64 and 128,
+#            with cProfile), and the decode route's at 1 and 8 queries
 # Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_MODES, BENCH_IMPLS (forward
 # peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; STEP_TIMEOUT (seconds per command,
 # default 280).
@@ -92,20 +94,32 @@ step_ncu() {
   timeout "$STEP_TIMEOUT" python -m attnscope.profile ncu --out "$OUT/compare"
 }
 
+step_host() {
+  local rc=0 q_len
+  timeout "$STEP_TIMEOUT" python benchmarks/host_cost.py --head-dim 64 128 --profile --rounds 3 \
+    || rc=$?
+  for q_len in 1 8; do
+    timeout "$STEP_TIMEOUT" python benchmarks/host_cost.py --decode --q-len "$q_len" --rounds 3 \
+      || rc=$?
+  done
+  return $rc
+}
+
 # the lines of a step's log that say how it went, for the summary
 highlights() {
   case $1 in
     setup) cat "$OUT/gpu.txt" 2>/dev/null ;;
     test) grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/test.log" ;;
     bench) grep -E "^\s*(fused|sdpa_cudnn) |geometric|ratio" "$OUT/bench.log" ;;
+    host) grep -E "^(head_dim|decode)|public op|autograd|sdpa" "$OUT/host.log" ;;
     *) tail -3 "$OUT/$1.log" ;;
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 for step in "$@"; do
   if ! declare -F "step_$step" > /dev/null; then
-    echo "gpu.sh: unknown step '$step' (setup, test, bench, compare, ncu)" >&2
+    echo "gpu.sh: unknown step '$step' (setup, test, bench, compare, ncu, host)" >&2
     exit 2
   fi
 done
