@@ -184,14 +184,40 @@ def test_a_remembered_decode_call_gives_the_op_s_result(layout, num_splits, spli
     assert kept_launches == {("split", "triton"): 1, ("split", "kept"): 2}
 
 
-def test_only_contiguous_calls_keep_a_launch_for_repeats(kept_launches):
-    # A kept launch passes a call's scalars as they were: a cache with per-sequence lengths
-    # (which may change between calls) is refused.
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_a_kvcache_call_with_tensor_lengths_is_remembered(page_size, splits, kept_launches,
+                                                          monkeypatch):
+    # fused_attention_with_kvcache with cache_seqlens as a tensor: the second call of one
+    # signature (new lengths, new queries and keys, a window and softcap) runs the launch kept
+    # for the first (no checks, no attention_decode call) and is right, contiguous or paged.
+    from attnscope.attention import decode
+    splits(3)
+    checks, decodes = [], []
+    validate, launch = decode._validate, kernels.attention_decode
+    monkeypatch.setattr(decode, "_validate", lambda *a: checks.append(a) or validate(*a))
+    monkeypatch.setattr(kernels, "attention_decode",
+                        lambda *a, **kw: decodes.append(a) or launch(*a, **kw))
+    kwargs = dict(window=(40, 0), softcap=5.0)
+    for seed, lengths in ((30, [37, 0, 64, 5]), (31, [64, 12, 1, 50])):
+        q, k, v = make_cache(4, 2, 8, 2, 64, 32, torch.float32, seed=seed)
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        caches = (k, v) if page_size is None else page(k, v, page_size, seed=seed)[:2]
+        table = None if page_size is None else page(k, v, page_size, seed=seed)[2]
+        out, lse = fused_attention_with_kvcache(q, *caches, seqlens, block_table=table,
+                                                return_lse=True, **kwargs)
+        assert_close(out, lse, q, k, v, lengths, 1e-5, 1e-5, **kwargs)
+    assert len(checks) == len(decodes) == 1
+    assert kept_launches == {("split", "triton"): 1, ("split", "kept"): 1}
+
+
+def test_a_kvcache_call_with_an_int_length_is_not_remembered(kept_launches):
+    # An int cache_seqlens changes every decode step: each call takes the full path.
     q, k, v = make_cache(1, 1, 4, 2, 40, 32, torch.float32, seed=21)
-    out, lse = torch.empty(1, 4, 1, 32), torch.empty(1, 4, 1)
-    with pytest.raises(ValueError, match="contiguous K/V without seqlens"):
-        kernels.attention_decode(_bhsd(q), _bhsd(k), _bhsd(v), out, lse, causal=True, scale=1.0,
-                                 seqlens=torch.tensor([40], dtype=torch.int32), kept=True)
+    for n in (30, 30):
+        out, lse = fused_attention_with_kvcache(q, k, v, n, return_lse=True)
+        assert_close(out, lse, q, k, v, [n], 1e-5, 1e-5)
+    from attnscope.attention import fused
+    assert not any(key[0] == "kvcache" for key in (fused._repeats or {}) if type(key[0]) is str)
 
 
 @pytest.mark.parametrize("merge_values", [256, 2048])

@@ -113,6 +113,13 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     Returns the output [batch, q_len, heads, head_dim] in q's dtype, and with return_lse=True
     also the float32 log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
     """
+    # A repeat of a validated call (same key: _repeat_key) runs the launch kept for it.
+    key = _repeat_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, window,
+                      softcap)
+    run = fused._repeats.get(key) if key is not None and fused._repeats is not None else None
+    if run is not None:
+        out, lse = run(q, k_cache, v_cache, cache_seqlens, block_table)
+        return (out, lse) if return_lse else out
     _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
     # (the defaults skip the checks, as the fused op's do: decode steps are bound by host time)
     window = ((-1, -1) if window == (-1, -1) and softcap == 0
@@ -128,14 +135,60 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
         k_cache, v_cache = k_cache[:, :cache_seqlens], v_cache[:, :cache_seqlens]  # views
     elif seqlens is None:  # one length for every sequence of a paged cache
         seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=device)
-    out = fused._empty(q, q.shape, q.dtype)
-    batch, q_len, heads, _ = q.shape
-    lse = fused._empty(q, (batch, heads, q_len), torch.float32)
-    q4, out4 = q.transpose(1, 2), out.transpose(1, 2)  # b s h d -> b h s d views
+    out, lse, q4, out4 = _outputs(q)
     if block_table is None:
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     with fused._on_device(device):
-        kernels.attention_decode(q4, k_cache, v_cache, out4, lse, causal=causal,
-                                 scale=float(scale), seqlens=seqlens, block_table=block_table,
-                                 window=window, softcap=float(softcap))
+        launched = kernels.attention_decode(
+            q4, k_cache, v_cache, out4, lse, causal=causal, scale=float(scale), seqlens=seqlens,
+            block_table=block_table, window=window, softcap=float(softcap),
+            kept=key is not None)
+    if key is not None and launched[2] is not None:
+        fused._remember(key, _repeat(launched[2], paged=block_table is not None))
     return (out, lse) if return_lse else out
+
+
+def _outputs(q):
+    # The output in q's [batch, q_len, heads, head_dim] and its fp32 LSE [batch, heads, q_len],
+    # and q and the output as the kernel's [batch, heads, q_len, head_dim] views.
+    out = fused._empty(q, q.shape, q.dtype)
+    batch, q_len, heads, _ = q.shape
+    lse = fused._empty(q, (batch, heads, q_len), torch.float32)
+    return out, lse, q.transpose(1, 2), out.transpose(1, 2)
+
+
+def _repeat_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, window,
+                softcap):
+    """What _validate reads of a call and what fixes its launch, for calls whose lengths are a
+    tensor (`cache_seqlens`: the kernel reads them, so a decode loop's steps share one key):
+    the shapes, strides, dtypes, devices and 16-byte alignment of q, the caches, the lengths
+    and the block table, and the arguments, only of the exact types the checks accept. None
+    for a call that takes the full path every time: an int cache_seqlens (its keys change
+    every step), inputs that require grad (refused under grad mode) or that are not plain
+    tensors."""
+    tensors = (q, k_cache, v_cache, cache_seqlens) + (() if block_table is None
+                                                     else (block_table,))
+    if (any(type(t) is not torch.Tensor for t in tensors)
+            or q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
+            or type(causal) is not bool
+            or not (scale is None or type(scale) is float or type(scale) is int)
+            or type(window) is not tuple or len(window) != 2
+            or type(window[0]) is not int or type(window[1]) is not int
+            or not (type(softcap) is float or type(softcap) is int)):
+        return None
+    return ("kvcache", block_table is None,
+            *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors),
+            causal, scale, window, softcap)
+
+
+def _repeat(launch, paged):
+    # A remembered call: its outputs allocated as the first call's, then its kept launch on the
+    # kernel's views (a contiguous cache as [batch, kv_heads, max_kv_len, head_dim]).
+    def run(q, k_cache, v_cache, seqlens, block_table):
+        out, lse, q4, out4 = _outputs(q)
+        if not paged:
+            k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        with fused._on_device(q.device):
+            launch(q4, k_cache, v_cache, out4, lse, seqlens, block_table)
+        return out, lse
+    return run

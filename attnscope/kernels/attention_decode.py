@@ -641,8 +641,8 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     split). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of `config_for`'s and
     `long_config_for`'s (the lab's sweeps; BLOCK_M, BLOCK_N powers of two >= 16). Call with q's
     device current. Returns the number of splits launched and the key tile (BLOCK_N) they walked
-    (split_rule's choice); with kept=True (contiguous K/V, no seqlens) also, third, the call's
-    launch kept for its repeats (`_repeat_launch`), or None where none was kept (the interpreter).
+    (split_rule's choice); with kept=True also, third, the call's launch kept for its repeats
+    (`_repeat_launch`), or None where none was kept (the interpreter).
 
     An eager call is looked up by what fixes its kernels and their fixed arguments (_Plan says
     what is left out); a repeat launches the kernel directly (launch._Bound). Module state the
@@ -650,9 +650,6 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     forgotten by launch.forget_launches().
     """
     paged = block_table is not None
-    if kept and (paged or seqlens is not None):
-        raise ValueError("attention_decode keeps launches for repeats of contiguous K/V without "
-                         "seqlens only")
     if paged:  # [num_blocks, page_size, kv_heads, d]: block, head, row, column strides
         page_size, kv_heads = k.shape[1], k.shape[2]
         kv_len = block_table.shape[1] * page_size  # keys a sequence may hold
@@ -703,19 +700,25 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
 
 
 def _repeat_launch(plan, num_splits, split_key, scalars):
-    """The launch of a call again, for one with the same key, K/V shapes and strides and scale
-    (the op's remembered calls: fused._repeat_key holds them), or None where the call kept no
-    launch. It takes (q, k, v, out, lse) and passes the call's scalars (strides, key length,
-    chunk, scales) as they were: no key, plan or split rule to work out again, only the partials
-    and the stream's arrival counts (a repeat may run on another stream)."""
+    """The launch of a call again, for one with the same key, K/V (or cache and block table)
+    shapes and strides and scale (the remembered calls of fused.py and decode.py hold them), or
+    None where the call kept no launch. It takes (q, k, v, out, lse[, seqlens, block_table]),
+    the last two as the first call had them (a tensor or None), and passes the call's scalars
+    (strides, key length, chunk, scales) as they were: no key, plan or split rule to work out
+    again, only the partials and the stream's arrival counts (a repeat may run on another
+    stream)."""
     bound = _split_launch.bound.get(split_key)
     if bound is None:
         return None
     if num_splits == 1:
-        return lambda q, k, v, out, lse: bound((q, k, v, out, lse, out, out, lse, lse, *scalars))
+        def final(q, k, v, out, lse, seqlens=None, table=None):
+            bound((q, k, v, out, lse, out, out, lse if seqlens is None else seqlens,
+                   lse if table is None else table, *scalars))
+        return final
     size, programs = plan.rows * num_splits * (plan.head_dim + 1), plan.programs
 
-    def launch(q, k, v, out, lse):
+    def split(q, k, v, out, lse, seqlens=None, table=None):
         part = _empty(q, (size,), torch.float32)
-        bound((q, k, v, out, lse, part, _arrivals(q.device, programs), lse, lse, *scalars))
-    return launch
+        bound((q, k, v, out, lse, part, _arrivals(q.device, programs),
+               lse if seqlens is None else seqlens, lse if table is None else table, *scalars))
+    return split
