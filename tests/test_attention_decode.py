@@ -840,6 +840,27 @@ def test_gpu_a_repeated_decode_call_is_remembered(layout, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_gpu_a_repeated_kvcache_call_is_remembered(page_size, monkeypatch):
+    # Two decode steps through fused_attention_with_kvcache with tensor lengths (the second
+    # with longer ones): the second runs the kept launch (no attention_decode call where the
+    # direct launcher fits) and is right, contiguous or paged.
+    decodes, decode = [], kernels.attention_decode
+    monkeypatch.setattr(kernels, "attention_decode",
+                        lambda *a, **kw: decodes.append(a) or decode(*a, **kw))
+    q, k, v = make_cache(8, 1, 32, 8, 4096, 128, torch.bfloat16, "cuda", seed=90)
+    caches, table = ((k, v), None) if page_size is None else (
+        page(k, v, page_size, seed=91)[:2], page(k, v, page_size, seed=91)[2])
+    for lengths in ([4000, 1, 2048, 0, 4096, 77, 3000, 512], [4001, 2, 2049, 1, 4096, 78, 3001,
+                                                               513]):
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        out, lse = fused_attention_with_kvcache(q, *caches, seqlens, block_table=table,
+                                                return_lse=True)
+        assert_close(out, lse, q, k, v, lengths, 4e-3, 1e-3)
+    assert len(decodes) == (1 if launch.direct_launch_ok() else 2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 def test_gpu_decode_loop_through_the_op_keeps_its_launches(dtype, floor, lse_tol):
     # A plain decode loop through fused_attention: K/V made anew with one key more each step
