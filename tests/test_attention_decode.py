@@ -184,14 +184,15 @@ def test_a_remembered_decode_call_gives_the_op_s_result(layout, num_splits, spli
     assert kept_launches == {("split", "triton"): 1, ("split", "kept"): 2}
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("page_size", [None, 16])
-def test_a_kvcache_call_with_tensor_lengths_is_remembered(page_size, splits, kept_launches,
-                                                          monkeypatch):
+def test_a_kvcache_call_with_tensor_lengths_is_remembered(page_size, num_splits, splits,
+                                                          kept_launches, monkeypatch):
     # fused_attention_with_kvcache with cache_seqlens as a tensor: the second call of one
     # signature (new lengths, new queries and keys, a window and softcap) runs the launch kept
     # for the first (no checks, no attention_decode call) and is right, contiguous or paged.
     from attnscope.attention import decode
-    splits(3)
+    splits(num_splits)
     checks, decodes = [], []
     validate, launch = decode._validate, kernels.attention_decode
     monkeypatch.setattr(decode, "_validate", lambda *a: checks.append(a) or validate(*a))
@@ -210,14 +211,16 @@ def test_a_kvcache_call_with_tensor_lengths_is_remembered(page_size, splits, kep
     assert kept_launches == {("split", "triton"): 1, ("split", "kept"): 1}
 
 
-def test_a_kvcache_call_with_an_int_length_is_not_remembered(kept_launches):
-    # An int cache_seqlens changes every decode step: each call takes the full path.
+def test_a_kvcache_call_with_an_int_length_is_not_remembered(kept_launches, monkeypatch):
+    # An int cache_seqlens changes every decode step: each call is checked and launched anew.
+    from attnscope.attention import decode
+    checks, validate = [], decode._validate
+    monkeypatch.setattr(decode, "_validate", lambda *a: checks.append(a) or validate(*a))
     q, k, v = make_cache(1, 1, 4, 2, 40, 32, torch.float32, seed=21)
-    for n in (30, 30):
+    for n in (30, 20, 20):
         out, lse = fused_attention_with_kvcache(q, k, v, n, return_lse=True)
         assert_close(out, lse, q, k, v, [n], 1e-5, 1e-5)
-    from attnscope.attention import fused
-    assert not any(key[0] == "kvcache" for key in (fused._repeats or {}) if type(key[0]) is str)
+    assert len(checks) == 3
 
 
 @pytest.mark.parametrize("merge_values", [256, 2048])
@@ -342,6 +345,20 @@ def test_bad_input_says_what_it_got(change, error, match):
     with pytest.raises(error, match=match):
         fused_attention_with_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
                                      args.pop("cache_seqlens"), **args)
+
+
+def test_strided_lengths_or_block_table_rows_are_refused():
+    # The kernel reads cache_seqlens[b] at offset b and a sequence's table entries one after
+    # another: other strides would read the wrong entries, so they are refused, not misread.
+    q, k, v = make_cache(2, 1, 4, 2, 32, 16, torch.float32)
+    lengths = torch.tensor([[5, 0], [7, 0]], dtype=torch.int32)[:, 0]  # stride 2
+    with pytest.raises(ValueError, match="cache_seqlens must be contiguous"):
+        fused_attention_with_kvcache(q, k, v, lengths)
+    k_pool, v_pool, table = page(k, v, 8)
+    strided = torch.zeros(2, 2 * table.shape[1], dtype=torch.int32)[:, ::2].copy_(table)
+    with pytest.raises(ValueError, match="block_table's rows must be contiguous"):
+        fused_attention_with_kvcache(q, k_pool, v_pool, lengths.contiguous(),
+                                     block_table=strided)
 
 
 # Sliding windows, bottom-right (query i of q_len sees keys kv_len - q_len + i - left ..

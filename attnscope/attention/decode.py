@@ -59,6 +59,10 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
                 or block_table.shape[0] != batch or block_table.shape[1] == 0:
             raise ValueError(f"block_table must be int32 [batch={batch}, max_blocks >= 1], got "
                              f"{block_table.dtype} {tuple(block_table.shape)}")
+        if block_table.stride(1) != 1 and block_table.shape[1] > 1:
+            raise ValueError(f"block_table's rows must be contiguous (the kernel reads a "
+                             f"sequence's entries one after another), got strides "
+                             f"{block_table.stride()}: pass block_table.contiguous()")
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                     or v_cache.requires_grad):
         raise ValueError("fused_attention_with_kvcache is forward only (no gradient would reach "
@@ -70,6 +74,10 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
         if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,):
             raise ValueError(f"cache_seqlens must be int32 [batch={batch}], got "
                              f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.stride(0) != 1 and batch > 1:
+            raise ValueError(f"cache_seqlens must be contiguous (the kernel reads entry b at "
+                             f"offset b), got stride {cache_seqlens.stride(0)}: pass "
+                             f"cache_seqlens.contiguous()")
     elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
         raise TypeError(f"cache_seqlens must be an int32 tensor or an int, got "
                         f"{type(cache_seqlens).__name__}")
@@ -93,7 +101,8 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
         cache_seqlens     int32 [batch] (or one int for every sequence): keys held per sequence,
                           0..capacity (max_kv_len, or max_blocks * block_size). Not checked
                           against the capacity when a tensor (that would synchronise the device).
-    Any strides. heads must be a multiple of kv_heads (GQA/MQA). dtypes float16, bfloat16 (CUDA),
+    Any strides for q and the caches; cache_seqlens and each row of block_table contiguous (a
+    ValueError otherwise). heads must be a multiple of kv_heads (GQA/MQA). dtypes float16, bfloat16 (CUDA),
     float32; head_dim 16..256; scale defaults to 1/sqrt(head_dim).
 
     causal=True aligns the mask bottom-right, as a decoding step needs: query i of q_len sees keys

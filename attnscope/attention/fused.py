@@ -247,9 +247,11 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
 # _validate and launched (`_repeats`) runs that call's launch again: two allocations and the
 # kept launch, without the checks, the dispatch and its launch key (benchmarks/host_cost.py:
 # the public op's host time at small shapes, where it bounds the call). Windowed and softcapped
-# calls, and any whose inputs are not plain tensors, take the full path every time.
+# calls of the op, and any whose inputs are not plain tensors, take the full path every time.
+# The table also holds remembered backwards (_backward_key) and fused_attention_with_kvcache
+# calls (decode.py's _repeat_key); each kind's keys start differently.
 
-_repeats = None  # key -> run(q, k, v); a launch table (forget_launches clears it), made on first use
+_repeats = None  # key -> its run(...); a launch table (forget_launches clears it), made on first use
 MAX_REPEATS = 256  # as many as the launch table keeps (launch.FastLaunch.MAX_KEYS)
 
 
