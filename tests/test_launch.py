@@ -371,29 +371,35 @@ def test_a_repeat_still_refuses_what_the_checks_refuse(kept_forward):
             fused_attention(q, k, v, **kwargs)
 
 
-def test_training_calls_and_forget_launches_bypass_the_repeats(kept_forward, validations):
-    # Inputs that need gradients take autograd's path whatever was remembered; forget_launches
-    # drops the remembered calls with the launches they hold.
+def test_training_calls_are_remembered_and_forget_launches_forgets(kept_forward, validations):
+    # A call that needs gradients is remembered too, under a key of its own (its inputs require
+    # grad): its repeat skips the checks and runs the kept launch under autograd's Function,
+    # with the first call's gradients; forget_launches drops the remembered calls.
+    from test_fused_attention_backward import check_grads
     q, k, v = make_qkv(1, 2, 2, 24, 24, 16, torch.float32, CPU)
     fused_attention(q, k, v)
     fused_attention(q, k, v)
     assert len(validations) == 1
-    q.requires_grad_()
-    fused_attention(q, k, v).sum().backward()
-    assert q.grad is not None and len(validations) == 2
+    dout = torch.randn_like(q)
+    first = check_grads(q, k, v, 1e-5, dout=dout)
+    assert len(validations) == 2
+    again = check_grads(q, k, v, 1e-5, dout=dout)
+    assert len(validations) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert kept_forward == {("fwd", "triton"): 1, ("fwd", "kept"): 3}
     launch.forget_launches()
     fused_attention(q.detach(), k, v)
     assert len(validations) == 3 and kept_forward["fwd", "triton"] == 2
 
 
-def test_inputs_that_require_grad_under_no_grad_are_not_remembered(kept_forward, validations):
-    # Under no_grad such inputs take _forward's full path (which keeps them off the decode
-    # route): never a repeat, and a plain call of the same shapes after them is remembered.
+def test_inputs_that_require_grad_under_no_grad_have_their_own_key(kept_forward, validations):
+    # Under no_grad such inputs take _forward's prefill path (it keeps them off the decode
+    # route): remembered under a key that says so, not the plain inputs' key.
     q, k, v = make_qkv(1, 2, 2, 20, 20, 16, torch.float32, CPU)
     qg = q.clone().requires_grad_()
     with torch.no_grad():
         for _ in range(2):
             fused_attention(qg, k, v)
+    assert len(validations) == 1
     fused_attention(q, k, v)
     fused_attention(q, k, v)
-    assert len(validations) == 3
+    assert len(validations) == 2

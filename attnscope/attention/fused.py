@@ -257,13 +257,13 @@ MAX_REPEATS = 256  # as many as the launch table keeps (launch.FastLaunch.MAX_KE
 
 def _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap):
     """What _validate reads of a call and what fixes its kernel and launch: shapes, strides,
-    dtypes, devices, 16-byte alignment and the arguments. None for a call that takes the full
-    path every time: a window or softcap, inputs that require grad (under no_grad: _forward
-    keeps them off the decode route), a tensor layout other than strided, or an argument of a
-    type _validate may refuse (a bool scale equals an int one in a key; only the int passes)."""
+    dtypes, devices, 16-byte alignment, whether an input requires grad (_forward keeps those
+    calls off the decode route, with grad mode on or off) and the arguments. None for a call
+    that takes the full path every time: a window or softcap, a tensor layout other than
+    strided, or an argument of a type _validate may refuse (a bool scale equals an int one in a
+    key; only the int passes)."""
     if (q.layout is not torch.strided or k.layout is not torch.strided
             or v.layout is not torch.strided  # (a nested tensor's strides raise)
-            or q.requires_grad or k.requires_grad or v.requires_grad  # no_grad: another route
             or type(window) is not tuple or window != (-1, -1) or type(causal) is not bool
             or not (type(softcap) is float or type(softcap) is int) or softcap != 0
             or type(layout) is not str or type(causal_alignment) is not str
@@ -271,7 +271,8 @@ def _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softca
         return None
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
             v.dtype, q.device, k.device, v.device, q.data_ptr() % 16 == 0,
-            k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, causal, scale, layout,
+            k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
+            q.requires_grad or k.requires_grad or v.requires_grad, causal, scale, layout,
             causal_alignment)
 
 
@@ -418,11 +419,14 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, bottom_right, layout, window_left, window_right,
-                softcap, deterministic):
+                softcap, deterministic, run, repeat_key):
         # (ctx-style forward: with a separate setup_context, Function.apply binds its arguments
         # through inspect.signature on every call, ~60 us on the CPU machine)
+        # run: a remembered call's kept launch (fused_attention's repeats), else _forward,
+        # which remembers the call under repeat_key.
         args = (causal, scale, bottom_right, layout, window_left, window_right, softcap)
-        output = _forward(q, k, v, *args)
+        output = run(q, k, v) if run is not None else _forward(q, k, v, *args,
+                                                               repeat_key=repeat_key)
         _setup_context(ctx, (q, k, v, *args, deterministic), output)
         ctx.set_materialize_grads(False)  # no zeros tensor for the unused LSE gradient
         return output
@@ -430,19 +434,19 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # no gradient reached `out` (lse has none by construction)
-            return (None,) * 11
+            return (None,) * 13
         q, k, v, out, lse = ctx.saved_tensors
         args = ctx.attention_args
         # Compiled autograd traces this with dynamo, and create_graph=True runs it with grad
         # mode on: both get the op. A plain backward runs with grad mode off; a repeat of one
         # whose launches were kept runs them again (_backward_repeat).
         if torch.compiler.is_compiling() or torch.is_grad_enabled():
-            return (*_attention_bwd(dout, q, k, v, out, lse, *args), *(None,) * 8)
+            return (*_attention_bwd(dout, q, k, v, out, lse, *args), *(None,) * 10)
         key = _backward_key(dout, q, k, v, out, lse, args) if not _traced(q) else None
         run = _repeats.get(key) if key is not None and _repeats is not None else None
         grads = (run(dout, q, k, v, out, lse) if run is not None
                  else _backward_impl(dout, q, k, v, out, lse, *args, repeat_key=key))
-        return (*grads, *(None,) * 8)
+        return (*grads, *(None,) * 10)
 
 
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
@@ -495,19 +499,25 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     H200; notes/backward.md, lever 3); every other call computes as with True, as does every
     call while torch.use_deterministic_algorithms(True) is on.
     """
-    # Eager inference (plain tensors, nothing traced, no gradient): a repeat of a validated
-    # call runs its kept launch (_repeats); a first call is remembered under its key.
+    # Eager calls of plain tensors (nothing traced): a repeat of a validated call runs its kept
+    # launch (_repeats), under autograd's Function where gradients are needed; a first call is
+    # remembered under its key.
     traced = _traced(q)
     key = None
-    eager_inference = (not traced and type(q) is torch.Tensor and type(k) is torch.Tensor
-                       and type(v) is torch.Tensor
-                       and not (torch.is_grad_enabled()
-                                and (q.requires_grad or k.requires_grad or v.requires_grad)))
-    if eager_inference:
+    if (not traced and type(q) is torch.Tensor and type(k) is torch.Tensor
+            and type(v) is torch.Tensor):
         key = _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap)
         run = _repeats.get(key) if key is not None and _repeats is not None else None
         if run is not None and (deterministic is True or deterministic is False):
-            out, lse = run(q, k, v)
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                            or v.requires_grad):
+                # autograd's Function, with the args a first call makes below
+                out, lse = _EagerAttention.apply(
+                    q, k, v, causal, float(scale) if scale is not None
+                    else 1.0 / math.sqrt(q.shape[-1]), causal_alignment == "bottom_right", layout,
+                    -1, -1, 0.0, deterministic, run, None)
+            else:
+                out, lse = run(q, k, v)
             return (out, lse) if return_lse else out
     _validate(q, k, v, causal, scale, layout, causal_alignment)
     # (the defaults skip the checks: eager calls at small shapes are bound by host time)
@@ -519,12 +529,10 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
         scale = 1.0 / math.sqrt(q.shape[-1])
     args = (causal, float(scale), causal_alignment == "bottom_right", layout, left, right,
             float(softcap))
-    if eager_inference:
-        out, lse = _forward(q, k, v, *args, repeat_key=key)
-    elif traced:  # torch.compile, a dispatch mode, torch.func, fake tensors
+    if traced:  # torch.compile, a dispatch mode, torch.func, fake tensors
         out, lse = _attention_fwd(q, k, v, *args, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _EagerAttention.apply(q, k, v, *args, deterministic)
+        out, lse = _EagerAttention.apply(q, k, v, *args, deterministic, None, key)
     else:
-        out, lse = _forward(q, k, v, *args)
+        out, lse = _forward(q, k, v, *args, repeat_key=key)
     return (out, lse) if return_lse else out
