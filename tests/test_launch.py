@@ -1,6 +1,6 @@
 """The launch cache and direct launcher (attnscope/kernels/launch.py): Triton's dispatch once
 per key, the gate on the installed launcher's shape and its fallback, the launched-kernel
-records, forget_launches, the per-thread scratch allocator; the op's eager inference repeats
+records, forget_launches, the per-thread scratch allocator; the op's eager repeats
 (attention/fused.py, `_repeats`); on the GPU, repeated and kept launches of the real kernels.
 """
 
@@ -371,23 +371,40 @@ def test_a_repeat_still_refuses_what_the_checks_refuse(kept_forward):
             fused_attention(q, k, v, **kwargs)
 
 
-def test_training_calls_are_remembered_and_forget_launches_forgets(kept_forward, validations):
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(layout="bshd", causal_alignment="bottom_right", scale=1, q_len=17, kv_len=30,
+         needs=(False, True, False)),  # only k needs grad; an int scale
+    dict(causal_alignment="bottom_right", q_len=30, kv_len=17, deterministic=False,
+         needs=(True, False, True)),
+])
+def test_training_calls_are_remembered_and_forget_launches_forgets(kept_forward, validations,
+                                                                   case):
     # A call that needs gradients is remembered too, under a key of its own (its inputs require
     # grad): its repeat skips the checks and runs the kept launch under autograd's Function,
-    # with the first call's gradients; forget_launches drops the remembered calls.
-    from test_fused_attention_backward import check_grads
-    q, k, v = make_qkv(1, 2, 2, 24, 24, 16, torch.float32, CPU)
-    fused_attention(q, k, v)
-    fused_attention(q, k, v)
-    assert len(validations) == 1
+    # with the first call's arguments saved for the backward (types included) and its
+    # gradients, bit for bit; forget_launches drops the remembered calls.
+    case = dict(case)
+    q_len, kv_len = case.pop("q_len", 24), case.pop("kv_len", 24)
+    needs = case.pop("needs", (True, True, True))
+    layout = case.get("layout", "bhsd")
+    q, k, v = make_qkv(1, 2, 2, q_len, kv_len, 16, torch.float32, CPU, layout)
     dout = torch.randn_like(q)
-    first = check_grads(q, k, v, 1e-5, dout=dout)
-    assert len(validations) == 2
-    again = check_grads(q, k, v, 1e-5, dout=dout)
-    assert len(validations) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
-    assert kept_forward == {("fwd", "triton"): 1, ("fwd", "kept"): 3}
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs)]
+        out = fused_attention(*leaves, **case)
+        grads = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], dout)
+        runs.append((out, out.grad_fn.attention_args, grads))
+    assert len(validations) == 1
+    (out0, args0, grads0), (out1, args1, grads1) = runs
+    assert torch.equal(out0, out1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+    assert args0 == args1 and [type(a) for a in args0] == [type(a) for a in args1]
+    reference_kwargs = {k: v for k, v in case.items() if k != "deterministic"}
+    check(q, k, v, 1e-5, 1e-5, **reference_kwargs)  # the output itself, against float64
+    assert kept_forward["fwd", "triton"] == 1
     launch.forget_launches()
-    fused_attention(q.detach(), k, v)
+    fused_attention(q, k, v, **case)
     assert len(validations) == 3 and kept_forward["fwd", "triton"] == 2
 
 

@@ -206,9 +206,9 @@ def _outputs(q, k, v, layout, device):
 
 def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, window_right=-1,
              softcap=0.0, wrap=None, repeat_key=None):
-    # Eager inference at small shapes is bound by this function's host time (benchmarks/
+    # Eager calls at small shapes are bound by this function's host time (benchmarks/
     # host_cost.py), so it reads the device once. repeat_key: fused_attention's _repeat_key of
-    # a validated eager inference call, under which its launch is remembered (_repeats).
+    # a validated eager call, under which its launch is remembered (_repeats).
     kernels = _kernels()
     device = q.device
     if device.type == "cpu":
@@ -242,10 +242,11 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
     return out, lse
 
 
-# ---- eager inference repeats ------------------------------------------------------------------
-# An eager inference call (no grad, nothing traced) whose _repeat_key matches one that passed
-# _validate and launched (`_repeats`) runs that call's launch again: two allocations and the
-# kept launch, without the checks, the dispatch and its launch key (benchmarks/host_cost.py:
+# ---- eager repeats --------------------------------------------------------------------------
+# An eager call (nothing traced; inference, or training under _EagerAttention) whose
+# _repeat_key matches one that passed _validate and launched (`_repeats`) runs that call's
+# launch again: two allocations and the kept launch, without the checks, the dispatch and its
+# launch key (benchmarks/host_cost.py:
 # the public op's host time at small shapes, where it bounds the call). Windowed and softcapped
 # calls of the op, and any whose inputs are not plain tensors, take the full path every time.
 # The table also holds remembered backwards (_backward_key) and fused_attention_with_kvcache
