@@ -172,7 +172,7 @@ def test_a_remembered_decode_call_gives_the_op_s_result(layout, num_splits, spli
     def in_layout(tensors):  # make_cache's bshd tensors as the op takes them in `layout`
         return tensors if layout == "bshd" else tuple(_bhsd(t) for t in tensors)
     first = in_layout(make_cache(2, 3, 4, 2, 70, 32, torch.float32, seed=19))
-    _, lse, views = fused._outputs(*first, layout, CPU)  # as the op's first call
+    _, lse, views = fused._outputs(*first, layout)  # as the op's first call
     *_, kept = kernels.attention_decode(*views[:3], views[3], lse, causal=True,
                                         scale=32 ** -0.5, kept=True)
     assert kept_launches == {("split", "triton"): 1}

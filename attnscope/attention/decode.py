@@ -102,8 +102,8 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
                           0..capacity (max_kv_len, or max_blocks * block_size). Not checked
                           against the capacity when a tensor (that would synchronise the device).
     Any strides for q and the caches; cache_seqlens and each row of block_table contiguous (a
-    ValueError otherwise). heads must be a multiple of kv_heads (GQA/MQA). dtypes float16, bfloat16 (CUDA),
-    float32; head_dim 16..256; scale defaults to 1/sqrt(head_dim).
+    ValueError otherwise). heads must be a multiple of kv_heads (GQA/MQA). dtypes float16,
+    bfloat16 (CUDA), float32; head_dim 16..256; scale defaults to 1/sqrt(head_dim).
 
     causal=True aligns the mask bottom-right, as a decoding step needs: query i of q_len sees keys
     j <= kv_len - q_len + i, so the last query sees the whole cache. For q_len=2, kv_len=5:
@@ -125,7 +125,7 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     # A repeat of a validated call (same key: _repeat_key) runs the launch kept for it.
     key = _repeat_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, window,
                       softcap)
-    run = fused._repeats.get(key) if key is not None and fused._repeats is not None else None
+    run = fused._remembered(key)
     if run is not None:
         out, lse = run(q, k_cache, v_cache, cache_seqlens, block_table)
         return (out, lse) if return_lse else out

@@ -195,7 +195,7 @@ def _check_interpreter(kernels, q):
                         "or float32 on CPU, bfloat16 on CUDA")
 
 
-def _outputs(q, k, v, layout, device):
+def _outputs(q, k, v, layout):
     # The output, allocated contiguous in the caller's layout, its fp32 LSE [batch, heads,
     # q_len], and (q, k, v, out) as the [batch, heads, seq, head_dim] views the kernels see,
     # whatever their strides.
@@ -213,7 +213,7 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
     device = q.device
     if device.type == "cpu":
         _check_interpreter(kernels, q)
-    out, lse, (q4, k4, v4, out4) = _outputs(q, k, v, layout, device)
+    out, lse, (q4, k4, v4, out4) = _outputs(q, k, v, layout)
     q_len = q4.shape[2]
     # Eager CUDA inference with few queries: the split-KV decode kernel (all q heads of a KV head
     # in one program, keys split over programs) instead of one program per query block and head.
@@ -252,7 +252,7 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
 # The table also holds remembered backwards (_backward_key) and fused_attention_with_kvcache
 # calls (decode.py's _repeat_key); each kind's keys start differently.
 
-_repeats = None  # key -> its run(...); a launch table (forget_launches clears it), made on first use
+_repeats = None  # key -> its run(...); a launch table (forget_launches clears it), made on use
 MAX_REPEATS = 256  # as many as the launch table keeps (launch.FastLaunch.MAX_KEYS)
 
 
@@ -277,6 +277,11 @@ def _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softca
             causal_alignment)
 
 
+def _remembered(key):
+    """The run remembered under `key` (None for a key of None or one not remembered)."""
+    return _repeats.get(key) if key is not None and _repeats is not None else None
+
+
 def _remember(key, run):
     global _repeats
     if _repeats is None:
@@ -291,7 +296,7 @@ def _repeat(layout, launch):
     # lse) on the [batch, heads, seq, head_dim] views.
     def run(q, k, v):
         device = q.device
-        out, lse, views = _outputs(q, k, v, layout, device)
+        out, lse, views = _outputs(q, k, v, layout)
         with _on_device(device):
             launch(*views, lse)
         return out, lse
@@ -317,16 +322,16 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 # Gradients flow to q, k, v through `out`; the LSE output is marked non-differentiable (it is
 # saved for the backward, not a quantity the formula below differentiates).
 
-def _gradients(dout, q, k, v, out, layout):
+def _gradients(dout, q, k, v, out, lse, layout):
     # dq, dk, dv, allocated contiguous in the caller's layout like the forward's output, then
     # the ten tensors the backward kernels take, as [batch, heads, seq, head_dim] views but the
-    # LSE (the caller's, put in its place) and Delta (rowsum(dO * O), scratch).
+    # LSE and Delta (rowsum(dO * O), scratch).
     dq, dk, dv = _empty(q, q.shape, q.dtype), _empty(k, k.shape, k.dtype), _empty(v, v.shape,
                                                                                  v.dtype)
     q4, k4, v4, out4, dout4, dq4, dk4, dv4 = (_as_bhsd(t, layout)
                                               for t in (q, k, v, out, dout, dq, dk, dv))
     delta = _empty(q, q4.shape[:-1], torch.float32)
-    return (dq, dk, dv), [dout4, q4, k4, v4, out4, None, dq4, dk4, dv4, delta]
+    return (dq, dk, dv), (dout4, q4, k4, v4, out4, lse, dq4, dk4, dv4, delta)
 
 
 def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout, window_left=-1,
@@ -334,8 +339,7 @@ def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout,
     # The backward op's body, also run directly by _EagerAttention. repeat_key: its
     # _backward_key of an eager call, under which its kept launches are remembered.
     kernels = _kernels()
-    grads, tensors = _gradients(dout, q, k, v, out, layout)
-    tensors[5] = lse
+    grads, tensors = _gradients(dout, q, k, v, out, lse, layout)
     q_len, kv_len = tensors[1].shape[2], tensors[2].shape[2]
     if _shapes_only(kernels, q):
         return grads
@@ -372,8 +376,7 @@ def _backward_repeat(layout, launch):
     # A remembered backward: its gradients and Delta allocated as _backward_impl does, then
     # launch(dO, q, k, v, out, lse, dq, dk, dv, delta) on the kernels' views.
     def run(dout, q, k, v, out, lse):
-        grads, tensors = _gradients(dout, q, k, v, out, layout)
-        tensors[5] = lse
+        grads, tensors = _gradients(dout, q, k, v, out, lse, layout)
         with _on_device(q.device):
             launch(*tensors)
         return grads
@@ -444,10 +447,19 @@ class _EagerAttention(torch.autograd.Function):
         if torch.compiler.is_compiling() or torch.is_grad_enabled():
             return (*_attention_bwd(dout, q, k, v, out, lse, *args), *(None,) * 10)
         key = _backward_key(dout, q, k, v, out, lse, args) if not _traced(q) else None
-        run = _repeats.get(key) if key is not None and _repeats is not None else None
+        run = _remembered(key)
         grads = (run(dout, q, k, v, out, lse) if run is not None
                  else _backward_impl(dout, q, k, v, out, lse, *args, repeat_key=key))
         return (*grads, *(None,) * 10)
+
+
+def _call_args(q, causal, scale, causal_alignment, layout, left=-1, right=-1, softcap=0.0):
+    # The kernels' arguments after the tensors, of a checked call (a repeat's are the defaults'
+    # window and softcap): what _forward, the custom ops and _EagerAttention take, and what the
+    # backward is given.
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return (causal, float(scale), causal_alignment == "bottom_right", layout, left, right,
+            float(softcap))
 
 
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
@@ -508,15 +520,13 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     if (not traced and type(q) is torch.Tensor and type(k) is torch.Tensor
             and type(v) is torch.Tensor):
         key = _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap)
-        run = _repeats.get(key) if key is not None and _repeats is not None else None
+        run = _remembered(key)
         if run is not None and (deterministic is True or deterministic is False):
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                            or v.requires_grad):
-                # autograd's Function, with the args a first call makes below
+                                            or v.requires_grad):  # under autograd's Function
                 out, lse = _EagerAttention.apply(
-                    q, k, v, causal, float(scale) if scale is not None
-                    else 1.0 / math.sqrt(q.shape[-1]), causal_alignment == "bottom_right", layout,
-                    -1, -1, 0.0, deterministic, run, None)
+                    q, k, v, *_call_args(q, causal, scale, causal_alignment, layout),
+                    deterministic, run, None)
             else:
                 out, lse = run(q, k, v)
             return (out, lse) if return_lse else out
@@ -526,10 +536,7 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
                    else _validate_window_softcap(causal, window, softcap))
     if deterministic is not True and deterministic is not False:
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    args = (causal, float(scale), causal_alignment == "bottom_right", layout, left, right,
-            float(softcap))
+    args = _call_args(q, causal, scale, causal_alignment, layout, left, right, softcap)
     if traced:  # torch.compile, a dispatch mode, torch.func, fake tensors
         out, lse = _attention_fwd(q, k, v, *args, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

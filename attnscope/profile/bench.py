@@ -225,8 +225,8 @@ def _write_json(path: str, header: dict, rows: list[dict], complete: bool) -> No
 def add_arguments(parser) -> None:
     parser.add_argument("--sweep", default=None,
                         help=f"named shape sweep: {', '.join(SWEEPS)} ('serving': decode, "
-                        "chunked prefill, packed sequences and paged decode) (default: 'default' on CUDA, "
-                        "'cpu' on the CPU)")
+                        "chunked prefill, packed sequences and paged decode) (default: "
+                        "'default' on CUDA, 'cpu' on the CPU)")
     parser.add_argument("--scenario", choices=scenarios.SCENARIOS, default=None,
                         help="time one serving scenario at its preset shape instead of a sweep: "
                         "prefill (q_len == kv_len), decode (q_len 1-8 on a long KV cache), "
