@@ -433,8 +433,8 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     deterministic=False lets the calls the Gluon kernels take without GQA add dQ from the dK/dV
     kernel in any order (fused_dq); every other call computes as with True.
     kept=True (an eager call) returns the call's launches kept for its repeats instead
-    (`_kept_backward`), or None where they are not kept (the Gluon kernels, a packed batch, the
-    interpreter)."""
+    (`_kept_backward`, `_kept_gluon_backward`), or None where they are not kept (a packed batch,
+    the interpreter)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is None:
@@ -496,7 +496,8 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         launch, grid, args, kwargs = launches[0]
         launch(key, grid, args, kwargs)  # Delta
         gluon = _hopper()
-        if not deterministic and fused_dq(gluon, heads, kv_heads):
+        fused = not deterministic and fused_dq(gluon, heads, kv_heads)
+        if fused:
             # dS K added into a zeroed fp32 buffer by the dK/dV kernel, then scaled into dq
             dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
@@ -508,7 +509,9 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
                                             scale=scale, causal_offset=offset, key=key)
             result = gluon.attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, causal=bounded,
                                                    scale=scale, causal_offset=offset, key=key)
-        return None if kept else result
+        if kept:
+            return _kept_gluon_backward(gluon, key, launches[0], scale, fused)
+        return result
     for launch, grid, args, kwargs in launches:
         result = launch(key, grid, args, kwargs)
     if kept:
@@ -539,6 +542,29 @@ def _kept_backward(key, launches):
         dkdv((q, k, v, do, dk, dv, lse, delta, *dkdv_rest))
         dq_launch((q, k, v, do, dq, lse, delta, *dq_rest))
     return launch
+
+
+def _kept_gluon_backward(gluon, key, delta_launch, scale, fused):
+    """_kept_backward's counterpart for the Gluon dK/dV and dQ kernels (attention_bwd_hopper):
+    Delta's Triton launch, then theirs; with `fused` dQ is added into a zeroed fp32 buffer by
+    the dK/dV kernel and scaled into dq, as attention_bwd does."""
+    launch, _, args, _ = delta_launch
+    pre = launch.bound.get(key)
+    dkdv, dq_launch = gluon.kept_launches(key, scale, fused)
+    if pre is None or dkdv is None or (dq_launch is None and not fused):
+        return None
+    pre_rest = args[_LEADING_TENSORS[0]:]
+
+    def run(do, q, k, v, out, lse, dq, dk, dv, delta):
+        pre((out, do, delta, *pre_rest))
+        if fused:
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            dkdv((q, k, v, do, dk, dv, lse, delta, dq_acc))
+            torch.mul(dq_acc, scale, out=dq)
+        else:
+            dkdv((q, k, v, do, dk, dv, lse, delta, lse))
+            dq_launch((q, k, v, do, dq, lse, delta))
+    return run
 
 
 def fused_dq(gluon, heads, kv_heads):

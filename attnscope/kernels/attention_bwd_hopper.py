@@ -540,11 +540,29 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:
         key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape,
-               aligned(q, k, v, do, dk, dv, lse, delta), causal, causal_offset, scale)
+               aligned(q, k, v, do, dk, dv, lse, delta), causal, causal_offset, scale, fused)
     else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
-        key = ("gluon-dkdv", key, scale)
-    return _launch(key + (fused,), grid, args, kwargs, per_call=9,
+        key = _dkdv_key(key, scale, fused)
+    return _launch(key, grid, args, kwargs, per_call=9,
                    config=dict(STAGES=stages, consumer_regs=regs, fused_dq=fused))
+
+
+def _dkdv_key(key, scale, fused):
+    # the dK/dV launch's key under the backward's (attention_bwd's) key
+    return ("gluon-dkdv", key, scale, fused)
+
+
+def _dq_key(key, scale):
+    return ("gluon-dq", key, scale)
+
+
+def kept_launches(key, scale, fused):
+    """The dK/dV and dQ launches (launch._Bound) kept under the backward's key for this scale,
+    None where one was not kept; the dQ one is None with fused (dQ comes from the dK/dV
+    kernel). A call passes the tensors: dK/dV (q, k, v, do, dk, dv, lse, delta, dq_acc or lse),
+    dQ (q, k, v, do, dq, lse, delta)."""
+    return (_launch.bound.get(_dkdv_key(key, scale, fused)),
+            None if fused else _launch_dq.bound.get(_dq_key(key, scale)))
 
 
 def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causal_offset,
@@ -569,7 +587,7 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
         key = ("gluon-dq", q.device, q.dtype, q.shape, k.shape,
                aligned(q, k, v, do, dq, lse, delta), causal, causal_offset, scale)
     else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
-        key = ("gluon-dq", key, scale)
+        key = _dq_key(key, scale)
     return _launch_dq(key, grid, args, kwargs, per_call=7,
                       config=dict(BLOCK_N=block_n, STAGES=stages, consumer_regs=regs))
 
