@@ -25,6 +25,20 @@ def fresh_launches():
     dispatch.forget_launches()
 
 
+@pytest.fixture(autouse=True)
+def gluon_at_any_length(monkeypatch):
+    """The tests here run the Gluon kernel through the op at short lengths too, which the
+    routing (attention_fwd_hopper.SHORT_KEYS) otherwise gives the Triton kernel; calls other
+    tests made at these shapes, remembered with their route, are forgotten first."""
+    hopper = dispatch._hopper() if on_hopper() else None
+    if hopper is not None:
+        monkeypatch.setattr(hopper, "SHORT_KEYS", 0)
+        dispatch.forget_launches()
+    yield
+    if hopper is not None:
+        dispatch.forget_launches()
+
+
 HOPPER_SHAPES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment): the kernel's 128-row tiles,
     # the diagonal, ragged query tiles and rows past a head's end, ragged last K/V blocks (the
@@ -154,6 +168,25 @@ def test_hopper_kernel_only_takes_what_it_supports():
     bshd = rearrange(torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16),
                      "b s h d -> b h s d")
     assert not dispatch.uses_hopper_kernel(bshd, k, v, out, scale)  # not one [rows, d] matrix
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+def test_short_calls_in_few_tiles_take_the_triton_kernel(monkeypatch):
+    # SHORT_KEYS's rule: at most that many keys in no more 128-row tiles than SMs -> Triton;
+    # more keys, or more tiles than SMs -> Gluon. Either way the op is right.
+    hopper = dispatch._hopper()
+    monkeypatch.setattr(hopper, "SHORT_KEYS", 256)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (batch, heads, q_len, kv_len), gluon in [
+            ((1, 8, 256, 256), False), ((1, 8, 300, 200), False), ((1, 8, 256, 257), True),
+            ((1, 8, 1024, 1024), True), ((1, 2, 4096, 256), False),
+            ((-(-sms // 2), 2, 128, 128), False), ((sms // 2 + 1, 2, 128, 128), True)]:
+        q, k, v = make_qkv(batch, heads, 2, q_len, kv_len, 96, torch.bfloat16, "cuda")
+        assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), 0.1) == gluon, (
+            batch, heads, q_len, kv_len)
+        if batch * heads < 16:
+            check(q, k, v, 4e-3, 1e-3, causal_alignment="bottom_right")
 
 
 @pytest.mark.cuda
