@@ -28,11 +28,11 @@ def fresh_launches():
 @pytest.fixture(autouse=True)
 def gluon_at_any_length(monkeypatch):
     """The tests here run the Gluon kernel through the op at short lengths too, which the
-    routing (attention_fwd_hopper.SHORT_KEYS) otherwise gives the Triton kernel; calls other
+    routing (attention_fwd_hopper.SHORT_WORK) otherwise gives the Triton kernel; calls other
     tests made at these shapes, remembered with their route, are forgotten first."""
     hopper = dispatch._hopper() if on_hopper() else None
     if hopper is not None:
-        monkeypatch.setattr(hopper, "SHORT_KEYS", 0)
+        monkeypatch.setattr(hopper, "SHORT_WORK", 0)
         dispatch.forget_launches()
     yield
     if hopper is not None:
@@ -173,20 +173,39 @@ def test_hopper_kernel_only_takes_what_it_supports():
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 def test_short_calls_in_few_tiles_take_the_triton_kernel(monkeypatch):
-    # SHORT_KEYS's rule: at most that many keys in no more 128-row tiles than SMs -> Triton;
-    # more keys, or more tiles than SMs -> Gluon. Either way the op is right.
+    # SHORT_WORK's rule: keys x head_dim at most 256 x 128 in no more 128-row tiles than SMs
+    # -> Triton; longer tiles, or more tiles than SMs -> Gluon. Either way the op is right.
     hopper = dispatch._hopper()
-    monkeypatch.setattr(hopper, "SHORT_KEYS", 256)
+    monkeypatch.setattr(hopper, "SHORT_WORK", 256 * 128)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (batch, heads, q_len, kv_len), gluon in [
-            ((1, 8, 256, 256), False), ((1, 8, 300, 200), False), ((1, 8, 256, 257), True),
-            ((1, 8, 1024, 1024), True), ((1, 2, 4096, 256), False),
-            ((-(-sms // 2), 2, 128, 128), False), ((sms // 2 + 1, 2, 128, 128), True)]:
-        q, k, v = make_qkv(batch, heads, 2, q_len, kv_len, 96, torch.bfloat16, "cuda")
+    for (batch, heads, q_len, kv_len, head_dim), gluon in [
+            ((1, 8, 256, 256, 128), False), ((1, 8, 300, 200, 128), False),
+            ((1, 8, 256, 257, 128), True), ((1, 8, 256, 256, 192), True),
+            ((1, 8, 128, 128, 256), False), ((1, 8, 340, 340, 96), False),
+            ((1, 8, 1024, 1024, 96), True), ((1, 2, 4096, 256, 128), False),
+            ((-(-sms // 2), 2, 128, 128, 128), False), ((sms // 2 + 1, 2, 128, 128, 128), True)]:
+        q, k, v = make_qkv(batch, heads, 2, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
         assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), 0.1) == gluon, (
-            batch, heads, q_len, kv_len)
+            batch, heads, q_len, kv_len, head_dim)
         if batch * heads < 16:
             check(q, k, v, 4e-3, 1e-3, causal_alignment="bottom_right")
+
+
+def test_the_short_tile_rule_counts_keys_times_head_dim_and_tiles(monkeypatch):
+    # The rule itself, on the CPU: a fake 132-SM device; q/k as shapes only.
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    props = type("Props", (), {"multi_processor_count": 132, "major": 9})()
+    monkeypatch.setattr(hopper, "device_properties", lambda device: props)
+    monkeypatch.setattr(hopper, "SHORT_WORK", 256 * 128)
+    meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    for (batch, heads, q_len, kv_len, head_dim), short in [
+            ((1, 8, 256, 256, 128), True), ((1, 8, 256, 257, 128), False),
+            ((1, 8, 128, 128, 256), True), ((1, 8, 128, 129, 256), False),
+            ((1, 8, 409, 409, 80), True), ((1, 8, 410, 410, 80), False),
+            ((66, 2, 128, 128, 128), True), ((67, 2, 128, 128, 128), False),
+            ((1, 2, 8448, 100, 64), True), ((1, 2, 8449, 100, 64), False)]:
+        q, k = meta(batch, heads, q_len, head_dim), meta(batch, 2, kv_len, head_dim)
+        assert hopper._short(q, k) == short, (batch, heads, q_len, kv_len, head_dim)
 
 
 @pytest.mark.cuda

@@ -27,23 +27,23 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   group 0) or j (warpgroup 1), through two mbarriers, so one warpgroup's softmax tends to run
   while the other's matrix multiplies do.
 
-What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU,
-Triton >= 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from
-MIN_QUERIES = 2049 queries on), more than SHORT_KEYS keys or more tiles than SMs, q/k/v contiguous
-[batch, heads, seq, head_dim], a positive scale, and a launch that is not being traced (under
-torch.compile the Triton kernel runs). A head_dim that is not a power of two runs as two
-column parts of power-of-two widths (`column_parts`: 80 = 64 + 16, 96 = 64 + 32, 192 = 128 +
-64), each with its own buffers and descriptors: S is two wgmma chained on one accumulator, O two
+What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU, Triton >=
+3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from MIN_QUERIES = 2049
+queries on), tiles longer than SHORT_WORK or more of them than SMs, q/k/v contiguous [batch,
+heads, seq, head_dim], a positive scale, and a launch that is not being traced (under
+torch.compile the Triton kernel runs). A head_dim that is not a power of two runs as two column
+parts of power-of-two widths (`column_parts`: 80 = 64 + 16, 96 = 64 + 32, 192 = 128 + 64), each
+with its own buffers and descriptors: S is two wgmma chained on one accumulator, O two
 accumulators, so no wgmma multiplies zero columns. Where two parts would cover as many columns
 as one (112), one part padded to the next power of two: the descriptors' boxes are wider than
 the rows, so the copy engine fills the padding columns with zeros (they add nothing to Q K^T,
-and P V's padding columns are zeros) and drops them on the store. Any query and key length:
-the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a block that runs
-past a head's end reads the copy engine's zeros (never the next head's rows), keys past
-the end are masked to -inf in the last K/V block only, and the copy engine drops the rows of an
-output block past the end. Output blocks go to memory through shared memory and the copy engine
-(TMA store), except those of an `out` that is not contiguous and 16-byte aligned, and at
-head_dim 256, whose staging buffers do not fit in shared memory (register stores).
+and P V's padding columns are zeros) and drops them on the store. Any query and key length: the
+TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a block that runs past a
+head's end reads the copy engine's zeros (never the next head's rows), keys past the end are
+masked to -inf in the last K/V block only, and the copy engine drops the rows of an output block
+past the end. Output blocks go to memory through shared memory and the copy engine (TMA store),
+except those of an `out` that is not contiguous and 16-byte aligned, and at head_dim 256, whose
+staging buffers do not fit in shared memory (register stores).
 
 Packed batches (fused_attention_varlen, VARLEN) at head_dim 80, 96, 128, 192 and 256
 (PACKED_HEAD_DIMS): the packed [total, heads, head_dim] tensors, whose rows may be any 16-byte
@@ -732,17 +732,19 @@ CONFIGS = {64: (128, 3, 240), 80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2
 # the compiler's and lost 4.6 % there under Triton 3.9 (0.714 against 0.683 ms), where this
 # kernel's schedule is its own (notes/forward.md, "Triton releases").
 MIN_QUERIES = {64: 2049}
-# A dense call of at most SHORT_KEYS keys whose tiles fit in one program each (no more than the
-# SMs) takes the Triton kernel: each program then pays this kernel's fixed costs (its
-# partitions' start, the device-side TMA descriptors, the schedule) for one or two K/V blocks.
-# H200, Triton 3.6, kernels launched directly (benchmarks/labs/hopper_lab.py --time;
-# notes/lab/gluon_vs_triton_short_h200.txt): at 128-256 keys and 8-16 tiles the Triton kernel
-# took 0.0104 against 0.0136 ms (128 keys, head_dim 96), 0.0132 against 0.0196 (256, 80),
-# 0.0130 against 0.0176 (256, 128), 0.0190 against 0.0194 (256, 256); at ~500 keys the two
-# traded places by up to 11 % either way, from 1024 keys this kernel won at every head_dim
-# (0.0227 against 0.0257 ms at (1,8,1024,128)); with many tiles it wins by 1.4-1.9x at 128-256
-# keys ((1024,16,128,128): 0.525 against 0.900 ms).
-SHORT_KEYS = 256
+# A dense call whose tiles fit in one program each (no more than the SMs) and whose tiles are
+# short, keys x head_dim <= SHORT_WORK (256 keys at head_dim 128, 128 at 256, 409 at 80), takes
+# the Triton kernel: each program then pays this kernel's fixed costs (its partitions' start,
+# the device-side TMA descriptors) for one or two K/V blocks. Through the op, H200, Triton 3.6,
+# this rule against the Gluon kernel everywhere (notes/lab/gluon_vs_triton_short_h200.txt):
+# 0.786-0.960 of the time at 128-256 keys and head_dim 80-128 ((1,8,128,80): 0.0109 against
+# 0.0139 ms; (1,32,128,128): 0.0108 against 0.0129; (2,16,256,128): 0.0138 against 0.0155) and
+# at (1,8,128,192) 0.960; at 256 keys and head_dim 192 or 256 (work past the bound) the
+# Triton kernel was 2-7 % slower, at (1,8,500,96) the two tied. Launched directly
+# (benchmarks/labs/hopper_lab.py --time), the two traded places by up to 11 % at ~500 keys and
+# the Gluon kernel won from 1024 keys at every head_dim, by 1.4-1.9x with many tiles. The bound
+# between those points (e.g. 409 keys at head_dim 80) is the rule's, not measured at each.
+SHORT_WORK = 256 * 128
 # Packed batches (fused_attention_varlen) take this kernel at these head dims: not at 64, where
 # the Triton kernel was faster on the serving sweep's 16 packed lengths (1.236 against 1.277 ms
 # with the device hand-out, 32 / 8 heads; at 128, 2.311 against 1.743;
@@ -760,8 +762,8 @@ def supports(q, k, v, out, varlen=None):
     """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
     CONFIGS, non-empty q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned
     addresses (the TMA descriptors view each as [batch * heads, seq, head_dim]) and out with
-    unit last stride. Any query and key length, but a dense call of at most SHORT_KEYS keys
-    in no more tiles than SMs runs the Triton kernel (faster there). A packed batch (`varlen`, as
+    unit last stride. Any query and key length, but a dense call of short tiles (SHORT_WORK)
+    no more than the SMs runs the Triton kernel (faster there). A packed batch (`varlen`, as
     attention_fwd_triton's: the views with batch stride 0 of packed [total, heads, head_dim]
     tensors) needs a head_dim in PACKED_HEAD_DIMS, a tile count within the kernel's int32
     (packed_tiles_ok) and in each packed tensor a unit last stride, heads next to each other
@@ -783,9 +785,9 @@ def supports(q, k, v, out, varlen=None):
 
 
 def _short(q, k):
-    # SHORT_KEYS's rule: few keys and no more tiles than SMs (q on an sm_90 device)
-    batch, heads, q_len, _ = q.shape
-    return (k.shape[2] <= SHORT_KEYS and batch * heads * -(-q_len // TILE_ROWS)
+    # SHORT_WORK's rule: short tiles, no more than the SMs (q on an sm_90 device)
+    batch, heads, q_len, head_dim = q.shape
+    return (k.shape[2] * head_dim <= SHORT_WORK and batch * heads * -(-q_len // TILE_ROWS)
             <= device_properties(q.device).multi_processor_count)
 
 
