@@ -183,12 +183,14 @@ def test_short_calls_in_few_tiles_take_the_triton_kernel(monkeypatch):
             ((1, 8, 256, 257, 128), True), ((1, 8, 256, 256, 192), True),
             ((1, 8, 128, 128, 256), False), ((1, 8, 340, 340, 96), False),
             ((1, 8, 1024, 1024, 96), True), ((1, 2, 4096, 256, 128), False),
-            ((-(-sms // 2), 2, 128, 128, 128), False), ((sms // 2 + 1, 2, 128, 128, 128), True)]:
+            ((sms // 2, 2, 128, 128, 128), False), ((sms // 2 + 1, 2, 128, 128, 128), True)]:
         q, k, v = make_qkv(batch, heads, 2, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
         assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), 0.1) == gluon, (
             batch, heads, q_len, kv_len, head_dim)
         if batch * heads < 16:
             check(q, k, v, 4e-3, 1e-3, causal_alignment="bottom_right")
+            ran = dispatch.launched_forward_kernels()[0]["name"]  # the kernel that ran last
+            assert ran == ("_attn_fwd_hopper" if gluon else "_attn_fwd"), (q.shape, ran)
 
 
 def test_the_short_tile_rule_counts_keys_times_head_dim_and_tiles(monkeypatch):

@@ -434,7 +434,7 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     kernel in any order (fused_dq); every other call computes as with True.
     kept=True (an eager call) returns the call's launches kept for its repeats instead
     (`_kept_backward`, `_kept_gluon_backward`), or None where they are not kept (a packed batch,
-    the interpreter)."""
+    the interpreter, a Triton without the direct launcher or a launch a cache hook stopped)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is None:

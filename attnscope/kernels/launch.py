@@ -253,6 +253,7 @@ class _Bound:
         runtime = triton.knobs.runtime
         if (not self.direct or _hooked(runtime.launch_enter_hook)
                 or _hooked(runtime.launch_exit_hook)):
+            ensure_scratch_allocator()  # as the first launch had (this thread may be new)
             self.compiled[self.grid](*args, *self.suffix)
             return self.compiled
         launch, function, cooperative, pdl, metadata = self.head
