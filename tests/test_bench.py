@@ -255,6 +255,36 @@ def test_unknown_names_list_the_valid_ones(fakes, capsys, argv, names):
     assert "'nope'" in err and all(n in err for n in names)
 
 
+def test_shape_times_the_listed_prefill_shapes(fakes, tmp_path):
+    out = tmp_path / "b.json"
+    args = _parse("--shape", "1,2,24,16", "1,4,20,8,2", "1,2,24,16", "--impl", "fused",
+                  "peer_fast", "--json", str(out), *FAST)
+    assert bench.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["sweep"] == "shapes"
+    assert [(c["batch"], c["heads"], c["seq"], c["head_dim"], c["kv_heads"]) for c in
+            doc["cases"]] == [(1, 2, 24, 16, 2), (1, 4, 20, 8, 2)]  # repeats once
+    assert [(r["shape"], r["kv_heads"], r["scenario"], r["status"]) for r in doc["rows"]] == [
+        ([1, 2, 24, 16], 2, "prefill", "ok"), ([1, 2, 24, 16], 2, "prefill", "ok"),
+        ([1, 4, 20, 8], 2, "prefill", "ok"), ([1, 4, 20, 8], 2, "prefill", "ok")]
+    args = _parse("--shape", "1,4,20,8", "--kv-heads", "1", "--impl", "fused", *FAST)
+    assert bench._resolve(args)[2][0].kv_heads == 1  # --kv-heads replaces every shape's
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--shape", "1,2,64"), "expected B,H,S,D or B,H,S,D,KV"),
+    (("--shape", "1,2,0,32"), "positive integers"),
+    (("--shape", "1,2,x,32"), "positive integers"),
+    (("--shape", "1,3,64,32,2"), "K/V heads 2 must divide the query heads 3"),
+    (("--shape", "1,4,64,32", "--kv-heads", "3"), "K/V heads 3 must divide the query heads 4"),
+    (("--shape", "1,2,64,32", "--sweep", "cpu"), "--sweep and --shape: give one"),
+    (("--shape", "1,2,64,32", "--q-len", "4"), "--shape and --scenario/--q-len"),
+])
+def test_bad_shapes_are_refused(fakes, capsys, argv, says):
+    assert bench.run(_parse(*argv, *FAST)) == 2
+    assert says in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_cuda_requested_without_cuda_is_an_error(fakes, capsys):
     assert bench.run(_parse("--device", "cuda")) == 2

@@ -14,8 +14,8 @@ dout is a fixed random normal tensor. An entry whose output carries no autograd 
 with status 'unsupported' in the backward modes.
 
 The time of one call is timing.py's: do_bench's median over a rotation of prepared input sets
-on CUDA, CPU wall time (labelled so) elsewhere. The shapes are sweeps.py's, or one serving
-scenario's (scenarios.py: decode, chunked prefill, packed sequences), whose module also decides
+on CUDA, CPU wall time (labelled so) elsewhere. The shapes are sweeps.py's, those `--shape`
+lists (prefill), or one serving scenario's (scenarios.py: decode, chunked prefill, packed sequences), whose module also decides
 what each entry can express, how it is asked, and the reference and FLOPs of each case.
 
 A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from attnscope.attention import registry
-from attnscope.profile import runs, scenarios
+from attnscope.profile import runs, scenarios, sweeps
 from attnscope.profile.env import collect_env
 from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, resolve_device, resolve_impls
 from attnscope.profile.memory import (SCORE_BYTES, SCORE_MEMORY_FRACTION, free_memory,
@@ -233,6 +233,11 @@ def add_arguments(parser) -> None:
                         "chunked (new queries on a longer cache), varlen (packed sequences), "
                         "paged (decode on a paged KV cache); causal aligned bottom-right when "
                         "q_len < kv_len")
+    parser.add_argument("--shape", nargs="+", default=None, metavar="B,H,S,D[,KV]",
+                        help="time these prefill shapes instead of a sweep (q_len == kv_len; "
+                        "batch, query heads, sequence length, head_dim and optionally K/V heads, "
+                        "e.g. --shape 1,8,256,128 64,32,1024,128,8); --dtype and --kv-heads "
+                        "apply as to a sweep's shapes")
     parser.add_argument("--q-len", type=int, default=None, metavar="N",
                         help="queries per sequence of --scenario's shape (default: its preset)")
     parser.add_argument("--kv-len", type=int, default=None, metavar="N",
@@ -285,10 +290,15 @@ def _resolve(args):
     args.dtype = args.dtype or DEFAULT_DTYPE[device.type]
     one_case = (args.scenario or args.q_len is not None or args.kv_len is not None
                 or args.page_size is not None)
-    if one_case and args.sweep:
-        raise ValueError(f"--sweep {args.sweep} and --scenario/--q-len/--kv-len/--page-size: "
-                         "give one (a scenario times one shape, a sweep its own)")
-    if one_case:
+    given = [name for name, on in (("--sweep", args.sweep), ("--shape", args.shape),
+                                   ("--scenario/--q-len/--kv-len/--page-size", one_case)) if on]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: give one (a sweep times its own shapes, "
+                         "--shape the listed ones, a scenario one shape)")
+    if args.shape:
+        sweep = "shapes"
+        cases = tuple(dict.fromkeys(_shape_case(text, args.kv_heads) for text in args.shape))
+    elif one_case:
         sweep = f"scenario {args.scenario or 'prefill'}"
         cases = (scenarios.scenario_case(args.scenario, device.type, q_len=args.q_len,
                                          kv_len=args.kv_len, kv_heads=args.kv_heads,
@@ -300,6 +310,23 @@ def _resolve(args):
     if not impls:
         raise ValueError("no implementations are registered")
     return device, sweep, cases, impls, notes
+
+
+def _shape_case(text: str, kv_heads: int | None) -> Case:
+    # One --shape value, B,H,S,D[,KV], as a prefill case; --kv-heads replaces KV
+    fields = text.split(",")
+    try:
+        values = [int(f) for f in fields]
+    except ValueError:
+        values = []
+    if len(values) not in (4, 5) or min(values) < 1:
+        raise ValueError(f"--shape {text!r}: expected B,H,S,D or B,H,S,D,KV, positive integers "
+                         "(batch, query heads, sequence length, head_dim, K/V heads)")
+    batch, heads, seq, head_dim = values[:4]
+    kv = kv_heads if kv_heads is not None else (values[4] if len(values) == 5 else heads)
+    if kv < 1 or heads % kv:
+        raise ValueError(f"--shape {text!r}: K/V heads {kv} must divide the query heads {heads}")
+    return sweeps.case(batch, heads, seq, head_dim, kv_heads=kv)
 
 
 def _check_json_path(path: str) -> None:
