@@ -11,7 +11,8 @@
 #            versions into gpu.txt
 #   test     the GPU tests (pytest -m cuda) under -n 8 twice: in file order, then in the order
 #            TEST_ORDER names (reverse or shuffle, seeded by TEST_ORDER_SEED; default reverse)
-#   bench    `attnscope bench --sweep BENCH_SWEEP` (default: default) forward, backward, and
+#   bench    `attnscope bench --sweep BENCH_SWEEP` (default: default; with BENCH_SHAPES, a
+#            list of B,H,S,D[,KV], `--shape BENCH_SHAPES` instead) forward, backward, and
 #            forward+backward (BENCH_MODES) into bench_MODE.json; with BEFORE_TREE (a folder
 #            holding an earlier tree of the project, e.g. `git archive REV | tar -x -C
 #            build/before`), each mode first runs there too for BEFORE_IMPLS (default: fused),
@@ -21,7 +22,7 @@
 #   ncu      `attnscope ncu` (hardware counters) into compare/
 #   host     `benchmarks/host_cost.py`: the op's host time a call by layer (head_dim 64 and 128,
 #            with cProfile), and the decode route's at 1 and 8 queries
-# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_MODES, BENCH_IMPLS (forward
+# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_SHAPES, BENCH_MODES, BENCH_IMPLS (forward
 # peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; STEP_TIMEOUT (seconds per command,
 # default 280).
 set -uo pipefail
@@ -67,17 +68,20 @@ PY
 }
 
 step_bench() {
-  local rc=0 mode impls out
+  local rc=0 mode impls out shapes
   out=$(cd "$OUT" && pwd)  # absolute: the before-run works in another folder
+  shapes=(--sweep "$BENCH_SWEEP")
+  # shellcheck disable=SC2206  # the shapes are separate arguments
+  [ -z "${BENCH_SHAPES:-}" ] || shapes=(--shape $BENCH_SHAPES)
   for mode in ${BENCH_MODES:-fwd bwd fwd_bwd}; do
     impls=$BENCH_IMPLS; [ "$mode" = fwd ] || impls=$BENCH_BWD_IMPLS
     if [ -n "${BEFORE_TREE:-}" ]; then  # python -m imports the current folder's attnscope
       # shellcheck disable=SC2086  # the implementation names are separate arguments
       (cd "$BEFORE_TREE" && timeout "$STEP_TIMEOUT" python -m attnscope.profile bench \
-        --sweep "$BENCH_SWEEP" --mode "$mode" --impl ${BEFORE_IMPLS:-fused} --json "$out/bench_before_$mode.json") || rc=$?
+        "${shapes[@]}" --mode "$mode" --impl ${BEFORE_IMPLS:-fused} --json "$out/bench_before_$mode.json") || rc=$?
     fi
     # shellcheck disable=SC2086
-    timeout "$STEP_TIMEOUT" python -m attnscope.profile bench --sweep "$BENCH_SWEEP" --mode "$mode" \
+    timeout "$STEP_TIMEOUT" python -m attnscope.profile bench "${shapes[@]}" --mode "$mode" \
       --impl $impls --json "$out/bench_$mode.json" || rc=$?
     if [ -n "${BEFORE_TREE:-}" ]; then
       bench_ratios "$out/bench_before_$mode.json" "$out/bench_$mode.json" || rc=$?
