@@ -737,7 +737,7 @@ MIN_QUERIES = {64: 2049}
 # the Triton kernel: each program then pays this kernel's fixed costs (its partitions' start,
 # the device-side TMA descriptors) for one or two K/V blocks. Through the op, H200, Triton 3.6,
 # this rule against the Gluon kernel everywhere (notes/lab/gluon_vs_triton_short_h200.txt):
-# 0.786-0.960 of the time at 128-256 keys and head_dim 80-128 ((1,8,128,80): 0.0109 against
+# 0.786-0.980 of the time at 128-256 keys and head_dim 80-128 ((1,8,128,80): 0.0109 against
 # 0.0139 ms; (1,32,128,128): 0.0108 against 0.0129; (2,16,256,128): 0.0138 against 0.0155) and
 # at (1,8,128,192) 0.960; at 256 keys and head_dim 192 or 256 (work past the bound) the
 # Triton kernel was 2-7 % slower, at (1,8,500,96) the two tied. Launched directly
