@@ -15,8 +15,9 @@ with status 'unsupported' in the backward modes.
 
 The time of one call is timing.py's: do_bench's median over a rotation of prepared input sets
 on CUDA, CPU wall time (labelled so) elsewhere. The shapes are sweeps.py's, those `--shape`
-lists (prefill), or one serving scenario's (scenarios.py: decode, chunked prefill, packed sequences), whose module also decides
-what each entry can express, how it is asked, and the reference and FLOPs of each case.
+lists (prefill), or one serving scenario's (scenarios.py: decode, chunked prefill, packed
+sequences), whose module also decides what each entry can express, how it is asked, and the
+reference and FLOPs of each case.
 
 A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
 and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C keeps what finished,
