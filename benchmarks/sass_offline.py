@@ -14,6 +14,8 @@ venv; the code generated differs by version.
 module's CONFIG_FIELDS (default: its table's entry for --head-dim). --gluon-bwd and
 --gluon-bwd-dq compile the Gluon backward's dK/dV and dQ kernels (attention_bwd_hopper.py) at
 its table's config (head_dim 128 by default, the one it takes; --config does not apply).
+--triton-bwd dkdv|dq compiles the Triton backward's kernels (attention_bwd.py) at a config of its
+CONFIG_FIELDS (default: its table's entry for --head-dim), --kv-heads K/V heads of 4 query heads.
 --decode compiles the split-KV decode kernel (attention_decode.py) as the op launches it for 32
 query heads on 8 K/V heads, one query, 8192 keys (--page-size N: on a paged cache of N-key
 pages); its --config is BLOCK_M,BLOCK_N,num_warps,num_stages (default: config_for's).
@@ -154,6 +156,37 @@ def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=Fa
                                             lse, lse, **kw)
 
 
+def compile_triton_bwd(head_dim, config, which, dtype="bf16", kv_heads=2):
+    """The CompiledKernel of the Triton backward's dK/dV or dQ kernel (attention_bwd.py, `which`
+    "dkdv" or "dq") for sm_90, through attention_bwd's own argument building (its `wrap` hook
+    compiles instead of launching): 2 x 4 query heads on kv_heads K/V heads, 1024 keys, causal;
+    `config` a tuple named by attention_bwd.CONFIG_FIELDS (None: its table's)."""
+    import torch
+    _offline_driver()
+    from attnscope.kernels import attention_bwd as module
+    compiled = {}
+
+    class Warm:  # wrap(kernel)[grid](*args, **kwargs) compiles kernel as that launch would
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def warm(*args, **kwargs):
+                compiled[self.kernel] = self.kernel.warmup(*args, grid=grid, **kwargs)
+            return warm
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
+    k = torch.empty(2, kv_heads, 1024, head_dim, dtype=torch_dtype)
+    lse = torch.empty(2, 4, 1024)
+    module.attention_bwd(q, q, k, k, q, lse, torch.empty_like(q), torch.empty_like(k),
+                         torch.empty_like(k), torch.empty_like(lse), causal=True,
+                         scale=head_dim ** -0.5, causal_offset=0,
+                         config=config or module.CONFIGS[64 if head_dim <= 64 else
+                                                         128 if head_dim <= 128 else 256],
+                         wrap=Warm)
+    return compiled[module._attn_bwd_dkdv if which == "dkdv" else module._attn_bwd_dq]
+
+
 def compile_decode(head_dim, config, dtype="bf16", page_size=None, num_splits=None):
     """The CompiledKernel of the decode split kernel (attention_decode._decode_split) for sm_90,
     through attention_decode's own launch (so its split rule, constexprs and tiles are a
@@ -230,6 +263,11 @@ def main():
     p.add_argument("--fused-dq", action="store_true",
                    help="with --gluon-bwd: the dK/dV kernel that adds dQ too "
                         "(attention_bwd's deterministic=False)")
+    p.add_argument("--triton-bwd", choices=["dkdv", "dq"], default=None,
+                   help="the Triton backward's dK/dV or dQ kernel (attention_bwd.py) instead; "
+                        "--config: its CONFIG_FIELDS, 8 values (default: its table's)")
+    p.add_argument("--kv-heads", type=int, default=2,
+                   help="with --triton-bwd: K/V heads of the 4 query heads (4: no GQA)")
     p.add_argument("--decode", action="store_true",
                    help="the split-KV decode kernel (attention_decode.py) instead")
     p.add_argument("--page-size", type=int, default=None,
@@ -259,6 +297,15 @@ def main():
         config = None
         compiled = compile_gluon_bwd(args.head_dim, args.dtype, dq=args.gluon_bwd_dq,
                                      fused_dq=args.fused_dq)
+    elif args.triton_bwd:
+        from attnscope.kernels import attention_bwd
+        config = args.config and tuple(int(x) for x in args.config.split(","))
+        if config and len(config) != len(attention_bwd.CONFIG_FIELDS):
+            p.error(f"--triton-bwd --config takes {','.join(attention_bwd.CONFIG_FIELDS)}")
+        if args.kv_heads < 1 or 4 % args.kv_heads:
+            p.error("--kv-heads must divide the 4 query heads")
+        compiled = compile_triton_bwd(args.head_dim, config, args.triton_bwd, args.dtype,
+                                      args.kv_heads)
     elif args.decode:
         config = args.config and tuple(int(x) for x in args.config.split(","))
         if config and len(config) != 4:
@@ -280,12 +327,15 @@ def main():
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
     kind = ("gluon dQ" if args.gluon_bwd_dq else "gluon dK/dV + dQ" if args.fused_dq
             else "gluon dK/dV" if args.gluon_bwd
+            else f"triton backward {args.triton_bwd} (kv_heads {args.kv_heads} of 4)"
+            if args.triton_bwd
             else "gluon" if args.gluon else "decode" if args.decode else "triton")
     print(f"triton {triton.__version__}, sm_90, {kind} kernel, "
           f"head_dim {args.head_dim}, config {config or 'of the table'}"
           + (", packed sequences" if args.varlen else "")
           + (f", page size {args.page_size}" if args.page_size else "")
           + ("" if args.gluon or args.gluon_bwd or args.gluon_bwd_dq or args.decode
+             or args.triton_bwd
              else f", pipeline {args.pipeline}, tma {args.tma}, "
              f"maxnreg {args.maxnreg}"))
     print(f"{usage.group(0) if usage else 'resource usage not found'}, "
