@@ -180,10 +180,7 @@ def compile_triton_bwd(head_dim, config, which, dtype="bf16", kv_heads=2):
     lse = torch.empty(2, 4, 1024)
     module.attention_bwd(q, q, k, k, q, lse, torch.empty_like(q), torch.empty_like(k),
                          torch.empty_like(k), torch.empty_like(lse), causal=True,
-                         scale=head_dim ** -0.5, causal_offset=0,
-                         config=config or module.CONFIGS[64 if head_dim <= 64 else
-                                                         128 if head_dim <= 128 else 256],
-                         wrap=Warm)
+                         scale=head_dim ** -0.5, causal_offset=0, config=config, wrap=Warm)
     return compiled[module._attn_bwd_dkdv if which == "dkdv" else module._attn_bwd_dq]
 
 

@@ -576,6 +576,11 @@ class _Plan:
         self.merge_splits = max(1, MERGE_VALUES // (block_m * self.merge_cols))
         self.lengths = {}
 
+    def partials(self, q, num_splits):
+        """A split launch's scratch: the partial outputs, then their LSEs (a fresh allocation:
+        16-byte aligned), on q's device."""
+        return _empty(q, (self.rows * num_splits * (self.head_dim + 1),), torch.float32)
+
     def for_length(self, kv_len):
         """(num_splits, chunk, block_n, split kernel's key) for kv_len keys a sequence may
         hold."""
@@ -677,9 +682,8 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
     final = num_splits == 1
     if final:
         part = arrivals = out  # unused: the split kernel writes out and lse itself
-    else:  # the partial outputs, then their LSEs (a fresh allocation: 16-byte aligned)
-        part = _empty(q, (plan.rows * num_splits * (q.shape[3] + 1),), torch.float32)
-        arrivals = _arrivals(q.device, plan.programs)
+    else:
+        part, arrivals = plan.partials(q, num_splits), _arrivals(q.device, plan.programs)
     qk_scale, softcap_log2, _ = score_scales(scale, softcap)
     per_call = (q, k, v, out, lse, part, arrivals, seqlens_arg, table_arg,  #
                 *k_strides, *v_strides, table_stride, kv_len, chunk, qk_scale, softcap_log2)
@@ -715,10 +719,9 @@ def _repeat_launch(plan, num_splits, split_key, scalars):
             bound((q, k, v, out, lse, out, out, lse if seqlens is None else seqlens,
                    lse if table is None else table, *scalars))
         return final
-    size, programs = plan.rows * num_splits * (plan.head_dim + 1), plan.programs
 
     def split(q, k, v, out, lse, seqlens=None, table=None):
-        part = _empty(q, (size,), torch.float32)
-        bound((q, k, v, out, lse, part, _arrivals(q.device, programs),
-               lse if seqlens is None else seqlens, lse if table is None else table, *scalars))
+        bound((q, k, v, out, lse, plan.partials(q, num_splits),
+               _arrivals(q.device, plan.programs), lse if seqlens is None else seqlens,
+               lse if table is None else table, *scalars))
     return split
