@@ -25,12 +25,16 @@ CPU_DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.float16, 1e-3, 1e-3)]
 GPU_DTYPES = [(torch.bfloat16, 4e-3, 1e-3), (torch.float16, 1e-3, 1e-3)]
 
 
+def nan_empty(like, shape, dtype):
+    """An allocation hook's stand-in (fused._empty, attention_decode._empty): the buffer
+    starts as NaN, so an element a kernel never writes shows."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+
+
 @pytest.fixture(autouse=True)
 def nan_outputs(monkeypatch):
     """Every output buffer the op allocates starts as NaN."""
-    def poisoned(like, shape, dtype):
-        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
-    monkeypatch.setattr(fused, "_empty", poisoned)
+    monkeypatch.setattr(fused, "_empty", nan_empty)
 
 
 def make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, device, layout="bhsd"):

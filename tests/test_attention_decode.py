@@ -28,7 +28,7 @@ from attnscope.kernels import attention_decode as kernels
 from attnscope.kernels import launch
 
 # (dtype, absolute error floor, LSE relative tolerance) and the NaN fill of the op's outputs
-from fused_checks import keep_launches
+from fused_checks import keep_launches, nan_empty
 from test_fused_attention import CPU_DTYPES, GPU_DTYPES, nan_outputs  # noqa: F401
 
 CPU = torch.device("cpu")
@@ -37,8 +37,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def nan_scratch(monkeypatch):
     """The kernel's partial results start as NaN too: the merge must read only written ones."""
-    monkeypatch.setattr(kernels, "_empty", lambda like, shape, dtype: torch.full(
-        shape, float("nan"), dtype=dtype, device=like.device))
+    monkeypatch.setattr(kernels, "_empty", nan_empty)
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 hf = pytest.importorskip("attnscope.integrations.transformers")
 
 from attnscope.attention import fused  # noqa: E402
+from fused_checks import nan_empty  # noqa: E402
 from transformers import (AutoModelForCausalLM, DynamicCache, LlamaConfig,  # noqa: E402
                           LlamaForCausalLM, MistralConfig, Qwen2Config)
 from transformers.masking_utils import (bidirectional_mask_function,  # noqa: E402
@@ -428,9 +429,7 @@ def test_attention_function_softcap():
 
 
 def test_attention_function_packs_a_padded_decode_and_zeroes_padding_rows(monkeypatch):
-    monkeypatch.setattr(fused, "_empty",  # NaN: an element the kernel skips would show
-                        lambda like, shape, dtype: torch.full(shape, float("nan"), dtype=dtype,
-                                                              device=like.device))
+    monkeypatch.setattr(fused, "_empty", nan_empty)  # an element the kernel skips would show
     q, k, v = _qkv(7, batch=3, q_len=2, kv_len=8)
     # Row 0 left-padded by 3, row 1 right-padded (its last query is padding), row 2 all padding.
     padding = torch.tensor([[0] * 3 + [1] * 5, [1] * 7 + [0], [0] * 8], dtype=torch.bool)
