@@ -69,6 +69,23 @@ def test_config_for_short_causal_sequences(monkeypatch):
         assert len(config) == len(attention_fwd.CONFIG_FIELDS)
 
 
+def test_config_for_few_keys_at_head_dims_up_to_128(monkeypatch):
+    # Causal dense calls of at most FEW_KEYS queries and keys at head_dim 65-128 take the
+    # 64-row tiles too; more queries or keys, no causal mask, a packed batch (kv_len None) or
+    # a wider head keep the table's.
+    monkeypatch.setattr(attention_fwd, "is_interpreted", lambda: False)
+    few, long = attention_fwd.SHORT_CONFIGS[64], attention_fwd.CONFIGS[128]
+    n = attention_fwd.FEW_KEYS
+    for head_dim in (80, 96, 128):
+        assert attention_fwd.config_for(head_dim, n, True, n) == few
+        assert attention_fwd.config_for(head_dim, 1, True, 77) == few
+        assert attention_fwd.config_for(head_dim, n + 1, True, n) == long
+        assert attention_fwd.config_for(head_dim, n, True, n + 1) == long
+        assert attention_fwd.config_for(head_dim, n, False, n) == long
+        assert attention_fwd.config_for(head_dim, n, True, None) == long
+    assert attention_fwd.config_for(192, 128, True, 128) == attention_fwd.CONFIGS[256]
+
+
 @pytest.mark.cuda
 def test_gpu_triton_kernel_in_a_cuda_graph():
     replays_in_a_cuda_graph(*make_qkv(2, 4, 4, 640, 640, 64, torch.bfloat16, "cuda"))

@@ -89,6 +89,8 @@ OTHER_HEAD_DIM_SHAPES = [
     (1, 3, 3, 200, 77, False, "top_left"),        # non-causal, more queries than keys
     (2, 2, 1, 700, 1536, False, "top_left"),      # non-causal, aligned keys
     (3, 16, 16, 2048, 2048, True, "top_left"),    # more tiles than SMs: the persistent loop
+    (2, 3, 3, 128, 128, True, "bottom_right"),    # 80, 96: one padded part (PADDED_KEYS)
+    (1, 4, 2, 500, 500, True, "top_left"),        # 80, 96: 64-key blocks (SHORT_KEYS), GQA
 ]
 
 
@@ -191,6 +193,43 @@ def test_short_calls_in_few_tiles_take_the_triton_kernel(monkeypatch):
             check(q, k, v, 4e-3, 1e-3, causal_alignment="bottom_right")
             ran = dispatch.launched_forward_kernels()[0]["name"]  # the kernel that ran last
             assert ran == ("_attn_fwd_hopper" if gluon else "_attn_fwd"), (q.shape, ran)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_few_keys_at_split_head_dims_run_the_layout_for_them(head_dim):
+    # layout_for's rule, through the op: the launched kernel's column parts and key blocks.
+    for kv_len, parts, block_n in [(128, (128, 0), 128), (129, (64, head_dim - 64), 64),
+                                   (512, (64, head_dim - 64), 64), (513, (64, head_dim - 64), 128)]:
+        q, k, v = make_qkv(2, 4, 2, kv_len, kv_len, head_dim, torch.float16, "cuda")
+        check(q, k, v, 4e-3, 1e-3)
+        ran = dispatch.launched_forward_kernels()[0]
+        assert ran["name"] == "_attn_fwd_hopper"
+        config = ran["config"]
+        assert (config["BLOCK_D0"], config["BLOCK_D1"], config["BLOCK_N"]) == (*parts, block_n)
+
+
+def test_few_keys_at_split_head_dims_choose_padding_or_short_blocks():
+    # layout_for on the CPU: dense calls at 80 and 96 with few keys; packed batches, other head
+    # dims and more keys keep column_parts and the table.
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    table = hopper.CONFIGS
+    for head_dim in (80, 96):
+        split = hopper.column_parts(head_dim)
+        assert split == (64, head_dim - 64)
+        short = (64,) + table[head_dim][1:]
+        assert hopper.layout_for(head_dim, 1) == ((128, 0), table[head_dim])
+        assert hopper.layout_for(head_dim, hopper.PADDED_KEYS) == ((128, 0), table[head_dim])
+        assert hopper.layout_for(head_dim, hopper.PADDED_KEYS + 1) == (split, short)
+        assert hopper.layout_for(head_dim, hopper.SHORT_KEYS) == (split, short)
+        assert hopper.layout_for(head_dim, hopper.SHORT_KEYS + 1) == (split, table[head_dim])
+        assert hopper.layout_for(head_dim, 100, packed=True) == (split, table[head_dim])
+        assert hopper.layout_for(head_dim, 300, packed=True) == (split, table[head_dim])
+    for head_dim in (64, 112, 128, 192, 256):
+        for kv_len in (1, 128, 300, 4096):
+            assert hopper.layout_for(head_dim, kv_len) == (hopper.column_parts(head_dim),
+                                                           table[head_dim])
 
 
 def test_the_short_tile_rule_counts_keys_times_head_dim_and_tiles(monkeypatch):

@@ -302,19 +302,32 @@ CONFIGS = {
 # rule").
 SHORT_SEQ = 2048
 SHORT_CONFIGS = {64: (64, 64, 4, 3, False, False)}
+# Causal dense calls of at most FEW_KEYS queries and keys at head_dim 65-128 take the same
+# 64-row tiles: the short calls in few tiles the Hopper kernel leaves to this one
+# (attention_fwd_hopper.SHORT_WORK), whose 128-row tiles would leave most SMs idle. H200,
+# Triton 3.6 (benchmarks/labs/fused_lab.py, notes/lab/triton_short_tiles_h200.txt): 0.0116
+# against 0.0154 ms at (2,16,256,128), 0.0108 against 0.0132 at (1,8,256,80), 0.0088 against
+# 0.0131 at (1,8,128,96) (do_bench medians of calls of ~10 us, so the host's noise is in
+# them: at (1,8,256,128) 0.0156 against 0.0147, with minima of 0.0110 and 0.0140); 167-168
+# registers, no spills, where the table's 128 x 64 takes 180-182.
+FEW_KEYS = 256
 # The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross
 # several blocks and a diagonal band that spans two K blocks.
 INTERPRETER_CONFIG = (32, 16, 4, 1, True, False)
 
 
-def config_for(head_dim, q_len=None, causal=False):
+def config_for(head_dim, q_len=None, causal=False, kv_len=None):
     """The launch config, a tuple named by CONFIG_FIELDS, for a call with this head_dim, query
-    length and causal flag (q_len None: the long-sequence table's)."""
+    length, causal flag and key length (q_len None: the long-sequence table's; kv_len None: a
+    packed batch's, whose key lengths vary)."""
     if is_interpreted():
         return INTERPRETER_CONFIG
     cls = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
     if causal and q_len is not None and q_len <= SHORT_SEQ and cls in SHORT_CONFIGS:
         return SHORT_CONFIGS[cls]
+    if (causal and cls == 128 and q_len is not None and kv_len is not None
+            and max(q_len, kv_len) <= FEW_KEYS):
+        return SHORT_CONFIGS[64]
     return CONFIGS[cls]
 
 
@@ -341,7 +354,7 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
     batch, heads, q_len, head_dim = q.shape
     max_q = q_len if varlen is None else varlen[2]
     if config is None:
-        config = config_for(head_dim, max_q, causal)
+        config = config_for(head_dim, max_q, causal, None if varlen else k.shape[2])
     elif len(config) != len(CONFIG_FIELDS):
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     block_m, block_n, num_warps, num_stages, pipeline, use_tma = config
