@@ -89,8 +89,9 @@ OTHER_HEAD_DIM_SHAPES = [
     (1, 3, 3, 200, 77, False, "top_left"),        # non-causal, more queries than keys
     (2, 2, 1, 700, 1536, False, "top_left"),      # non-causal, aligned keys
     (3, 16, 16, 2048, 2048, True, "top_left"),    # more tiles than SMs: the persistent loop
-    (2, 3, 3, 128, 128, True, "bottom_right"),    # 80, 96: one padded part (PADDED_KEYS)
-    (1, 4, 2, 500, 500, True, "top_left"),        # 80, 96: 64-key blocks (SHORT_KEYS), GQA
+    (2, 80, 8, 128, 128, True, "bottom_right"),   # many tiles, few keys (layout_for): 80
+                                                  # one padded part, 96 the split
+    (2, 40, 8, 500, 500, True, "top_left"),       # 80, 96: 64-key blocks, GQA, ragged block
 ]
 
 
@@ -199,10 +200,14 @@ def test_short_calls_in_few_tiles_take_the_triton_kernel(monkeypatch):
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("head_dim", [80, 96])
 def test_few_keys_at_split_head_dims_run_the_layout_for_them(head_dim):
-    # layout_for's rule, through the op: the launched kernel's column parts and key blocks.
-    for kv_len, parts, block_n in [(128, (128, 0), 128), (129, (64, head_dim - 64), 64),
-                                   (512, (64, head_dim - 64), 64), (513, (64, head_dim - 64), 128)]:
-        q, k, v = make_qkv(2, 4, 2, kv_len, kv_len, head_dim, torch.float16, "cuda")
+    # layout_for's rule, through the op: the launched kernel's column parts and key blocks, in
+    # calls of more 128-row tiles than SMs (144 heads) and, with 64-key blocks' keys, fewer.
+    split = (64, head_dim - 64)
+    padded = (128, 0) if head_dim == 80 else split
+    for heads, kv_len, parts, block_n in [(144, 128, padded, 128), (144, 129, split, 64),
+                                          (144, 512, split, 64), (144, 513, split, 128),
+                                          (2, 500, split, 128)]:
+        q, k, v = make_qkv(1, heads, 2, kv_len, kv_len, head_dim, torch.float16, "cuda")
         check(q, k, v, 4e-3, 1e-3)
         ran = dispatch.launched_forward_kernels()[0]
         assert ran["name"] == "_attn_fwd_hopper"
@@ -211,25 +216,27 @@ def test_few_keys_at_split_head_dims_run_the_layout_for_them(head_dim):
 
 
 def test_few_keys_at_split_head_dims_choose_padding_or_short_blocks():
-    # layout_for on the CPU: dense calls at 80 and 96 with few keys; packed batches, other head
-    # dims and more keys keep column_parts and the table.
+    # layout_for on the CPU: dense calls of many tiles at 80 and 96 with few keys; few tiles,
+    # packed batches (many_tiles False), other head dims and more keys keep column_parts and
+    # the table.
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     table = hopper.CONFIGS
     for head_dim in (80, 96):
         split = hopper.column_parts(head_dim)
         assert split == (64, head_dim - 64)
         short = (64,) + table[head_dim][1:]
-        assert hopper.layout_for(head_dim, 1) == ((128, 0), table[head_dim])
-        assert hopper.layout_for(head_dim, hopper.PADDED_KEYS) == ((128, 0), table[head_dim])
-        assert hopper.layout_for(head_dim, hopper.PADDED_KEYS + 1) == (split, short)
-        assert hopper.layout_for(head_dim, hopper.SHORT_KEYS) == (split, short)
-        assert hopper.layout_for(head_dim, hopper.SHORT_KEYS + 1) == (split, table[head_dim])
-        assert hopper.layout_for(head_dim, 100, packed=True) == (split, table[head_dim])
-        assert hopper.layout_for(head_dim, 300, packed=True) == (split, table[head_dim])
+        padded = (128, 0) if head_dim == 80 else split  # a 16-column part pads
+        assert hopper.layout_for(head_dim, 1, True) == (padded, table[head_dim])
+        assert hopper.layout_for(head_dim, hopper.PADDED_KEYS, True) == (padded, table[head_dim])
+        assert hopper.layout_for(head_dim, hopper.PADDED_KEYS + 1, True) == (split, short)
+        assert hopper.layout_for(head_dim, hopper.SHORT_KEYS, True) == (split, short)
+        assert hopper.layout_for(head_dim, hopper.SHORT_KEYS + 1, True) == (split, table[head_dim])
+        for kv_len in (100, 300):
+            assert hopper.layout_for(head_dim, kv_len, False) == (split, table[head_dim])
     for head_dim in (64, 112, 128, 192, 256):
         for kv_len in (1, 128, 300, 4096):
-            assert hopper.layout_for(head_dim, kv_len) == (hopper.column_parts(head_dim),
-                                                           table[head_dim])
+            assert hopper.layout_for(head_dim, kv_len, True) == (hopper.column_parts(head_dim),
+                                                                 table[head_dim])
 
 
 def test_the_short_tile_rule_counts_keys_times_head_dim_and_tiles(monkeypatch):

@@ -37,15 +37,15 @@ with its own buffers and descriptors: S is two wgmma chained on one accumulator,
 accumulators, so no wgmma multiplies zero columns. Where two parts would cover as many columns
 as one (112), one part padded to the next power of two: the descriptors' boxes are wider than
 the rows, so the copy engine fills the padding columns with zeros (they add nothing to Q K^T,
-and P V's padding columns are zeros) and drops them on the store. A dense call with few keys
-at 80 or 96 (`layout_for`) runs one padded part (up to 128 keys) or 64-key blocks (up to 512):
-its tiles hold too few K/V blocks to repay the split's per-block costs. Any query and key
-length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a block that
-runs past a head's end reads the copy engine's zeros (never the next head's rows), keys past the
-end are masked to -inf in the last K/V block only, and the copy engine drops the rows of an
-output block past the end. Output blocks go to memory through shared memory and the copy engine (TMA store),
-except those of an `out` that is not contiguous and 16-byte aligned, and at head_dim 256, whose
-staging buffers do not fit in shared memory (register stores).
+and P V's padding columns are zeros) and drops them on the store. A dense call of many tiles
+with few keys at 80 or 96 (`layout_for`) runs one padded part (80, up to 128 keys) or 64-key
+blocks (up to 512): its tiles hold too few K/V blocks to repay the split's per-block costs. Any
+query and key length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a
+block that runs past a head's end reads the copy engine's zeros (never the next head's rows),
+keys past the end are masked to -inf in the last K/V block only, and the copy engine drops the
+rows of an output block past the end. Output blocks go to memory through shared memory and the
+copy engine (TMA store), except those of an `out` that is not contiguous and 16-byte aligned, and
+at head_dim 256, whose staging buffers do not fit in shared memory (register stores).
 
 Packed batches (fused_attention_varlen, VARLEN) at head_dim 80, 96, 128, 192 and 256
 (PACKED_HEAD_DIMS): the packed [total, heads, head_dim] tensors, whose rows may be any 16-byte
@@ -747,17 +747,22 @@ MIN_QUERIES = {64: 2049}
 # the Gluon kernel won from 1024 keys at every head_dim, by 1.4-1.9x with many tiles. The bound
 # between those points (e.g. 409 keys at head_dim 80) is the rule's, not measured at each.
 SHORT_WORK = 256 * 128
-# Few keys at the head dims split into column parts with 128-key blocks (80, 96): a tile there
-# holds one to four K/V blocks, too few to repay the split's extra loads, wgmma and stores per
-# block (dense calls; `layout_for`). Up to PADDED_KEYS keys (one block a tile) the call runs one
-# part padded to 128 columns; up to SHORT_KEYS, 64-key blocks (more blocks a tile for the
-# consumers' overlap and ping-pong). H200, Triton 3.6, causal, one job, against the table's
-# split (notes/lab/gluon_short_keys_h200.txt):
-# - padded 0.4506 against 0.4848 ms at (1024,16,128,80,kv 4), where 64-key blocks ran 0.5235;
-# - 64-key blocks 0.7600 against 0.8682 at (262,16,500,80) and 0.6494 against 0.7394 at
-#   (512,16,256,96), where padding with 128-key blocks ran 0.9041 and 0.6903;
+# Few keys at the head dims split into column parts with 128-key blocks (80, 96), in a dense call
+# of more 128-row tiles than SMs (`layout_for`): a tile there holds one to four K/V blocks, too
+# few to repay the split's extra loads, wgmma and stores per block. Up to PADDED_KEYS keys (one
+# block a tile) a split whose second part is 16 columns wide (80 = 64 + 16: 32-byte box rows,
+# N=16 wgmma) runs one part padded to 128 columns instead; from there up to SHORT_KEYS, 64-key
+# blocks (more blocks a tile for the consumers' overlap and ping-pong). H200, Triton 3.6,
+# causal, against the table's split (notes/lab/gluon_short_keys_h200.txt, two jobs):
+# - padded 0.4506 against 0.4848 ms at (1024,16,128,80,kv 4) (64-key blocks: 0.5235); at 96
+#   (a 32-column part) no gain: 0.5091 against 0.4672 at (1024,16,128,96), rounds overlapping;
+# - 64-key blocks 0.7600 against 0.8682 at (262,16,500,80), 0.5777 against 0.6075 at
+#   (512,16,256,80,kv 4), 0.6494 against 0.7394 at (512,16,256,96), 0.4247 against 0.4460 at
+#   (100,16,640,80,kv 4), past the bound; 0.8247 against 0.8128 at (262,16,500,96,kv 2);
 # - from 1024 keys the split wins: 1.2028 against 1.2485 (64-key blocks) and 1.2570 (padded)
 #   at (128,16,1024,96,kv 2), 1.8188 against 2.0837 and 2.0571 at (65,16,2000,80,kv 2);
+# - with few tiles 64-key blocks lost: (1,8,500,96,kv 2) 0.0201 against 0.0173 ms through the
+#   op (two wide sweeps), hence the tile count;
 # - at 192 (64-key blocks already) padding to 256 lost 26-35 %.
 PADDED_KEYS = 128
 SHORT_KEYS = 512
@@ -834,14 +839,14 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is not None and len(config) != len(CONFIG_FIELDS):
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
-    parts, table = layout_for(head_dim, kv_len, varlen is not None)
-    config = table if config is None else config
-    block_n, stages, regs = config
     dtype = str(q.dtype)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
     num_m = -(-max_q // TILE_ROWS)
     tiles = batch * heads * num_m
     grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
+    parts, table = layout_for(head_dim, kv_len, varlen is None and tiles > grid[0])
+    config = table if config is None else config
+    block_n, stages, regs = config
     # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
     group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
     if varlen is None:
@@ -885,16 +890,17 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
                   config=dict(zip(CONFIG_FIELDS, config), BLOCK_D0=d0, BLOCK_D1=d1))
 
 
-def layout_for(head_dim, kv_len, packed=False):
+def layout_for(head_dim, kv_len, many_tiles):
     """((D0, D1), config) of a call with kv_len keys: the column parts (column_parts) and the
-    CONFIGS entry, except at few keys in a dense call at a head_dim split into parts with
-    128-key blocks (PADDED_KEYS, SHORT_KEYS): one part padded to block_width(head_dim) columns
-    up to PADDED_KEYS keys, 64-key blocks up to SHORT_KEYS."""
+    CONFIGS entry, except where `many_tiles` (a dense call of more 128-row tiles than SMs) has
+    few keys at a head_dim split into parts with 128-key blocks (PADDED_KEYS, SHORT_KEYS): up to
+    PADDED_KEYS keys one part padded to block_width(head_dim) columns where the second part is
+    16 columns, 64-key blocks otherwise, up to SHORT_KEYS."""
     parts, config = column_parts(head_dim), CONFIGS[head_dim]
-    if packed or not parts[1] or config[0] != 128 or kv_len > SHORT_KEYS:
+    if not many_tiles or not parts[1] or config[0] != 128 or kv_len > SHORT_KEYS:
         return parts, config
     if kv_len <= PADDED_KEYS:
-        return (block_width(head_dim), 0), config
+        return ((block_width(head_dim), 0), config) if parts[1] == 16 else (parts, config)
     return parts, (64,) + config[1:]
 
 
