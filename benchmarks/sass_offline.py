@@ -105,11 +105,12 @@ def _offline_driver():
         module.device_properties = lambda device: h200
 
 
-def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
+def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None):
     """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
     (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
     a warm-up compile (_offline_driver). `varlen`: the packed-sequence (VARLEN) kernel, as
-    fused_attention_varlen launches it."""
+    fused_attention_varlen launches it; `parts`: column parts (D0, D1) instead of layout_for's
+    (a dense call of 1024 keys: column_parts')."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_fwd_hopper as module
@@ -124,11 +125,12 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False):
         cu = torch.tensor([0, 300, 1024], dtype=torch.int32)
         return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(4, 1024),
                                            causal=True, scale=head_dim ** -0.5, causal_offset=0,
-                                           varlen=(cu, cu, 724, 724), config=config)
+                                           varlen=(cu, cu, 724, 724), config=config,
+                                           parts=parts)
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
     return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, 1024),
                                        causal=True, scale=head_dim ** -0.5, causal_offset=0,
-                                       config=config)
+                                       config=config, parts=parts)
 
 
 def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=False):
@@ -278,8 +280,13 @@ def main():
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="input dtype")
+    p.add_argument("--parts", default=None,
+                   help="with --gluon: column parts D0,D1 instead of the layout a 1024-key call "
+                        "gets (e.g. 128,0: head_dim 80 as one part padded to 128 columns)")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
     args = p.parse_args()
+    if args.parts and not args.gluon:
+        p.error("--parts goes with --gluon")
     if args.fused_dq and not args.gluon_bwd:
         p.error("--fused-dq goes with --gluon-bwd")
     bwd = args.gluon_bwd or args.gluon_bwd_dq
@@ -312,7 +319,8 @@ def main():
         config = args.config and tuple(int(x) for x in args.config.split(","))
         if config and len(config) != 3:
             p.error("--gluon --config takes BLOCK_N,STAGES,REGS")
-        compiled = compile_gluon(args.head_dim, config, args.dtype, args.varlen)
+        parts = args.parts and tuple(int(x) for x in args.parts.split(","))
+        compiled = compile_gluon(args.head_dim, config, args.dtype, args.varlen, parts)
     else:
         config = tuple(int(x) for x in (args.config or "128,64,8,3").split(","))
         if len(config) != 4:
@@ -330,6 +338,7 @@ def main():
     print(f"triton {triton.__version__}, sm_90, {kind} kernel, "
           f"head_dim {args.head_dim}, config {config or 'of the table'}"
           + (", packed sequences" if args.varlen else "")
+          + (f", column parts {args.parts}" if args.parts else "")
           + (f", page size {args.page_size}" if args.page_size else "")
           + ("" if args.gluon or args.gluon_bwd or args.gluon_bwd_dq or args.decode
              or args.triton_bwd

@@ -829,23 +829,29 @@ def _packed(t):
 
 
 def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, varlen=None,
-                         config=None, key=None):
+                         config=None, parts=None, key=None):
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
     attention_fwd.attention_fwd_triton's (`varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k) for a packed batch, q/k/v/out its [batch, heads, total, head_dim] views, lse
-    [heads, total_q]): `config` a tuple named by CONFIG_FIELDS instead of the table's (the
-    lab), `key` the dispatch's launch key for this call (built here when None)."""
+    [heads, total_q]): `config` a tuple named by CONFIG_FIELDS and `parts` the column parts
+    (D0, D1) instead of layout_for's (the lab; a dense call's parts may pad, D0 + D1 >= head_dim,
+    a packed batch's must be head_dim exactly), `key` the dispatch's launch key for this call
+    (built here when None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is not None and len(config) != len(CONFIG_FIELDS):
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
+    if parts is not None and not _parts_ok(parts, head_dim, varlen is not None):
+        raise ValueError(f"parts must be (D0, D1), powers of two >= 16 (D1 may be 0) covering "
+                         f"head_dim {head_dim}{' exactly' if varlen else ''}, got {parts!r}")
     dtype = str(q.dtype)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
     num_m = -(-max_q // TILE_ROWS)
     tiles = batch * heads * num_m
     grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
-    parts, table = layout_for(head_dim, kv_len, varlen is None and tiles > grid[0])
+    chosen, table = layout_for(head_dim, kv_len, varlen is None and tiles > grid[0])
     config = table if config is None else config
+    parts = chosen if parts is None else tuple(parts)
     block_n, stages, regs = config
     # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
     group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
@@ -882,7 +888,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     if key is None:  # q, k, v are contiguous and 16-byte aligned (supports): shapes say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(),
                aligned(out, lse), kwargs["TMA_STORE"], sched_width, causal, causal_offset,
-               scale, grid, config)
+               scale, grid, config, parts)
         if varlen is not None:  # and packed rows may be any 16-byte multiple apart
             key += ("varlen", max_q, max_k, aligned(cu_q, cu_k), q.stride(), k.stride(), v.stride())
     launch = _launch if varlen is None else _launch_packed
@@ -902,6 +908,18 @@ def layout_for(head_dim, kv_len, many_tiles):
     if kv_len <= PADDED_KEYS:
         return ((block_width(head_dim), 0), config) if parts[1] == 16 else (parts, config)
     return parts, (64,) + config[1:]
+
+
+def _parts_ok(parts, head_dim, packed):
+    # A lab's column parts: two widths the kernel's buffers and wgmma take (powers of two >= 16,
+    # the second may be 0) that cover head_dim, exactly for a packed batch (a wider box would
+    # read the next head's columns).
+    if len(parts) != 2:
+        return False
+    d0, d1 = parts
+    power = lambda d: d >= 16 and d & (d - 1) == 0  # noqa: E731
+    covers = d0 + d1 == head_dim if packed else d0 + d1 >= head_dim
+    return power(d0) and (d1 == 0 or power(d1)) and covers and d0 >= d1
 
 
 def column_parts(head_dim):

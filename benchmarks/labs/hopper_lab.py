@@ -5,11 +5,14 @@ Two parts, each optional:
            alignments, GQA, fp16/bf16, output poisoned with NaN first); prints max errors.
   --time:  median times (triton.testing.do_bench, L2 flushed) of the Gluon kernel under each
            --configs entry (its CONFIG_FIELDS: BLOCK_N,STAGES,consumer registers) and its
-           table's, the Triton kernel (its table's config) and cuDNN, in --repeat interleaved
+           table's (layout_for's), each with layout_for's column parts and with each --parts
+           entry, the Triton kernel (its table's config) and cuDNN, in --repeat interleaved
            rounds; JSON lines to --out.
 
     python benchmarks/labs/hopper_lab.py --check --time --shapes 8,16,1024,128 \
         --configs 128,2,240 128,3,232 --out lab.jsonl
+    python benchmarks/labs/hopper_lab.py --time --shapes 1024,16,128,80,4 --configs 64,2,240 \
+        --parts 128,0    # head_dim 80 as one part padded to 128 columns, against 64 + 16
 
 With --varlen L1,L2,...: --time times a packed batch of those sequence lengths instead (causal,
 bottom-right per sequence; heads, head_dim and KV heads from each --shapes entry, whose batch and
@@ -104,16 +107,18 @@ def check(config):
     return worst
 
 
-def time_shapes(shapes, configs, repeat, out_path):
+def time_shapes(shapes, configs, repeat, out_path, parts=()):
     rows = []
     for b, h, s, d, hkv in shapes:
         q, k, v = _inputs(b, h, hkv, s, s, d, torch.bfloat16)
         flops = attention_flops(b, h, s, s, d, causal=True)
         out = torch.empty_like(q)
         lse = torch.empty(b, h, s, device="cuda")
-        cands = {f"gluon{c}": (lambda c=c: hop.attention_fwd_hopper(
-            q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c))
-            for c in configs if c is not None or d in hop.CONFIGS}
+        cands = {f"gluon{c}" + (f" parts{p}" if p else ""): (
+            lambda c=c, p=p: hop.attention_fwd_hopper(
+                q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c,
+                parts=p))
+            for c in configs if c is not None or d in hop.CONFIGS for p in (None, *parts)}
         def triton_kernel():  # its launch, directly: the op would take the Gluon kernel
             return fwd.attention_fwd_triton(q, k, v, out, lse, causal=True, scale=d ** -0.5,
                                             causal_offset=0)
@@ -195,6 +200,9 @@ def main(argv=None):
                    help="B,H,S,D[,KV_HEADS] causal bf16 shapes to time")
     p.add_argument("--configs", nargs="*", default=[],
                    help="Gluon configs BLOCK_N,STAGES,REGS to run next to the table's")
+    p.add_argument("--parts", nargs="*", default=[],
+                   help="column parts D0,D1 (powers of two covering head_dim, D1 may be 0) to "
+                        "time each config with besides layout_for's")
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--varlen", default=None,
@@ -204,6 +212,8 @@ def main(argv=None):
     for c in configs[1:]:
         if len(c) != len(hop.CONFIG_FIELDS):
             p.error(f"a Gluon config is {','.join(hop.CONFIG_FIELDS)}, got {c}")
+    if a.parts and a.varlen:
+        p.error("--parts times dense calls; a packed batch's parts are column_parts'")
     if a.check:
         for c in configs:
             print(f"== check config {c or 'table'}", flush=True)
@@ -217,7 +227,8 @@ def main(argv=None):
         if a.varlen:
             time_varlen([int(x) for x in a.varlen.split(",")], shapes, a.repeat, a.out)
         else:
-            time_shapes(shapes, configs, a.repeat, a.out)
+            time_shapes(shapes, configs, a.repeat, a.out,
+                        [tuple(int(x) for x in pp.split(",")) for pp in a.parts])
     return 0
 
 
