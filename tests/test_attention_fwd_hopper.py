@@ -239,6 +239,18 @@ def test_few_keys_at_split_head_dims_choose_padding_or_short_blocks():
                                                                  table[head_dim])
 
 
+def test_a_labs_column_parts_are_checked():
+    # attention_fwd_hopper(parts=...): widths the kernel's buffers take, covering head_dim (a
+    # packed batch's exactly: a wider box would read the next head's columns).
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    for parts, head_dim, packed, ok in [((128, 0), 80, False, True), ((64, 16), 80, True, True),
+                                        ((128, 0), 80, True, False), ((64, 16), 96, False, False),
+                                        ((64, 32), 96, False, True), ((96, 0), 96, False, False),
+                                        ((16, 64), 80, False, False), ((128, 8), 136, False, False),
+                                        ((128,), 128, False, False)]:
+        assert hopper._parts_ok(parts, head_dim, packed) == ok, (parts, head_dim, packed)
+
+
 def test_the_short_tile_rule_counts_keys_times_head_dim_and_tiles(monkeypatch):
     # The rule itself, on the CPU: a fake 132-SM device; q/k as shapes only.
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
