@@ -287,6 +287,8 @@ def main():
     args = p.parse_args()
     if args.parts and not args.gluon:
         p.error("--parts goes with --gluon")
+    if args.parts and not re.fullmatch(r"\d+,\d+", args.parts):
+        p.error(f"--parts takes D0,D1 (e.g. 128,0), got {args.parts!r}")
     if args.fused_dq and not args.gluon_bwd:
         p.error("--fused-dq goes with --gluon-bwd")
     bwd = args.gluon_bwd or args.gluon_bwd_dq

@@ -210,17 +210,20 @@ def test_packed_tile_count_rule():
     assert not hopper.packed_tiles_ok(1 << 16, 1 << 10, 1 << 16)  # 2^35 tiles
 
 
-def test_packed_launch_key_holds_the_longest_sequence():
-    # The packed launch's grid follows max_seqlen_q and its lengths' pointers are per call: a
-    # kept launch is found again only for the same longest sequence and pointer alignment.
+def test_packed_launch_key_holds_the_longest_sequences():
+    # The packed launch's grid follows max_seqlen_q, the Gluon kernel's L2 head groups
+    # max_seqlen_k, and its lengths' pointers are per call: a kept launch is found again only
+    # for the same longest sequences and pointer alignment.
     from attnscope.kernels.attention_fwd import launch_key
     q, k, v, cu_q, cu_k = packed([3, 5], [4, 6], 2, 1, 16, torch.float32, CPU)
     views = [_as_batched(t, 2) for t in (q, k, v, q)]
     lse = torch.empty(2, 8)
     args = (*views, lse, True, 0, 0.25, (-1, -1), 0.0)
-    assert launch_key(*args, (cu_q, cu_k, 5)) == launch_key(*args, (cu_q.clone(), cu_k, 5))
-    assert launch_key(*args, (cu_q, cu_k, 5)) != launch_key(*args, (cu_q, cu_k, 6))
-    assert launch_key(*args, (cu_q, cu_k, 5)) != launch_key(*args)
+    key = launch_key(*args, (cu_q, cu_k, 5, 6))
+    assert key == launch_key(*args, (cu_q.clone(), cu_k, 5, 6))
+    assert key != launch_key(*args, (cu_q, cu_k, 6, 6))
+    assert key != launch_key(*args, (cu_q, cu_k, 5, 7))
+    assert key != launch_key(*args)
 
 
 @pytest.mark.cuda

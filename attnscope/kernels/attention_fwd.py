@@ -303,8 +303,10 @@ CONFIGS = {
 SHORT_SEQ = 2048
 SHORT_CONFIGS = {64: (64, 64, 4, 3, False, False)}
 # Causal dense calls of at most FEW_KEYS queries and keys at head_dim 65-128 take the same
-# 64-row tiles: the short calls in few tiles the Hopper kernel leaves to this one
-# (attention_fwd_hopper.SHORT_WORK), whose 128-row tiles would leave most SMs idle. H200,
+# 64-row tiles. On sm_90 these are the short calls in few tiles the Hopper kernel leaves to
+# this one (attention_fwd_hopper.SHORT_WORK), whose 128-row tiles would leave most SMs idle;
+# other calls of that size (other GPUs, torch.compile, windows, head dims the Hopper kernel
+# lacks) follow the same rule, measured only as below. H200,
 # Triton 3.6 (benchmarks/labs/fused_lab.py, notes/lab/triton_short_tiles_h200.txt): 0.0116
 # against 0.0154 ms at (2,16,256,128), 0.0108 against 0.0132 at (1,8,256,80), 0.0088 against
 # 0.0131 at (1,8,128,96) (do_bench medians of calls of ~10 us, so the host's noise is in
@@ -399,8 +401,8 @@ def launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap,
     key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape,
            q.stride(), k.stride(), v.stride(), out.stride(), aligned(q, k, v, out, lse),
            causal, causal_offset, scale, window, softcap)
-    if varlen is not None:  # the longest sequence fixes the grid
-        key += ("varlen", varlen[2], aligned(*varlen[:2]))
+    if varlen is not None:  # the longest sequences fix the grid and the Gluon kernel's L2 groups
+        key += ("varlen", varlen[2], varlen[3], aligned(*varlen[:2]))
     return key
 
 

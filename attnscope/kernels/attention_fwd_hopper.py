@@ -38,14 +38,15 @@ accumulators, so no wgmma multiplies zero columns. Where two parts would cover a
 as one (112), one part padded to the next power of two: the descriptors' boxes are wider than
 the rows, so the copy engine fills the padding columns with zeros (they add nothing to Q K^T,
 and P V's padding columns are zeros) and drops them on the store. A dense call of many tiles
-with few keys at 80 or 96 (`layout_for`) runs one padded part (80, up to 128 keys) or 64-key
-blocks (up to 512): its tiles hold too few K/V blocks to repay the split's per-block costs. Any
-query and key length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], so a
-block that runs past a head's end reads the copy engine's zeros (never the next head's rows),
-keys past the end are masked to -inf in the last K/V block only, and the copy engine drops the
-rows of an output block past the end. Output blocks go to memory through shared memory and the
-copy engine (TMA store), except those of an `out` that is not contiguous and 16-byte aligned, and
-at head_dim 256, whose staging buffers do not fit in shared memory (register stores).
+with few keys (`layout_for`) runs one padded part at 80 up to 128 keys, and 64-key blocks at 80
+and 96 from 129 to 512: its tiles hold too few K/V blocks to repay the split's per-block costs.
+Any query and key length: the TMA descriptors see each tensor as [batch * heads, seq,
+head_dim], so a block that runs past a head's end reads the copy engine's zeros (never the next
+head's rows), keys past the end are masked to -inf in the last K/V block only, and the copy
+engine drops the rows of an output block past the end. Output blocks go to memory through
+shared memory and the copy engine (TMA store), except those of an `out` that is not contiguous
+and 16-byte aligned, and at head_dim 256, whose staging buffers do not fit in shared memory
+(register stores).
 
 Packed batches (fused_attention_varlen, VARLEN) at head_dim 80, 96, 128, 192 and 256
 (PACKED_HEAD_DIMS): the packed [total, heads, head_dim] tensors, whose rows may be any 16-byte
@@ -842,8 +843,9 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     if config is not None and len(config) != len(CONFIG_FIELDS):
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     if parts is not None and not _parts_ok(parts, head_dim, varlen is not None):
-        raise ValueError(f"parts must be (D0, D1), powers of two >= 16 (D1 may be 0) covering "
-                         f"head_dim {head_dim}{' exactly' if varlen else ''}, got {parts!r}")
+        raise ValueError(f"parts must be (D0, D1), powers of two from 16 to 256 with D0 >= D1 (D1 "
+                         f"may be 0), covering head_dim {head_dim}{' exactly' if varlen else ''}, "
+                         f"got {parts!r}")
     dtype = str(q.dtype)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
     num_m = -(-max_q // TILE_ROWS)
@@ -874,6 +876,9 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     d0, d1 = parts
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
     smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
+    if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
+        raise ValueError(f"config {config} with column parts {(d0, d1)} needs {smem} B of shared "
+                         f"memory for Q and the K/V ring, more than {SHARED_MEMORY_BYTES}")
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_N=block_n, STAGES=stages,
                   CAUSAL=causal, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, d0, dtype),
@@ -899,9 +904,10 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
 def layout_for(head_dim, kv_len, many_tiles):
     """((D0, D1), config) of a call with kv_len keys: the column parts (column_parts) and the
     CONFIGS entry, except where `many_tiles` (a dense call of more 128-row tiles than SMs) has
-    few keys at a head_dim split into parts with 128-key blocks (PADDED_KEYS, SHORT_KEYS): up to
-    PADDED_KEYS keys one part padded to block_width(head_dim) columns where the second part is
-    16 columns, 64-key blocks otherwise, up to SHORT_KEYS."""
+    few keys at a head_dim split into parts with 128-key blocks (80, 96): up to PADDED_KEYS keys,
+    one part padded to block_width(head_dim) columns if the second part is 16 columns wide (80;
+    96 keeps its parts and table); from there up to SHORT_KEYS, 64-key blocks. (Measured on
+    causal calls; others follow the same rule.)"""
     parts, config = column_parts(head_dim), CONFIGS[head_dim]
     if not many_tiles or not parts[1] or config[0] != 128 or kv_len > SHORT_KEYS:
         return parts, config
@@ -917,9 +923,9 @@ def _parts_ok(parts, head_dim, packed):
     if len(parts) != 2:
         return False
     d0, d1 = parts
-    power = lambda d: d >= 16 and d & (d - 1) == 0  # noqa: E731
+    power = lambda d: d >= 16 and d & (d - 1) == 0  # noqa: E731 (a box is at most 256 wide)
     covers = d0 + d1 == head_dim if packed else d0 + d1 >= head_dim
-    return power(d0) and (d1 == 0 or power(d1)) and covers and d0 >= d1
+    return power(d0) and (d1 == 0 or power(d1)) and covers and 256 >= d0 >= d1
 
 
 def column_parts(head_dim):

@@ -12,7 +12,7 @@ Two parts, each optional:
     python benchmarks/labs/hopper_lab.py --check --time --shapes 8,16,1024,128 \
         --configs 128,2,240 128,3,232 --out lab.jsonl
     python benchmarks/labs/hopper_lab.py --time --shapes 1024,16,128,80,4 --configs 64,2,240 \
-        --parts 128,0    # head_dim 80 as one part padded to 128 columns, against 64 + 16
+        --parts 64,16    # head_dim 80 as its two parts, against layout_for's padded part
 
 With --varlen L1,L2,...: --time times a packed batch of those sequence lengths instead (causal,
 bottom-right per sequence; heads, head_dim and KV heads from each --shapes entry, whose batch and
@@ -23,6 +23,7 @@ finish), the Triton kernel, and FA4's varlen kernel where it is installed.
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import types
@@ -201,8 +202,9 @@ def main(argv=None):
     p.add_argument("--configs", nargs="*", default=[],
                    help="Gluon configs BLOCK_N,STAGES,REGS to run next to the table's")
     p.add_argument("--parts", nargs="*", default=[],
-                   help="column parts D0,D1 (powers of two covering head_dim, D1 may be 0) to "
-                        "time each config with besides layout_for's")
+                   help="with --time: column parts D0,D1 (powers of two from 16 to 256, D0 >= D1, "
+                        "D1 may be 0, covering head_dim) to time each config with besides "
+                        "layout_for's")
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--varlen", default=None,
@@ -212,8 +214,12 @@ def main(argv=None):
     for c in configs[1:]:
         if len(c) != len(hop.CONFIG_FIELDS):
             p.error(f"a Gluon config is {','.join(hop.CONFIG_FIELDS)}, got {c}")
-    if a.parts and a.varlen:
-        p.error("--parts times dense calls; a packed batch's parts are column_parts'")
+    if a.parts and (a.varlen or not a.time):
+        p.error("--parts goes with --time, on dense calls (a packed batch's parts are "
+                "column_parts')")
+    for pp in a.parts:
+        if not re.fullmatch(r"\d+,\d+", pp):
+            p.error(f"--parts takes D0,D1 (e.g. 128,0), got {pp!r}")
     if a.check:
         for c in configs:
             print(f"== check config {c or 'table'}", flush=True)
