@@ -760,8 +760,9 @@ SHORT_WORK = 256 * 128
 # - 64-key blocks 0.7600 against 0.8682 at (262,16,500,80), 0.5777 against 0.6075 at
 #   (512,16,256,80,kv 4), 0.6494 against 0.7394 at (512,16,256,96), 0.4247 against 0.4460 at
 #   (100,16,640,80,kv 4), past the bound; 0.8247 against 0.8128 at (262,16,500,96,kv 2);
-# - from 1024 keys the split wins: 1.2028 against 1.2485 (64-key blocks) and 1.2570 (padded)
-#   at (128,16,1024,96,kv 2), 1.8188 against 2.0837 and 2.0571 at (65,16,2000,80,kv 2);
+# - from 1024 keys the split wins where the work is long: 1.2028 against 1.2485 (64-key
+#   blocks) and 1.2570 (padded) at (128,16,1024,96,kv 2), 1.8188 against 2.0837 and 2.0571 at
+#   (65,16,2000,80,kv 2) (at (8,16,1024,96), 128 tiles, the three within 2 %);
 # - with few tiles 64-key blocks lost: (1,8,500,96,kv 2) 0.0201 against 0.0173 ms through the
 #   op (two wide sweeps), hence the tile count;
 # - at 192 (64-key blocks already) padding to 256 lost 26-35 %.
