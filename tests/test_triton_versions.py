@@ -37,6 +37,11 @@ for name in sys.argv[2:]:
     if name.startswith("b"):  # the backward's dK/dV ("b") and dQ ("bq") kernels, "n": not causal
         compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bqn")), "bf16",
                                                   dq="q" in name, causal="n" not in name)
+    elif name.startswith("f"):  # "f{head_dim}k{keys}": layout_for's few-key layout, many tiles
+        from attnscope.kernels.attention_fwd_hopper import layout_for
+        head_dim, keys = map(int, name[1:].split("k"))
+        parts, config = layout_for(head_dim, keys, True)
+        compiled = sass_offline.compile_gluon(head_dim, config, "bf16", parts=parts)
     else:
         compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
                                               varlen=name.startswith("p"))
@@ -70,6 +75,9 @@ COMPILED_PACKED_HEAD_DIMS = (128, 80, 96, 192, 256)
 # and the Gluon backward's dK/dV ("b" + head_dim) and dQ ("bq" + head_dim) kernels at the head
 # dims they take (and both without the causal mask at 128: "bn128", "bqn128")
 COMPILED_BWD_HEAD_DIMS = (128,)
+# and layout_for's few-key layouts ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
+# with 64-key blocks
+COMPILED_FEW_KEYS = ("f80k100", "f80k300", "f96k300")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +90,8 @@ def hopper_compile():
                           *map(str, COMPILED_HEAD_DIMS),
                           *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS),
                           *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
-                          *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128"],
+                          *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128",
+                          *COMPILED_FEW_KEYS],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -106,7 +115,8 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # The packed-batch variant ("p" + head_dim) also takes its tiles from a global counter
     # (an atomic add) and stores blocks inside a sequence by TMA. The dK/dV kernel ("b" +
     # head_dim) has the same parts: its four products as wgmma, Q/dO/K/V by TMA, dK/dV stored by
-    # TMA; so does the dQ kernel ("bq" + head_dim), with dQ stored by TMA.
+    # TMA; so does the dQ kernel ("bq" + head_dim), with dQ stored by TMA. The few-key layouts
+    # ("f...") are the forward's, with their other column parts or key blocks.
     for head_dim, counts in hopper_compile.items():
         ptx = counts["ptx"]
         tma_store = not head_dim.endswith("256")  # 256: register stores
