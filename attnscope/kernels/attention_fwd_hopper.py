@@ -918,15 +918,15 @@ def layout_for(head_dim, kv_len, many_tiles):
 
 
 def _parts_ok(parts, head_dim, packed):
-    # A lab's column parts: two widths the kernel's buffers and wgmma take (powers of two >= 16,
-    # the second may be 0) that cover head_dim, exactly for a packed batch (a wider box would
-    # read the next head's columns).
+    # A lab's column parts: two widths the kernel's buffers and wgmma take (block_width's: powers
+    # of two >= 16; the second may be 0; a box is at most 256 wide) that cover head_dim, exactly
+    # for a packed batch (a wider box would read the next head's columns).
     if len(parts) != 2:
         return False
     d0, d1 = parts
-    power = lambda d: d >= 16 and d & (d - 1) == 0  # noqa: E731 (a box is at most 256 wide)
     covers = d0 + d1 == head_dim if packed else d0 + d1 >= head_dim
-    return power(d0) and (d1 == 0 or power(d1)) and covers and 256 >= d0 >= d1
+    return (block_width(d0) == d0 and (d1 == 0 or block_width(d1) == d1) and covers
+            and 256 >= d0 >= d1)
 
 
 def column_parts(head_dim):
