@@ -12,7 +12,7 @@ import torch
 
 from attnscope.attention import registry
 from attnscope.attention.reference import attention_reference
-from attnscope.profile import bench, metrics, sweeps, timing
+from attnscope.profile import bench, bench_table, metrics, sweeps, timing
 from attnscope.profile.flops import attention_flops
 
 
@@ -161,6 +161,26 @@ def test_geomean_over_shapes():
     summary = bench.geomean_ratios(bench.with_peer_ratios(rows))
     assert summary["fused"]["geomean_ratio_to_best_peer"] == pytest.approx(1.0)
     assert summary["fused"]["shapes"] == 2
+
+
+def test_summary_sets_host_bound_shapes_apart():
+    # Shapes where the faster of fused and its best peer takes under KERNEL_BOUND_MS are
+    # host-bound: the all-shape mean keeps them, the kernel-bound one does not; and the shapes
+    # below the per-shape floor are counted.
+    rows = [_r("fused", 2.0), _r("sdpa_cudnn", 1.8),                              # 0.9, kernels
+            _r("fused", 0.2, shape=(1, 1, 64, 64)), _r("fa4", 0.19, shape=(1, 1, 64, 64)),
+            _r("fused", 0.01, shape=(1, 1, 32, 64)), _r("fa4", 0.05, shape=(1, 1, 32, 64)),
+            _r("fused", 0.5, shape=(1, 1, 16, 64)), _r("fa4", 0.05, shape=(1, 1, 16, 64))]
+    s = bench.geomean_ratios(bench.with_peer_ratios(rows))["fused"]
+    assert s["shapes"] == 4 and s["kernel_bound_shapes"] == 2
+    assert s["geomean_ratio_kernel_bound"] == pytest.approx((0.9 * 0.95) ** 0.5)
+    assert s["geomean_ratio_to_best_peer"] == pytest.approx((0.9 * 0.95 * 5 * 0.1) ** 0.25)
+    assert s["shapes_below_floor"] == 2  # 0.9 and 0.1; 0.95 is not below
+    line = bench_table.summary_line("fused", s)
+    assert "over 4 shapes" in line and "over the 2 where both" in line and "2 shapes below" in line
+    # a summary written before these fields still reads
+    assert bench_table.summary_line("fused", {"geomean_ratio_to_best_peer": 1.0, "shapes": 3}) \
+        == "fused: geometric mean ratio to the best peer 1.000 over 3 shapes"
 
 
 # --- reference ---
