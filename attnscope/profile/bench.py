@@ -91,7 +91,7 @@ def with_peer_ratios(rows: list[dict]) -> list[dict]:
 # H200 every implementation's read 1.3-3.5x its earlier times in one job), so the summary also
 # gives the geometric mean over the other shapes, where the kernels decide.
 KERNEL_BOUND_MS = 0.1
-# the per-shape floor of the forward goal (issue 19: no shape below 0.95 of the best peer)
+# the forward goal's per-shape floor: no shape below 0.95 of the best peer
 SHAPE_FLOOR = 0.95
 
 
