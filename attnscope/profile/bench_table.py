@@ -33,14 +33,19 @@ def format_table(rows: list[dict], time_label: str) -> str:
     return "\n".join(lines)
 
 
-def summary_line(name: str, s: dict) -> str:
-    """One of geomean_ratios' entries in words (bench's last lines, the report's sweep table)."""
-    line = (f"{name}: geometric mean ratio to the best peer {s['geomean_ratio_to_best_peer']:.3f}"
-            f" over {s['shapes']} shapes")
+def summary_text(s: dict) -> str:
+    """One of geomean_ratios' entries in words (the report's sweep table; summary_line names
+    whose it is)."""
+    text = f"{s['geomean_ratio_to_best_peer']:.3f} over {s['shapes']} shapes"
     if s.get("geomean_ratio_kernel_bound") is not None:  # (files written before these fields)
-        line += (f"; {s['geomean_ratio_kernel_bound']:.3f} over the {s['kernel_bound_shapes']}"
+        text += (f"; {s['geomean_ratio_kernel_bound']:.3f} over the {s['kernel_bound_shapes']}"
                  f" where both it and the best peer take >= {s['kernel_bound_ms']} ms (faster"
                  f" ones are host-bound)")
     if "shapes_below_floor" in s:
-        line += f"; {s['shapes_below_floor']} shapes below {s['floor']}"
-    return line
+        text += f"; {s['shapes_below_floor']} shapes below {s['floor']}"
+    return text
+
+
+def summary_line(name: str, s: dict) -> str:
+    """bench's last lines: summary_text after the name of the implementation it is of."""
+    return f"{name}: geometric mean ratio to the best peer {summary_text(s)}"

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from attnscope.profile import artifacts, runs, source_view
-from attnscope.profile.bench_table import summary_line
+from attnscope.profile.bench_table import summary_text
 from attnscope.profile.metrics import PEAK_DTYPES
 from attnscope.profile.table import COLUMNS, CPU_NOTE, evidence_text, table_cells
 from attnscope.profile.tensor_cores import name_verdict, short_name
@@ -231,8 +231,8 @@ class _Page:
                                  f"bench sweep {bench.get('sweep', '')!r}: {timer}"), "sweep")
         summary = bench.get("summary") or {}
         if summary:
-            body += _kv_table((f"{name}: ratio to the best peer",
-                               summary_line(name, s).split(": ", 1)[1])
+            body += _kv_table((f"{name}: geometric mean ratio to the best peer",
+                               summary_text(s))
                               for name, s in summary.items())
         return _section("sweep", "Shape sweep", body)
 
