@@ -80,7 +80,8 @@ def test_hopper_kernel(shape, dtype, floor, lse_tol):
 OTHER_HEAD_DIM_SHAPES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment) for the head dims other than
     # 128: tiles padded to 128 (80, 96, 112) or 256 columns (192), whose padding columns must
-    # read as zeros and never be written; 64-key blocks and register stores (192, 256)
+    # read as zeros and never be written; 64-key blocks (192, 256), the output staged in Q's
+    # buffer (256: O_IN_Q)
     (2, 3, 3, 1000, 1000, True, "top_left"),      # ragged query and key tiles
     (1, 8, 2, 3000, 3000, True, "top_left"),      # GQA, ragged last block
     (2, 2, 2, 129, 129, True, "top_left"),        # a 1-key last block
@@ -125,18 +126,81 @@ def test_hopper_kernel_never_reads_the_next_heads_keys(causal):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("head_dim", [128, 96, 192])  # 96, 192: padding columns not stored
-def test_hopper_kernel_strided_out_takes_register_stores(head_dim):
-    # An `out` that is not one contiguous matrix cannot take the TMA store; the register stores
-    # write the same values.
+@pytest.mark.parametrize("head_dim", [128, 96, 112, 192])  # 96, 192: two parts; 112 padded
+@pytest.mark.parametrize("width", [256, 260])
+def test_hopper_kernel_strided_out(head_dim, width, monkeypatch):
+    # An `out` that is not contiguous: rows of `width` elements, the first head_dim of each
+    # out's. At 256 (512-byte rows) the copy engine stores it at its strides (STRIDED); at 260
+    # (520 bytes, not a multiple of 16) it cannot, and the register stores do. Either writes the
+    # values the op writes into a contiguous out, and nothing past the view's columns.
     q, k, v = make_qkv(1, 2, 2, 320, 300, head_dim, torch.bfloat16, "cuda")
-    wide = torch.full((1, 2, 320, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    wide = torch.full((1, 2, 320, width), float("nan"), dtype=torch.bfloat16, device="cuda")
     out, lse = wide[..., :head_dim], torch.empty(1, 2, 320, device="cuda")
     scale = head_dim ** -0.5
     assert dispatch.uses_hopper_kernel(q, k, v, out, scale)
+    hopper, launched = dispatch._hopper(), []
+    launch = hopper._launch
+    monkeypatch.setattr(hopper, "_launch", lambda key, grid, args, kwargs, **kw: (
+        launched.append(kwargs), launch(key, grid, args, kwargs, **kw))[1])
+    dispatch.forget_launches()
     dispatch.attention_fwd(q, k, v, out, lse, causal=True, scale=scale, causal_offset=0)
+    assert [(c["STRIDED"], c["TMA_STORE"]) for c in launched] == [(width == 256,) * 2]
     assert torch.equal(out, fused_attention(q, k, v))
     assert wide[..., head_dim:].isnan().all()  # nothing written outside the view
+
+
+def _strided_views(view, head_dim, dtype):
+    # q, k, v and a NaN-poisoned out of (2 batches, 6 heads, 2 KV heads, 1000 queries, 700
+    # keys) that are not contiguous, and what lies around them (inf: a copy that read it would
+    # make the rows inf or NaN): flash-attn's bshd layout; K/V the first 700 rows of a 1024-row
+    # cache; every row padded to 64 more columns.
+    batch, heads, kv_heads, q_len, kv_len = 2, 6, 2, 1000, 700
+    nan = float("nan")
+    if view == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in make_qkv(batch, heads, kv_heads, q_len, kv_len,
+                                                       head_dim, dtype, "cuda", "bshd"))
+        out = torch.full((batch, q_len, heads, head_dim), nan, dtype=dtype,
+                         device="cuda").transpose(1, 2)
+    elif view == "kv_slices":
+        q, k, v = make_qkv(batch, heads, kv_heads, q_len, 1024, head_dim, dtype, "cuda")
+        k[:, :, kv_len:], v[:, :, kv_len:] = float("inf"), float("inf")
+        k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+        out = torch.full_like(q, nan)
+    else:  # padded rows
+        def padded(t):
+            wide = torch.full(t.shape[:-1] + (head_dim + 64,), float("inf"), dtype=dtype,
+                              device="cuda")
+            wide[..., :head_dim] = t
+            return wide[..., :head_dim]
+        q, k, v = map(padded, make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype,
+                                       "cuda"))
+        out = torch.full((batch, heads, q_len, head_dim + 64), nan, dtype=dtype,
+                         device="cuda")[..., :head_dim]
+    return q, k, v, out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [128, 80, 96, 112, 192, 256])  # 112: boxes past the rows
+@pytest.mark.parametrize("view", ["bshd", "kv_slices", "padded_rows"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_hopper_kernel_strided_inputs(view, head_dim, causal, dtype, floor, lse_tol):
+    # Tensors that are not contiguous take the kernel at their strides (4-D copy-engine views,
+    # STRIDED): against the float64 reference, nothing read or written outside the views.
+    q, k, v, out = _strided_views(view, head_dim, dtype)
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    scale = head_dim ** -0.5
+    assert not (q.is_contiguous() and k.is_contiguous() and out.is_contiguous())
+    assert dispatch.uses_hopper_kernel(q, k, v, out, scale)
+
+    def forward(*_, **__):
+        dispatch.attention_fwd(q, k, v, out, lse, causal=causal, scale=scale, causal_offset=0)
+        return out, lse
+    check(q, k, v, floor, lse_tol, causal=causal, forward=forward)
+    if view == "padded_rows":
+        assert out.as_strided((*out.shape[:3], 64), out.stride(),
+                              out.storage_offset() + head_dim).isnan().all()
 
 
 @pytest.mark.cuda
@@ -162,15 +226,20 @@ def test_hopper_kernel_only_takes_what_it_supports():
     assert not dispatch.uses_hopper_kernel(q, k, v, out, 0.0)  # it masks before scaling
     k2, v2 = k[:, :, :200].contiguous(), v[:, :, :200].contiguous()
     assert dispatch.uses_hopper_kernel(q, k2, v2, out, scale)  # a ragged last K/V block
-    assert not dispatch.uses_hopper_kernel(q, k[:, :, :200], v[:, :, :200], out, scale)  # strided
+    # K/V slices of a longer cache, at their strides
+    assert dispatch.uses_hopper_kernel(q, k[:, :, :200], v[:, :, :200], out, scale)
     assert not dispatch.uses_hopper_kernel(q[..., :64], k[..., :64], v[..., :64], out[..., :64],
-                                          scale)
+                                          scale)  # head_dim 64 below MIN_QUERIES
     q96, k96, v96 = make_qkv(1, 2, 2, 256, 200, 96, torch.bfloat16, "cuda")
     assert dispatch.uses_hopper_kernel(q96, k96, v96, torch.empty_like(q96), scale)  # padded
     assert not dispatch.uses_hopper_kernel(q.float(), k.float(), v.float(), out.float(), scale)
     bshd = rearrange(torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16),
                      "b s h d -> b h s d")
-    assert not dispatch.uses_hopper_kernel(bshd, k, v, out, scale)  # not one [rows, d] matrix
+    assert dispatch.uses_hopper_kernel(bshd, k, v, out, scale)  # flash-attn's layout
+    rows_264 = torch.randn(1, 2, 256, 132, device="cuda", dtype=torch.bfloat16)[..., :128]
+    assert not dispatch.uses_hopper_kernel(rows_264, k, v, out, scale)  # rows not 16-byte apart
+    every_other = torch.randn(1, 2, 256, 256, device="cuda", dtype=torch.bfloat16)[..., ::2]
+    assert not dispatch.uses_hopper_kernel(every_other, k, v, out, scale)  # columns apart
 
 
 @pytest.mark.cuda
@@ -249,6 +318,27 @@ def test_a_labs_column_parts_are_checked():
                                         ((16, 64), 80, False, False), ((128, 8), 136, False, False),
                                         ((128,), 128, False, False)]:
         assert hopper._parts_ok(parts, head_dim, packed) == ok, (parts, head_dim, packed)
+
+
+def test_strided_views_the_copy_engine_reads():
+    # _strided_ok on the CPU: which dense views the kernel reads at their strides (a 4-D TMA
+    # view wants a unit last stride and the others positive 16-byte multiples), and the strides
+    # it is given (_view_strides: a dimension of one element gets a contiguous tensor's).
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    f16 = dict(dtype=torch.float16, device="meta")
+    bshd = torch.empty(2, 300, 4, 128, **f16).transpose(1, 2)
+    assert hopper._strided_ok(bshd) and hopper._view_strides(bshd) == (300 * 512, 128, 512)
+    assert hopper._strided_ok(torch.empty(2, 4, 300, 128, **f16))  # contiguous
+    assert hopper._strided_ok(torch.empty(2, 4, 1024, 128, **f16)[:, :, :300])  # a K/V slice
+    assert hopper._strided_ok(torch.empty(2, 4, 300, 192, **f16)[..., :128])  # padded rows
+    assert not hopper._strided_ok(torch.empty(2, 4, 300, 132, **f16)[..., :128])  # 264-byte rows
+    assert not hopper._strided_ok(torch.empty(2, 4, 300, 256, **f16)[..., ::2])  # columns apart
+    assert not hopper._strided_ok(torch.empty(2, 1, 300, 128, **f16).expand(2, 4, 300, 128))
+    # one batch, one head, one query: their strides address nothing and are replaced
+    odd = torch.empty(1, 1, 1, 128, **f16).as_strided((1, 1, 1, 128), (3, 5, 7, 1))
+    assert hopper._view_strides(odd) == (128, 128, 128) and hopper._strided_ok(odd)
+    decode = torch.empty(3, 1, 8, 128, **f16).transpose(1, 2)  # bshd, one query a sequence
+    assert hopper._view_strides(decode) == (1024, 128, 128)
 
 
 def test_the_short_tile_rule_counts_keys_times_head_dim_and_tiles(monkeypatch):

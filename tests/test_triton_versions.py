@@ -27,7 +27,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Runs in a fresh interpreter with TRITON_INTERPRET=0 (this process has the interpreter on, and
 # Triton reads that once, at import): compile the Gluon kernel as a launch would, through
 # benchmarks/sass_offline.py's offline driver, at each head_dim given ("p128": its packed-batch
-# variant, fused_attention_varlen's), and count what the PTX and SASS hold.
+# variant, fused_attention_varlen's; "s128": a dense call of bshd tensors, seen at their
+# strides), and count what the PTX and SASS hold.
 _COMPILE = r"""
 import json, re, sys
 sys.path.insert(0, sys.argv[1])
@@ -42,6 +43,8 @@ for name in sys.argv[2:]:
         head_dim, keys = map(int, name[1:].split("k"))
         parts, config = layout_for(head_dim, keys, True)
         compiled = sass_offline.compile_gluon(head_dim, config, "bf16", parts=parts)
+    elif name.startswith("s"):  # "s{head_dim}": bshd inputs, the STRIDED kernel
+        compiled = sass_offline.compile_gluon(int(name[1:]), None, "bf16", bshd=True)
     else:
         compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
                                               varlen=name.startswith("p"))
@@ -49,6 +52,7 @@ for name in sys.argv[2:]:
     counts = result[name] = {"ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
         ("wgmma", r"wgmma\.mma_async"), ("tma_load", r"cp\.async\.bulk\.tensor\.\dd\.shared"),
         ("tma_store", r"cp\.async\.bulk\.tensor\.\dd\.global"), ("mbarrier", r"mbarrier\."),
+        ("tma_4d", r"cp\.async\.bulk\.tensor\.4d"),
         ("setmaxnreg", r"setmaxnreg"), ("atomic", r"\b(atom|red)\.global"))}}
     try:
         sass = sass_offline.cuobjdump(compiled, "-sass")
@@ -67,8 +71,8 @@ print(json.dumps(result))
 # The Gluon kernel's head_dim classes: 128 (one column part as wide as the rows), 64 (three K/V
 # stages; taken from 2049 queries on), 96 (two column parts, 64 + 32: every buffer and wgmma
 # twice; 80 = 64 + 16 compiles to its code but for constants, 112 pads to 128 as one part),
-# 192 (128 + 64 with 64-key blocks) and 256 (64-key blocks, register stores: the output's
-# staging buffers do not fit in shared memory).
+# 192 (128 + 64 with 64-key blocks) and 256 (64-key blocks; the output staged in Q's buffer:
+# buffers of its own do not fit in shared memory).
 COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
 # and its packed-batch variant at every head_dim it takes (PACKED_HEAD_DIMS)
 COMPILED_PACKED_HEAD_DIMS = (128, 80, 96, 192, 256)
@@ -78,6 +82,9 @@ COMPILED_BWD_HEAD_DIMS = (128,)
 # and layout_for's few-key layouts ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
 # with 64-key blocks
 COMPILED_FEW_KEYS = ("f80k100", "f80k300", "f96k300")
+# and its strided variant ("s{head_dim}"): bshd q/k/v/out, one column part, two, and the output
+# staged in Q's buffer
+COMPILED_STRIDED = ("s128", "s96", "s256")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +98,7 @@ def hopper_compile():
                           *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS),
                           *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
                           *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128",
-                          *COMPILED_FEW_KEYS],
+                          *COMPILED_FEW_KEYS, *COMPILED_STRIDED],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -106,7 +113,7 @@ def test_gluon_api_is_all_there():
 def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # At each of COMPILED_HEAD_DIMS, per consumer warpgroup and K/V block: Q K^T and P V as
     # asynchronous wgmma; the loader's Q, K and V copies through the copy engine, and the
-    # epilogue's O store where its staging buffers fit in shared memory (all but 256);
+    # epilogue's O store by the copy engine (at 256 staged in Q's buffer);
     # mbarriers between them; a register split between the partitions (setmaxnreg); no local
     # arrays (cuobjdump's LOCAL 0: register spills count as STACK, which some of these kernels
     # have a few dozen bytes of; benchmarks/sass_offline.py reports it). Counts of 3.6's SASS
@@ -116,20 +123,22 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # (an atomic add) and stores blocks inside a sequence by TMA. The dK/dV kernel ("b" +
     # head_dim) has the same parts: its four products as wgmma, Q/dO/K/V by TMA, dK/dV stored by
     # TMA; so does the dQ kernel ("bq" + head_dim), with dQ stored by TMA. The few-key layouts
-    # ("f...") are the forward's, with their other column parts or key blocks.
+    # ("f...") are the forward's, with their other column parts or key blocks. The strided
+    # variant ("s...") copies through 4-D [batch, heads, seq, head_dim] views, the others
+    # through views of fewer dimensions.
     for head_dim, counts in hopper_compile.items():
         ptx = counts["ptx"]
-        tma_store = not head_dim.endswith("256")  # 256: register stores
         assert ptx["wgmma"] > 0 and ptx["tma_load"] > 0, (head_dim, ptx)
         assert (ptx["atomic"] > 0) == head_dim.startswith("p"), (head_dim, ptx)
-        assert (ptx["tma_store"] > 0) == tma_store, (head_dim, ptx)
+        assert ptx["tma_store"] > 0, (head_dim, ptx)
         assert ptx["mbarrier"] > 0 and ptx["setmaxnreg"] > 0, (head_dim, ptx)
+        assert (ptx["tma_4d"] > 0) == head_dim.startswith("s"), (head_dim, ptx)
         if "sass" not in counts:
             pytest.skip(f"PTX checked; the wheel's cuobjdump did not run here: "
                         f"{counts['sass_error']}")
         sass = counts["sass"]
         assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0, (head_dim, sass)
-        assert (sass["UTMASTG"] > 0) == tma_store, (head_dim, sass)
+        assert sass["UTMASTG"] > 0, (head_dim, sass)
         assert sass["SYNCS"] > 0 and sass["USETMAXREG"] > 0, (head_dim, sass)
         assert sass["LOCAL"] == 0, f"head_dim {head_dim} uses local arrays: {sass}"
 

@@ -29,24 +29,27 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU, Triton >=
 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from MIN_QUERIES = 2049
-queries on), tiles longer than SHORT_WORK or more of them than SMs, q/k/v contiguous [batch,
-heads, seq, head_dim], a positive scale, and a launch that is not being traced (under
-torch.compile the Triton kernel runs). A head_dim that is not a power of two runs as two column
-parts of power-of-two widths (`column_parts`: 80 = 64 + 16, 96 = 64 + 32, 192 = 128 + 64), each
-with its own buffers and descriptors: S is two wgmma chained on one accumulator, O two
-accumulators, so no wgmma multiplies zero columns. Where two parts would cover as many columns
-as one (112), one part padded to the next power of two: the descriptors' boxes are wider than
-the rows, so the copy engine fills the padding columns with zeros (they add nothing to Q K^T,
-and P V's padding columns are zeros) and drops them on the store. A dense call of many tiles
-with few keys (`layout_for`) runs one padded part at 80 up to 128 keys, and 64-key blocks at 80
-and 96 from 129 to 512: its tiles hold too few K/V blocks to repay the split's per-block costs.
-Any query and key length: the TMA descriptors see each tensor as [batch * heads, seq,
-head_dim], so a block that runs past a head's end reads the copy engine's zeros (never the next
-head's rows), keys past the end are masked to -inf in the last K/V block only, and the copy
-engine drops the rows of an output block past the end. Output blocks go to memory through
-shared memory and the copy engine (TMA store), except those of an `out` that is not contiguous
-and 16-byte aligned, and at head_dim 256, whose staging buffers do not fit in shared memory
-(register stores).
+queries on), tiles longer than SHORT_WORK or more of them than SMs, q/k/v [batch, heads, seq,
+head_dim] contiguous or at strides the copy engine takes (`_strided_ok`), a positive scale, and a
+launch that is not being traced (under torch.compile the Triton kernel runs). A head_dim that is not
+a power of two runs as two column parts of power-of-two widths (`column_parts`: 80 = 64 + 16, 96 =
+64 + 32, 192 = 128 + 64), each with its own buffers and descriptors: S is two wgmma chained on one
+accumulator, O two accumulators, so no wgmma multiplies zero columns. Where two parts would cover as
+many columns as one (112), one part padded to the next power of two: the descriptors' boxes are
+wider than the rows, so the copy engine fills the padding columns with zeros (they add nothing to Q
+K^T, and P V's padding columns are zeros) and drops them on the store. A dense call of many tiles
+with few keys (`layout_for`) runs one padded part at 80 up to 128 keys, and 64-key blocks at 80 and
+96 from 129 to 512: its tiles hold too few K/V blocks to repay the split's per-block costs. Any
+query and key length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], or,
+where any of q, k, v, out is not contiguous (STRIDED: flash-attn's bshd layout, K/V slices of a
+longer cache, padded rows), as [batch, heads, seq, head_dim] at its strides; so a block that runs
+past a head's end reads the copy engine's zeros (never the next head's rows), keys past the end are
+masked to -inf in the last K/V block only, and the copy engine drops the rows of an output block
+past the end. Output blocks go to memory through shared memory and the copy engine (TMA store),
+except those of an `out` the copy engine cannot address (an address or strides that are not 16-byte
+multiples). At head_dim 256, where buffers of their own do not fit in shared memory, outputs are
+staged in the consumer's Q buffer (O_IN_Q), which takes the next tile's Q once the store has read
+it.
 
 Packed batches (fused_attention_varlen, VARLEN) at head_dim 80, 96, 128, 192 and 256
 (PACKED_HEAD_DIMS): the packed [total, heads, head_dim] tensors, whose rows may be any 16-byte
@@ -55,8 +58,8 @@ head_dim] and a tile reads its sequence's bounds from the cumulative lengths, al
 under the causal mask. A block that runs past its sequence's end reads the next sequence's rows:
 keys past the end are masked to -inf (their V rows are multiplied by zero, so only an inf or NaN
 there would reach this sequence), query rows past it are computed and never stored. Output blocks
-wholly inside their sequence leave by TMA store where the staging buffers fit (all but head_dim
-256), a sequence's ragged last block by register stores. The tiles are handed out on the device
+wholly inside their sequence leave by TMA store (at head_dim 256 staged in Q's buffer), a
+sequence's ragged last block by register stores. The tiles are handed out on the device
 as programs ask for them, from a counter zeroed at each launch, since the host does not know the
 lengths (they are on the GPU) to schedule by: the loader takes the next number, finds the sequence
 and tile it stands for (_packed_tile: the numbers count only tiles that hold queries, sequence
@@ -131,19 +134,26 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
 
 @gluon.jit
 def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem, VARLEN: gl.constexpr,
-                row_stride):
+                row_stride, heads, batch_stride, head_stride, STRIDED: gl.constexpr):
     # The copy engine's view of ptr whose blocks are one buffer of the ring `smem` ([buffers,
     # rows, width]). Dense: [heads, seq, HEAD_DIM], rows x width boxes at (head, row, column), so
-    # a block past a head's end or columns past HEAD_DIM read as zeros. Packed (VARLEN, n_hz the
-    # heads of one row): the packed tensor as [total rows, heads * HEAD_DIM] with rows
-    # row_stride apart, boxes at (row, head * HEAD_DIM + column); rows past a sequence's end
-    # read the next sequence's (masked or never stored), columns must not run past the head
-    # (the host checks).
+    # a block past a head's end or columns past HEAD_DIM read as zeros. Dense and STRIDED (a
+    # launch with a tensor that is not contiguous, e.g. bshd; every tensor of it is seen so):
+    # [batch, heads, seq, HEAD_DIM] at its strides, boxes at (batch, head, row, column), with
+    # the same zeros. Packed (VARLEN, n_hz the heads of one row): the packed tensor as [total
+    # rows, heads * HEAD_DIM] with rows row_stride apart, boxes at (row, head * HEAD_DIM +
+    # column); rows past a sequence's end read the next sequence's (masked or never stored),
+    # columns must not run past the head (the host checks).
     rows: gl.constexpr = smem.shape[1]
     width: gl.constexpr = smem.shape[2]
     if VARLEN:
         return tma.make_tensor_descriptor(ptr, [n_ctx, n_hz * HEAD_DIM], [row_stride, 1],
                                           [rows, width], smem.index(0).layout)
+    elif STRIDED:
+        return tma.make_tensor_descriptor(ptr, [n_hz // heads, heads, n_ctx, HEAD_DIM],
+                                          [batch_stride, head_stride, row_stride, 1],
+                                          [1, 1, rows, width],
+                                          smem.index(0).reshape([1, 1, rows, width]).layout)
     else:
         return tma.make_tensor_descriptor(ptr, [n_hz, n_ctx, HEAD_DIM],
                                           [n_ctx * HEAD_DIM, HEAD_DIM, 1], [1, rows, width],
@@ -151,24 +161,57 @@ def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem, VARLEN: gl.const
 
 
 @gluon.jit
-def _load(desc, hz, row, col, bar, buf, VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _descriptors(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem, smem1, VARLEN: gl.constexpr,
+                 row_stride, heads, batch_stride, head_stride, STRIDED: gl.constexpr,
+                 SPLIT: gl.constexpr):
+    # _descriptor's view of ptr for each column part: smem's, and smem1's for a split head_dim
+    # (its boxes start at column D0); without a split the second is the first, unused.
+    desc = _descriptor(ptr, n_hz, n_ctx, HEAD_DIM, smem, VARLEN, row_stride, heads,
+                       batch_stride, head_stride, STRIDED)
+    desc1 = desc
+    if SPLIT:
+        desc1 = _descriptor(ptr, n_hz, n_ctx, HEAD_DIM, smem1, VARLEN, row_stride, heads,
+                            batch_stride, head_stride, STRIDED)
+    return desc, desc1
+
+
+@gluon.jit
+def _load(desc, b, hz, row, col, bar, buf, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
+          HEAD_DIM: gl.constexpr):
     # One box of desc (_descriptor's) into the 2-D shared buffer buf, signalling bar when its
     # bytes land: rows from `row`, columns from `col` of head `hz` (in the packed tensor's row
-    # for VARLEN, of the [heads, seq, HEAD_DIM] view otherwise).
+    # for VARLEN; of batch b's heads for STRIDED; of the [heads, seq, HEAD_DIM] view otherwise,
+    # b unused).
     if VARLEN:
         tma_load(desc, [row, hz * HEAD_DIM + col], bar, buf)
+    elif STRIDED:
+        tma_load(desc, [b, hz, row, col], bar, buf.reshape([1, 1, buf.shape[0], buf.shape[1]]))
     else:
         tma_load(desc, [hz, row, col], bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
 
 
 @gluon.jit
-def _load_parts(desc, desc1, hz, row, bar, buf, buf1, VARLEN: gl.constexpr,
-                HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
+def _load_parts(desc, desc1, b, hz, row, bar, buf, buf1, VARLEN: gl.constexpr,
+                STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
     # One block of every column part (_load's coordinates): columns from 0 into buf and, for a
     # split head_dim, from buf's width on into buf1 (desc1's); all signal bar.
-    _load(desc, hz, row, 0, bar, buf, VARLEN, HEAD_DIM)
+    _load(desc, b, hz, row, 0, bar, buf, VARLEN, STRIDED, HEAD_DIM)
     if SPLIT:
-        _load(desc1, hz, row, buf.shape[1], bar, buf1, VARLEN, HEAD_DIM)
+        _load(desc1, b, hz, row, buf.shape[1], bar, buf1, VARLEN, STRIDED, HEAD_DIM)
+
+
+@gluon.jit
+def _load_q(q_desc, q_desc1, b, hz, row, q_ready, q_empty, q_smem, q_smem1, ti, q_bytes,
+            VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
+            SPLIT: gl.constexpr):
+    # The loader's Q blocks of tile number ti (this program's), one per consumer from `row`,
+    # each once its consumer has freed its buffer (q_empty). A fresh mbarrier is in phase 0, so
+    # a wait for parity 1 passes at once: the first loads wait for nobody.
+    for wg in gl.static_range(NUM_WG):
+        mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
+        mbarrier.expect(q_ready.index(wg), q_bytes)
+        _load_parts(q_desc, q_desc1, b, hz, row + wg * ROWS, q_ready.index(wg), q_smem.index(wg),
+                    q_smem1.index(wg), VARLEN, STRIDED, HEAD_DIM, SPLIT)
 
 
 @gluon.jit
@@ -275,11 +318,12 @@ def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_rea
 
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, D1: gl.constexpr, VARLEN: gl.constexpr):
+            STAGES: gl.constexpr, D1: gl.constexpr, VARLEN: gl.constexpr,
+            STRIDED: gl.constexpr, O_IN_Q: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
      k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, CuQ, CuK, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm, ids, ids_ready, ids_empty,
-     Counter) = args
+     N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm, stride_qz, stride_qh, stride_kz,
+     stride_kh, stride_vz, stride_vh, ids, ids_ready, ids_empty, Counter) = args
     # The copy engine's descriptors, made here on the device once per program (_descriptor).
     # (Host-made descriptors cost ~50 us of Triton's launch per call.) A split head_dim has a
     # second set for its columns from D0 on.
@@ -287,17 +331,12 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
     # heads of the descriptors' views: all (batch, head) pairs, or the heads of one packed row
     q_hz = H if VARLEN else n_hz
     kv_hz = q_hz // GROUP
-    q_desc = _descriptor(Q, q_hz, N_CTX_Q, HEAD_DIM, q_smem, VARLEN, stride_qm)
-    k_desc = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem, VARLEN, stride_km)
-    v_desc = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem, VARLEN, stride_vm)
-    if SPLIT:
-        q_desc1 = _descriptor(Q, q_hz, N_CTX_Q, HEAD_DIM, q_smem1, VARLEN, stride_qm)
-        k_desc1 = _descriptor(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem1, VARLEN, stride_km)
-        v_desc1 = _descriptor(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem1, VARLEN, stride_vm)
-    else:  # unused
-        q_desc1 = q_desc
-        k_desc1 = k_desc
-        v_desc1 = v_desc
+    q_desc, q_desc1 = _descriptors(Q, q_hz, N_CTX_Q, HEAD_DIM, q_smem, q_smem1, VARLEN,
+                                   stride_qm, H, stride_qz, stride_qh, STRIDED, SPLIT)
+    k_desc, k_desc1 = _descriptors(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem, k_smem1, VARLEN,
+                                   stride_km, H // GROUP, stride_kz, stride_kh, STRIDED, SPLIT)
+    v_desc, v_desc1 = _descriptors(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem, v_smem1, VARLEN,
+                                   stride_vm, H // GROUP, stride_vz, stride_vh, STRIDED, SPLIT)
     D0: gl.constexpr = q_smem.shape[2]
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
@@ -317,32 +356,45 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
         off_hz, first_row, n_blocks, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
             VARLEN, NUM_WG * ROWS, BLOCK_N)
+        batch_of = 0  # the batch of a STRIDED view's coordinates (unused otherwise)
         if VARLEN:  # the packed tensors' heads
+            q_head = off_hz % H
+            kv_head = q_head // GROUP
+        elif STRIDED:
+            batch_of = off_hz // H
             q_head = off_hz % H
             kv_head = q_head // GROUP
         else:
             q_head = off_hz
             kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
-        # A fresh mbarrier is in phase 0, so a wait for parity 1 passes at once: the first
-        # loads into each buffer wait for nobody.
-        for wg in gl.static_range(NUM_WG):
-            row = q_start + first_row + wg * ROWS
-            mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
-            mbarrier.expect(q_ready.index(wg), q_bytes)
-            _load_parts(q_desc, q_desc1, q_head, row, q_ready.index(wg), q_smem.index(wg),
-                        q_smem1.index(wg), VARLEN, HEAD_DIM, SPLIT)
+        # The tile's Q blocks, then its K/V blocks. With O_IN_Q a consumer frees its Q buffer
+        # only once its output has left it, so its first STAGES K/V blocks go first (their ring
+        # slots free up before the consumers' epilogue) and the Q blocks after them.
+        q_row = q_start + first_row
+        if not O_IN_Q:
+            _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem, q_smem1,
+                    ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+        early = gl.minimum(n_blocks, STAGES)  # (O_IN_Q) K/V blocks loaded before Q
         for j in range(n_blocks):
+            if O_IN_Q:
+                if j == early:
+                    _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem,
+                            q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             row = k_start + j * BLOCK_N
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), kv_bytes)
-            _load_parts(k_desc, k_desc1, kv_head, row, k_ready.index(slot),
-                        k_smem.index(slot), k_smem1.index(slot), VARLEN, HEAD_DIM, SPLIT)
+            _load_parts(k_desc, k_desc1, batch_of, kv_head, row, k_ready.index(slot),
+                        k_smem.index(slot), k_smem1.index(slot), VARLEN, STRIDED, HEAD_DIM, SPLIT)
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), kv_bytes)
-            _load_parts(v_desc, v_desc1, kv_head, row, v_ready.index(slot),
-                        v_smem.index(slot), v_smem1.index(slot), VARLEN, HEAD_DIM, SPLIT)
+            _load_parts(v_desc, v_desc1, batch_of, kv_head, row, v_ready.index(slot),
+                        v_smem.index(slot), v_smem1.index(slot), VARLEN, STRIDED, HEAD_DIM, SPLIT)
+        if O_IN_Q:
+            if early == n_blocks:  # no more blocks than stages: Q after all of them
+                _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem,
+                        q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         it += n_blocks
         ti += 1
         r += 1
@@ -400,31 +452,35 @@ def _stage(acc, l_safe, buf):
 
 
 @gluon.jit
-def _store(desc, hz, row, col, buf, VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _store(desc, b, hz, row, col, buf, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
+           HEAD_DIM: gl.constexpr):
     # The copy engine's store of the 2-D shared buffer buf into desc (_descriptor's) at rows
-    # from `row`, columns from `col` of head `hz` (as _load's coordinates).
+    # from `row`, columns from `col` of head `hz` (as _load's coordinates, b the batch).
     if VARLEN:
         tma_store(desc, [row, hz * HEAD_DIM + col], buf)
+    elif STRIDED:
+        tma_store(desc, [b, hz, row, col], buf.reshape([1, 1, buf.shape[0], buf.shape[1]]))
     else:
         tma_store(desc, [hz, row, col], buf.reshape([1, buf.shape[0], buf.shape[1]]))
 
 
 @gluon.jit
-def _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, hz, row,
-                   WG: gl.constexpr, VARLEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   SPLIT: gl.constexpr):
+def _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
+                   WG: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
     # A consumer's block (both column parts of a split head_dim) staged in its shared buffers
     # and stored by the copy engine at head hz, rows from `row` (_store's coordinates). The copy
     # engine stores it while this warpgroup moves on to its next tile; only the next tile's
-    # epilogue waits for it (the buffers are reused).
+    # epilogue waits for it (the buffers are reused). (With O_IN_Q the buffers are Q's, and the
+    # consumer waits for the store at once: the next tile's Q needs them.)
     tma.store_wait(0)
     _stage(acc, l_safe, o_smem.index(WG))
     if SPLIT:
         _stage(acc1, l_safe, o_smem1.index(WG))
     fence_async_shared()
-    _store(o_desc, hz, row, 0, o_smem.index(WG), VARLEN, HEAD_DIM)
+    _store(o_desc, b, hz, row, 0, o_smem.index(WG), VARLEN, STRIDED, HEAD_DIM)
     if SPLIT:
-        _store(o_desc1, hz, row, acc.shape[1], o_smem1.index(WG), VARLEN, HEAD_DIM)
+        _store(o_desc1, b, hz, row, acc.shape[1], o_smem1.index(WG), VARLEN, STRIDED, HEAD_DIM)
 
 
 @gluon.jit
@@ -455,7 +511,8 @@ def _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz,
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr,
-              D1: gl.constexpr, VARLEN: gl.constexpr):
+              D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
+              O_IN_Q: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
@@ -481,17 +538,14 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     if SPLIT:
         q1 = q_smem1.index(WG)
-    if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM] (the launch checked); the copy
+    if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM], or [batch, heads, seq,
+        # HEAD_DIM] at 16-byte aligned strides for STRIDED (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end. A packed out is
         # [total rows, heads * HEAD_DIM]: the epilogue stores only blocks inside a sequence
         # through it.
-        o_desc = _descriptor(Out, H if VARLEN else n_hz, N_CTX_Q, HEAD_DIM, o_smem, VARLEN,
-                             stride_om)
-        if SPLIT:
-            o_desc1 = _descriptor(Out, H if VARLEN else n_hz, N_CTX_Q, HEAD_DIM, o_smem1,
-                                  VARLEN, stride_om)
-        else:  # unused
-            o_desc1 = o_desc
+        o_desc, o_desc1 = _descriptors(Out, H if VARLEN else n_hz, N_CTX_Q, HEAD_DIM, o_smem,
+                                       o_smem1, VARLEN, stride_om, H, stride_oz, stride_oh,
+                                       STRIDED, SPLIT)
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
     # the tiles, as the loader walks them (_tile_number)
@@ -576,7 +630,9 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             acc = acc * gl.expand_dims(alpha0, 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         # Q is no longer read: the loader may bring in the next tile's while this one ends
-        mbarrier.arrive(q_empty.index(WG))
+        # (O_IN_Q: once the output staged in Q's buffer has left, below)
+        if not O_IN_Q:
+            mbarrier.arrive(q_empty.index(WG))
 
         if n_blocks > 0:
             last = (it + n_blocks - 1) % STAGES
@@ -601,17 +657,23 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         if TMA_STORE and VARLEN:
             # the copy engine may store only a block wholly inside its sequence
             if m0 + ROWS <= q_len:
-                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1,
-                               off_hz % H, q_start + m0, WG, VARLEN, HEAD_DIM, SPLIT)
+                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, 0,
+                               off_hz % H, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             else:
                 _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om,
                             off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
-        elif TMA_STORE:  # it drops the rows past a head's end
-            _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, off_hz, m0,
-                           WG, VARLEN, HEAD_DIM, SPLIT)
+        elif TMA_STORE and STRIDED:  # it drops the rows past a head's end
+            _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, off_hz // H,
+                           off_hz % H, m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+        elif TMA_STORE:
+            _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, 0, off_hz, m0,
+                           WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         else:  # an out the copy engine cannot address
             _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H,
                         q_start, m0, q_len, HEAD_DIM, SPLIT)
+        if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(WG))
         it += n_blocks
         ti += 1
         r += 1
@@ -624,18 +686,22 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 
 @gluon.jit
 def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, stride_km, stride_vm,
-                     stride_oz, stride_oh, stride_om,
+                     stride_oz, stride_oh, stride_om, stride_qz, stride_qh, stride_kz, stride_kh,
+                     stride_vz, stride_vh,
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
                      SCHED_STRIDE, NUM_M,
                      HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
-                     TMA_STORE: gl.constexpr, VARLEN: gl.constexpr):
+                     TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
+                     O_IN_Q: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
-    # and V rows stride_qm, stride_km and stride_vm apart; those strides are unused otherwise).
+    # and V rows stride_qm, stride_km and stride_vm apart). STRIDED: a dense call whose q, k, v
+    # or out is not contiguous, each seen at its batch, head and row strides (_descriptor);
+    # those strides are unused otherwise.
     # A packed batch's programs take tiles as they go instead (_loader), counted by Counter
     # (one int32, zero at the launch).
     qk_scale = qk_scale.to(gl.float32)
@@ -690,9 +756,9 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
 
-    o_smem = q_smem  # unused without TMA_STORE
+    o_smem = q_smem  # unused without TMA_STORE; with O_IN_Q, outputs are staged in Q's buffers
     o_smem1 = q_smem1
-    if TMA_STORE:  # one output block per consumer for the copy engine's stores
+    if TMA_STORE and not O_IN_Q:  # one output block per consumer for the copy engine's stores
         o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
         if BLOCK_D1 > 0:
             o_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
@@ -702,14 +768,17 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
               CAUSAL_OFFSET, qk_scale, ids, ids_ready, ids_empty)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty,
              k_ready, k_empty, v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP, CuQ,
-             CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm, ids,
-             ids_ready, ids_empty, Counter)
+             CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm, stride_qz,
+             stride_qh, stride_kz, stride_kh, stride_vz, stride_vh, ids, ids_ready, ids_empty,
+             Counter)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
     gl.warp_specialize([
-        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN)),
-        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN)),
-        (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, BLOCK_D1, VARLEN)),
+        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN,
+                     STRIDED, O_IN_Q)),
+        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN,
+                     STRIDED, O_IN_Q)),
+        (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, BLOCK_D1, VARLEN, STRIDED, O_IN_Q)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -722,7 +791,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
 # measured within 2 % either way. At 256 and 192 (128 + 64) a consumer's fp32 O accumulator
 # takes 128 or 96 registers a thread, so K/V blocks are 64 keys (S: 32 registers); at 256 two
 # ring stages of 64 keys and Q take 192 KB of shared memory, which leaves no room for the
-# output's staging buffers (outputs leave by register stores); at 192 a third stage measured
+# output's staging buffers (outputs are staged in Q's, O_IN_Q); at 192 a third stage measured
 # 7-12 % slower. No spills offline (benchmarks/sass_offline.py --gluon --head-dim N, Triton 3.6
 # and 3.9). Timed against the Triton kernel and cuDNN in notes/forward.md ("Which calls it
 # takes", "Column parts instead of padding").
@@ -783,10 +852,12 @@ SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 
 def supports(q, k, v, out, varlen=None):
     """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
-    CONFIGS, non-empty q/k/v contiguous [batch, heads, seq, head_dim] at 16-byte aligned
-    addresses (the TMA descriptors view each as [batch * heads, seq, head_dim]) and out with
-    unit last stride. Any query and key length, but a dense call of short tiles (SHORT_WORK)
-    no more than the SMs runs the Triton kernel (faster there). A packed batch (`varlen`, as
+    CONFIGS, non-empty q/k/v [batch, heads, seq, head_dim] at 16-byte aligned addresses, each
+    contiguous or with a unit last stride and the others positive 16-byte multiples (bshd,
+    padded rows, K/V slices; `_strided_ok`: a launch with any such tensor views every tensor at
+    its strides, otherwise each as [batch * heads, seq, head_dim]), and out with unit last
+    stride. Any query and key length, but a dense call of short tiles (SHORT_WORK) no more than
+    the SMs runs the Triton kernel (faster there). A packed batch (`varlen`, as
     attention_fwd_triton's: the views with batch stride 0 of packed [total, heads, head_dim]
     tensors) needs a head_dim in PACKED_HEAD_DIMS, a tile count within the kernel's int32
     (packed_tiles_ok) and in each packed tensor a unit last stride, heads next to each other
@@ -800,7 +871,7 @@ def supports(q, k, v, out, varlen=None):
     return (shape_ok and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
-            and (q.is_contiguous() and k.is_contiguous() and v.is_contiguous() if varlen is None
+            and (_strided_ok(q) and _strided_ok(k) and _strided_ok(v) if varlen is None
                  else _packed(q) and _packed(k) and _packed(v))
             and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
             and device_properties(q.device).major == 9
@@ -819,6 +890,28 @@ def packed_tiles_ok(batch, heads, max_q):
     the kernel's int32: (batch * heads + head) * query blocks of the longest + query block
     (_packed_tile), and the hand-out's numbers, up to the tiles plus the program count."""
     return batch * heads * -(-max_q // TILE_ROWS) < 2 ** 31 - 2 ** 16
+
+
+def _strided_ok(t):
+    # A dense [batch, heads, seq, head_dim] tensor the copy engine can read: contiguous, or at
+    # strides it takes (unit last stride, the others positive 16-byte multiples below 2^40 B)
+    if t.is_contiguous():
+        return True
+    size = t.element_size()
+    return t.stride(-1) == 1 and all(0 < s * size < 2 ** 40 and s * size % 16 == 0
+                                     for s in _view_strides(t))
+
+
+def _view_strides(t):
+    # t's batch, head and row strides for the copy engine's 4-D view: a dimension of one element
+    # has any stride in torch (it addresses nothing), so it gets the one a contiguous tensor
+    # would have, which the copy engine takes
+    batch, heads, seq, head_dim = t.shape
+    stride_z, stride_h, stride_m, _ = t.stride()
+    stride_m = head_dim if seq == 1 else stride_m
+    stride_h = stride_m * seq if heads == 1 else stride_h
+    stride_z = stride_h * heads if batch == 1 else stride_z
+    return stride_z, stride_h, stride_m
 
 
 def _packed(t):
@@ -865,38 +958,58 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     else:  # tiles handed out on the device (_loader), counted from zero at every launch
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         sched, sched_width = counter, 0  # a placeholder: the kernel reads no schedule
-    args = (q, k, v, out, lse, cu_q, cu_k, counter, sched, q.stride(2), k.stride(2), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
+    # A dense call whose q, k or v is not contiguous, or whose out is not but the copy engine
+    # can store it, views all four at their strides (STRIDED; an out it cannot address takes
+    # the register stores either way)
+    out_strided = not out.is_contiguous() and _strided_ok(out) and out.data_ptr() % 16 == 0
+    strided = varlen is None and (out_strided or not (
+        q.is_contiguous() and k.is_contiguous() and v.is_contiguous()))
+    if strided:
+        (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_km), (
+            stride_vz, stride_vh, stride_vm), (stride_oz, stride_oh, stride_om) = map(
+                _view_strides, (q, k, v, out))
+    else:  # (the batch and head strides of q, k, v are then unused)
+        stride_qz, stride_qh, stride_qm = q.stride(0), q.stride(1), q.stride(2)
+        stride_kz, stride_kh, stride_km = k.stride(0), k.stride(1), k.stride(2)
+        stride_vz, stride_vh, stride_vm = v.stride(0), v.stride(1), v.stride(2)
+        stride_oz, stride_oh, stride_om = out.stride(0), out.stride(1), out.stride(2)
+    args = (q, k, v, out, lse, cu_q, cu_k, counter, sched, stride_qm, stride_km, stride_vm,
+            stride_oz, stride_oh, stride_om, stride_qz, stride_qh, stride_kz, stride_kh,
+            stride_vz, stride_vh,
             batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
             group, sched_width, num_m)
-    # Output blocks by TMA store where out is contiguous and its staging buffers fit in shared
-    # memory next to Q and the K/V ring: 0.1004 against 0.1088 ms with register stores at
-    # (8,16,1024,128) (notes/forward.md, "TMA, both directions"). A packed batch's blocks that
-    # run past their sequence's end leave by register stores (the copy engine would write them
-    # over the next sequence's rows).
+    # Output blocks by TMA store where the copy engine can address out (contiguous, or at its
+    # strides for STRIDED): 0.1004 against 0.1088 ms with register stores at (8,16,1024,128)
+    # (notes/forward.md, "TMA, both directions"). They are staged in buffers of their own where
+    # those fit in shared memory next to Q and the K/V ring, else in the consumer's Q buffer
+    # (O_IN_Q: head_dim 256, or a lab's config of more stages), which then takes the next
+    # tile's Q only once the store has read it (the loader sends that tile's first K/V blocks
+    # ahead of its Q). A packed batch's blocks that run past their sequence's end leave by
+    # register stores (the copy engine would write them over the next sequence's rows).
     d0, d1 = parts
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
     smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
     if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
         raise ValueError(f"config {config} with column parts {(d0, d1)} needs {smem} B of shared "
                          f"memory for Q and the K/V ring, more than {SHARED_MEMORY_BYTES}")
+    stored_by_copy = ((_packed(out) if varlen else out.is_contiguous() or out_strided)
+                      and out.data_ptr() % 16 == 0)
+    staging_fits = smem + NUM_WG.value * tile_bytes <= SHARED_MEMORY_BYTES
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_N=block_n, STAGES=stages,
                   CAUSAL=causal, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, d0, dtype),
                   KV_LAYOUT=_smem_layout(block_n, d0, dtype),
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
-                  TMA_STORE=((_packed(out) if varlen else out.is_contiguous())
-                             and out.data_ptr() % 16 == 0
-                             and smem + NUM_WG.value * tile_bytes <= SHARED_MEMORY_BYTES),
-                  VARLEN=varlen is not None, num_warps=4)
+                  TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
+                  VARLEN=varlen is not None, STRIDED=strided, num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
-    if key is None:  # q, k, v are contiguous and 16-byte aligned (supports): shapes say the rest
-        key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, out.stride(),
-               aligned(out, lse), kwargs["TMA_STORE"], sched_width, causal, causal_offset,
-               scale, grid, config, parts)
-        if varlen is not None:  # and packed rows may be any 16-byte multiple apart
-            key += ("varlen", max_q, max_k, aligned(cu_q, cu_k), q.stride(), k.stride(), v.stride())
+    if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
+        key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, q.stride(), k.stride(),
+               v.stride(), out.stride(), aligned(out, lse), kwargs["TMA_STORE"], sched_width,
+               causal, causal_offset, scale, grid, config, parts)
+        if varlen is not None:
+            key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
     launch = _launch if varlen is None else _launch_packed
     return launch(key, grid, args, kwargs, per_call=5 if varlen is None else 8,
                   config=dict(zip(CONFIG_FIELDS, config), BLOCK_D0=d0, BLOCK_D1=d1))

@@ -13,6 +13,8 @@ Two parts, each optional:
         --configs 128,2,240 128,3,232 --out lab.jsonl
     python benchmarks/labs/hopper_lab.py --time --shapes 1024,16,128,80,4 --configs 64,2,240 \
         --parts 64,16    # head_dim 80 as its two parts, against layout_for's padded part
+    python benchmarks/labs/hopper_lab.py --check --time --layout bshd --shapes 4,32,4096,128
+        # bshd views (STRIDED) against the Triton kernel on them and the Gluon kernel on copies
 
 With --varlen L1,L2,...: --time times a packed batch of those sequence lengths instead (causal,
 bottom-right per sequence; heads, head_dim and KV heads from each --shapes entry, whose batch and
@@ -60,7 +62,7 @@ CHECK_CASES = [  # (batch, heads, kv_heads, q_len, kv_len, head_dim, causal, bot
     (1, 8, 2, 3000, 3000, 96, True, False, torch.float16),
     (1, 2, 2, 300, 77, 96, True, True, torch.bfloat16),       # rows that see no key
     (2, 2, 1, 700, 1536, 112, False, False, torch.bfloat16),
-    (2, 3, 3, 1000, 1000, 256, True, False, torch.bfloat16),  # 64-key blocks, register stores
+    (2, 3, 3, 1000, 1000, 256, True, False, torch.bfloat16),  # 64-key blocks, O staged in Q's
     (1, 8, 2, 3000, 3000, 256, True, False, torch.float16),
     (1, 2, 2, 300, 77, 256, True, True, torch.bfloat16),
     (2, 2, 1, 700, 1500, 192, False, False, torch.bfloat16),  # padded to 256 columns
@@ -68,11 +70,14 @@ CHECK_CASES = [  # (batch, heads, kv_heads, q_len, kv_len, head_dim, causal, bot
 ]
 
 
-def _inputs(b, h, hkv, lq, lk, d, dtype):
-    q = torch.randn(b, h, lq, d, device="cuda", dtype=dtype)
-    k = torch.randn(b, hkv, lk, d, device="cuda", dtype=dtype)
-    v = torch.randn(b, hkv, lk, d, device="cuda", dtype=dtype)
-    return q, k, v
+def _inputs(b, h, hkv, lq, lk, d, dtype, layout="bhsd"):
+    # q, k, v as [batch, heads, seq, head_dim]; for layout "bshd", views of [batch, seq, heads,
+    # head_dim] tensors (flash-attn's layout: not contiguous, the kernel's STRIDED views)
+    def rand(heads, n):
+        if layout == "bshd":
+            return torch.randn(b, n, heads, d, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(b, heads, n, d, device="cuda", dtype=dtype)
+    return rand(h, lq), rand(hkv, lk), rand(hkv, lk)
 
 
 def _run(q, k, v, causal, bottom_right, config=None):
@@ -85,13 +90,13 @@ def _run(q, k, v, causal, bottom_right, config=None):
     return out, lse
 
 
-def check(config):
+def check(config, layout="bhsd"):
     worst = 0.0
     for b, h, hkv, lq, lk, d, causal, br, dtype in CHECK_CASES:
         if config is None and d not in hop.CONFIGS:
             continue  # the table has no config for this head_dim
         torch.manual_seed(lq * 7 + d)
-        q, k, v = _inputs(b, h, hkv, lq, lk, d, dtype)
+        q, k, v = _inputs(b, h, hkv, lq, lk, d, dtype, layout)
         out, lse = _run(q, k, v, causal, br, config)
         torch.cuda.synchronize()
         ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=causal,
@@ -108,12 +113,12 @@ def check(config):
     return worst
 
 
-def time_shapes(shapes, configs, repeat, out_path, parts=()):
+def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd"):
     rows = []
     for b, h, s, d, hkv in shapes:
-        q, k, v = _inputs(b, h, hkv, s, s, d, torch.bfloat16)
+        q, k, v = _inputs(b, h, hkv, s, s, d, torch.bfloat16, layout)
         flops = attention_flops(b, h, s, s, d, causal=True)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q)  # (in q's layout)
         lse = torch.empty(b, h, s, device="cuda")
         cands = {f"gluon{c}" + (f" parts{p}" if p else ""): (
             lambda c=c, p=p: hop.attention_fwd_hopper(
@@ -124,6 +129,10 @@ def time_shapes(shapes, configs, repeat, out_path, parts=()):
             return fwd.attention_fwd_triton(q, k, v, out, lse, causal=True, scale=d ** -0.5,
                                             causal_offset=0)
         cands["triton"] = triton_kernel
+        if layout == "bshd":  # the table's Gluon kernel on contiguous copies: what strides cost
+            qc, kc, vc, oc = (t.contiguous() for t in (q, k, v, out))
+            cands["gluon-contiguous"] = lambda: hop.attention_fwd_hopper(
+                qc, kc, vc, oc, lse, causal=True, scale=d ** -0.5, causal_offset=0)
         kr, vr = (k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1))
 
         def cudnn():
@@ -205,6 +214,10 @@ def main(argv=None):
                    help="with --time: column parts D0,D1 (powers of two from 16 to 256, D0 >= D1, "
                         "D1 may be 0, covering head_dim) to time each config with besides "
                         "layout_for's")
+    p.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
+                   help="bshd: q, k, v (and out) as views of [batch, seq, heads, head_dim] "
+                        "tensors, which the Gluon kernel reads at their strides; --time then "
+                        "also times its table's config on contiguous copies")
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--varlen", default=None,
@@ -214,6 +227,8 @@ def main(argv=None):
     for c in configs[1:]:
         if len(c) != len(hop.CONFIG_FIELDS):
             p.error(f"a Gluon config is {','.join(hop.CONFIG_FIELDS)}, got {c}")
+    if a.layout == "bshd" and a.varlen:
+        p.error("--layout bshd goes with dense calls, not --varlen")
     if a.parts and (a.varlen or not a.time):
         p.error("--parts goes with --time, on dense calls (a packed batch's parts are "
                 "column_parts')")
@@ -223,7 +238,7 @@ def main(argv=None):
     if a.check:
         for c in configs:
             print(f"== check config {c or 'table'}", flush=True)
-            worst = check(c)
+            worst = check(c, a.layout)
             print(f"worst {worst:.2e}", flush=True)
     if a.time:
         shapes = []
@@ -234,7 +249,7 @@ def main(argv=None):
             time_varlen([int(x) for x in a.varlen.split(",")], shapes, a.repeat, a.out)
         else:
             time_shapes(shapes, configs, a.repeat, a.out,
-                        [tuple(int(x) for x in pp.split(",")) for pp in a.parts])
+                        [tuple(int(x) for x in pp.split(",")) for pp in a.parts], a.layout)
     return 0
 
 
