@@ -791,10 +791,13 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
 # measured within 2 % either way. At 256 and 192 (128 + 64) a consumer's fp32 O accumulator
 # takes 128 or 96 registers a thread, so K/V blocks are 64 keys (S: 32 registers); at 256 two
 # ring stages of 64 keys and Q take 192 KB of shared memory, which leaves no room for the
-# output's staging buffers (outputs are staged in Q's, O_IN_Q); at 192 a third stage measured
-# 7-12 % slower. No spills offline (benchmarks/sass_offline.py --gluon --head-dim N, Triton 3.6
-# and 3.9). Timed against the Triton kernel and cuDNN in notes/forward.md ("Which calls it
-# takes", "Column parts instead of padding").
+# output's staging buffers (outputs are staged in Q's, O_IN_Q). A third stage at 128 or 192
+# (which then stages in Q's buffer too) measured 4-11 % and 1-6 % slower, at 192 7-12 % with
+# register stores before O_IN_Q (notes/lab/gluon_third_stage_h200.txt). Offline sm_90 SASS
+# (benchmarks/sass_offline.py --gluon --head-dim N): Triton 3.6 and 3.7.1 keep a stack only at
+# 256 (8 B) and, on 3.6, 128 (16 B); 3.9 at 96-256 (32-88 B: at 128 mostly kernel arguments
+# stored on entry and reloaded in the partitions). Timed against the Triton kernel and cuDNN in
+# notes/forward.md ("Which calls it takes", "Column parts instead of padding").
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs")
 CONFIGS = {64: (128, 3, 240), 80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2, 240),
            128: (128, 2, 240), 192: (64, 2, 240), 256: (64, 2, 240)}
