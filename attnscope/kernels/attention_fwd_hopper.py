@@ -201,6 +201,19 @@ def _load_parts(desc, desc1, b, hz, row, bar, buf, buf1, VARLEN: gl.constexpr,
 
 
 @gluon.jit
+def _view_head(off_hz, H, VARLEN: gl.constexpr, STRIDED: gl.constexpr):
+    # (batch, head) of tile head off_hz (batch * H + head) in the descriptors' coordinates: a
+    # packed row's heads (VARLEN), batch and head of the 4-D view (STRIDED), or the [batch *
+    # heads] dimension of the 3-D view (batch 0, unused)
+    if VARLEN:
+        return 0, off_hz % H
+    elif STRIDED:
+        return off_hz // H, off_hz % H
+    else:
+        return 0, off_hz
+
+
+@gluon.jit
 def _load_q(q_desc, q_desc1, b, hz, row, q_ready, q_empty, q_smem, q_smem1, ti, q_bytes,
             VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
             SPLIT: gl.constexpr):
@@ -356,16 +369,10 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
         off_hz, first_row, n_blocks, q_start, q_len, k_start, k_len, offset = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
             VARLEN, NUM_WG * ROWS, BLOCK_N)
-        batch_of = 0  # the batch of a STRIDED view's coordinates (unused otherwise)
-        if VARLEN:  # the packed tensors' heads
-            q_head = off_hz % H
-            kv_head = q_head // GROUP
-        elif STRIDED:
-            batch_of = off_hz // H
-            q_head = off_hz % H
+        batch_of, q_head = _view_head(off_hz, H, VARLEN, STRIDED)
+        if VARLEN or STRIDED:  # heads within a packed row or a batch
             kv_head = q_head // GROUP
         else:
-            q_head = off_hz
             kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
         # The tile's Q blocks, then its K/V blocks. With O_IN_Q a consumer frees its Q buffer
         # only once its output has left it, so its first STAGES K/V blocks go first (their ring
@@ -654,20 +661,18 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
         gl.store(lse_row + rows, lse, mask=rows < q_len)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
         if TMA_STORE and VARLEN:
             # the copy engine may store only a block wholly inside its sequence
             if m0 + ROWS <= q_len:
-                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, 0,
-                               off_hz % H, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch,
+                               o_head, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             else:
                 _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om,
                             off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
-        elif TMA_STORE and STRIDED:  # it drops the rows past a head's end
-            _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, off_hz // H,
-                           off_hz % H, m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-        elif TMA_STORE:
-            _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, 0, off_hz, m0,
-                           WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+        elif TMA_STORE:  # it drops the rows past a head's end
+            _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
+                           m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         else:  # an out the copy engine cannot address
             _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H,
                         q_start, m0, q_len, HEAD_DIM, SPLIT)
