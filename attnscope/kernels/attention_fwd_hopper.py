@@ -447,6 +447,52 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 
 
 @gluon.jit
+def _next_block(q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
+                turn, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, start_n, N_CTX_K,
+                CAUSAL_OFFSET, qk_scale, WG: gl.constexpr, STAGES: gl.constexpr,
+                MASKED: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
+    # The consumer's K/V block g (its j-th of the tile, j >= 1): S_j = Q K_j^T and O += P_{j-1}
+    # V_{j-1} issued as asynchronous wgmma in this warpgroup's turn, block j's softmax while the
+    # P V product runs, then O rescaled. With a split head_dim (SPLIT) each product is two wgmma,
+    # one per column part.
+    slot = g % STAGES
+    prev = (g - 1) % STAGES
+    mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+    mbarrier.wait(turn.index(WG), g & 1)
+    s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    if SPLIT:
+        s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0,
+                                                      parent=acc1.type.layout, k_width=2)
+        acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(prev), acc1,
+                             is_async=True)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        # S_j is done (wgmma retire in order); the P V pair may still run
+        s, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
+    else:
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
+        s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
+    mbarrier.arrive(k_empty.index(slot))
+    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, start_n, N_CTX_K, CAUSAL_OFFSET, qk_scale,
+                                  MASKED, CAUSAL, s.shape[1])
+    if SPLIT:
+        acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+        alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
+        acc1 = acc1 * gl.expand_dims(alpha1, 1)
+    else:
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(v_empty.index(prev))
+    alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
+    acc = acc * gl.expand_dims(alpha0, 1)
+    return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i
+
+
+@gluon.jit
 def _normalized(acc, l_safe):
     # O / l in the output's dtype (acc in its wgmma layout, l per row in the scores' layout)
     l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, acc.type.layout))
@@ -545,6 +591,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     if SPLIT:
         q1 = q_smem1.index(WG)
+    else:  # unused
+        q1 = q
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM], or [batch, heads, seq,
         # HEAD_DIM] at 16-byte aligned strides for STRIDED (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end. A packed out is
@@ -600,42 +648,20 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                                                 offset, qk_scale, CAUSAL, BLOCK_N)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        for j in range(1, n_blocks):
-            g = it + j
-            slot = g % STAGES
-            prev = (g - 1) % STAGES
-            mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-            mbarrier.wait(turn.index(WG), g & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            if SPLIT:
-                s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok,
-                                      is_async=True)
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
-                                     v_smem1.index(prev), acc1, is_async=True)
-                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-                # S_j is done (wgmma retire in order); the P V pair may still run
-                s_j, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
-            else:
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-                # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
-                s_j, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
-            mbarrier.arrive(k_empty.index(slot))
-            p, alpha, l_i, m_i = _block_softmax(s_j, m_i, l_i, rows, j, full_blocks, k_len,
-                                                offset, qk_scale, CAUSAL, BLOCK_N)
-            if SPLIT:
-                acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-                alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout1))
-                acc1 = acc1 * gl.expand_dims(alpha1, 1)
-            else:
-                acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(v_empty.index(prev))
-            alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-            acc = acc * gl.expand_dims(alpha0, 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # Blocks past the first in two loops: those every row of this warpgroup sees in full,
+        # then those it sees in part (the causal diagonal, the keys' end), so the main loop
+        # holds no mask arithmetic and no column indices in its registers.
+        full_end = gl.maximum(gl.minimum(full_blocks, n_blocks), 1)
+        for j in range(1, full_end):
+            acc, acc1, p_op, l_i, m_i = _next_block(
+                q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
+                turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j * BLOCK_N, k_len,
+                offset, qk_scale, WG, STAGES, False, CAUSAL, SPLIT)
+        for j in range(full_end, n_blocks):
+            acc, acc1, p_op, l_i, m_i = _next_block(
+                q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
+                turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j * BLOCK_N, k_len,
+                offset, qk_scale, WG, STAGES, True, CAUSAL, SPLIT)
         # Q is no longer read: the loader may bring in the next tile's while this one ends
         # (O_IN_Q: once the output staged in Q's buffer has left, below)
         if not O_IN_Q:
