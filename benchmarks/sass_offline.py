@@ -105,13 +105,15 @@ def _offline_driver():
         module.device_properties = lambda device: h200
 
 
-def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd=False):
+def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd=False,
+                  keys=1024):
     """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
     (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
     a warm-up compile (_offline_driver). `varlen`: the packed-sequence (VARLEN) kernel, as
     fused_attention_varlen launches it; `parts`: column parts (D0, D1) instead of layout_for's
     (a dense call of 1024 keys: column_parts'); `bshd`: a dense call of [batch, seq, heads,
-    head_dim] tensors, which the kernel views at their strides (STRIDED)."""
+    head_dim] tensors, which the kernel views at their strides (STRIDED); `keys`: a dense call's
+    query and key length (at most one K/V block: the ONE_BLOCK variant)."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_fwd_hopper as module
@@ -128,10 +130,10 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
                                            causal=True, scale=head_dim ** -0.5, causal_offset=0,
                                            varlen=(cu, cu, 724, 724), config=config,
                                            parts=parts)
-    q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
+    q = torch.empty(2, 4, keys, head_dim, dtype=torch_dtype)
     if bshd:
-        q = torch.empty(2, 1024, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
-    return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, 1024),
+        q = torch.empty(2, keys, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
+    return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, keys),
                                        causal=True, scale=head_dim ** -0.5, causal_offset=0,
                                        config=config, parts=parts)
 
@@ -281,6 +283,9 @@ def main():
                    help="with --gluon: its packed-sequence variant (fused_attention_varlen's)")
     p.add_argument("--bshd", action="store_true",
                    help="with --gluon: a dense call of bshd tensors, viewed at their strides")
+    p.add_argument("--keys", type=int, default=1024,
+                   help="with --gluon: a dense call of this many queries and keys (default 1024; "
+                        "at most one K/V block, e.g. 128, builds its ONE_BLOCK variant)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
@@ -294,6 +299,10 @@ def main():
         p.error("--parts goes with --gluon")
     if args.bshd and (not args.gluon or args.varlen):
         p.error("--bshd goes with --gluon, without --varlen")
+    if args.keys != 1024 and (not args.gluon or args.varlen):
+        p.error("--keys goes with --gluon, without --varlen")
+    if args.keys < 1:
+        p.error(f"--keys must be positive, got {args.keys}")
     if args.parts and not re.fullmatch(r"\d+,\d+", args.parts):
         p.error(f"--parts takes D0,D1 (e.g. 128,0), got {args.parts!r}")
     if args.fused_dq and not args.gluon_bwd:
@@ -330,7 +339,7 @@ def main():
             p.error("--gluon --config takes BLOCK_N,STAGES,REGS")
         parts = args.parts and tuple(int(x) for x in args.parts.split(","))
         compiled = compile_gluon(args.head_dim, config, args.dtype, args.varlen, parts,
-                                 args.bshd)
+                                 args.bshd, args.keys)
     else:
         config = tuple(int(x) for x in (args.config or "128,64,8,3").split(","))
         if len(config) != 4:

@@ -565,7 +565,7 @@ def _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz,
 def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-              O_IN_Q: gl.constexpr):
+              O_IN_Q: gl.constexpr, ONE_BLOCK: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
@@ -648,20 +648,22 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                                                 offset, qk_scale, CAUSAL, BLOCK_N)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        # Blocks past the first in two loops: those every row of this warpgroup sees in full,
-        # then those it sees in part (the causal diagonal, the keys' end), so the main loop
-        # holds no mask arithmetic and no column indices in its registers.
-        full_end = gl.maximum(gl.minimum(full_blocks, n_blocks), 1)
-        for j in range(1, full_end):
-            acc, acc1, p_op, l_i, m_i = _next_block(
-                q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-                turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j * BLOCK_N, k_len,
-                offset, qk_scale, WG, STAGES, False, CAUSAL, SPLIT)
-        for j in range(full_end, n_blocks):
-            acc, acc1, p_op, l_i, m_i = _next_block(
-                q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-                turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j * BLOCK_N, k_len,
-                offset, qk_scale, WG, STAGES, True, CAUSAL, SPLIT)
+        # Blocks past the first (none where every tile holds one K/V block: ONE_BLOCK) in two
+        # loops: those every row of this warpgroup sees in full, then those it sees in part
+        # (the causal diagonal, the keys' end), so the main loop holds no mask arithmetic and
+        # no column indices in its registers.
+        if not ONE_BLOCK:
+            full_end = gl.maximum(gl.minimum(full_blocks, n_blocks), 1)
+            for j in range(1, full_end):
+                acc, acc1, p_op, l_i, m_i = _next_block(
+                    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
+                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j * BLOCK_N, k_len,
+                    offset, qk_scale, WG, STAGES, False, CAUSAL, SPLIT)
+            for j in range(full_end, n_blocks):
+                acc, acc1, p_op, l_i, m_i = _next_block(
+                    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
+                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j * BLOCK_N, k_len,
+                    offset, qk_scale, WG, STAGES, True, CAUSAL, SPLIT)
         # Q is no longer read: the loader may bring in the next tile's while this one ends
         # (O_IN_Q: once the output staged in Q's buffer has left, below)
         if not O_IN_Q:
@@ -726,7 +728,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
                      TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-                     O_IN_Q: gl.constexpr):
+                     O_IN_Q: gl.constexpr, ONE_BLOCK: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
@@ -806,9 +808,9 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     # built with + turns them into runtime values.)
     gl.warp_specialize([
         (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN,
-                     STRIDED, O_IN_Q)),
+                     STRIDED, O_IN_Q, ONE_BLOCK)),
         (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN,
-                     STRIDED, O_IN_Q)),
+                     STRIDED, O_IN_Q, ONE_BLOCK)),
         (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, BLOCK_D1, VARLEN, STRIDED, O_IN_Q)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -1036,7 +1038,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
-                  VARLEN=varlen is not None, STRIDED=strided, num_warps=4)
+                  VARLEN=varlen is not None, STRIDED=strided, ONE_BLOCK=varlen is None and kv_len <= block_n,
+                  num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, q.stride(), k.stride(),
