@@ -448,13 +448,14 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 
 @gluon.jit
 def _next_block(q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-                turn, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, start_n, N_CTX_K,
+                turn, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, N_CTX_K,
                 CAUSAL_OFFSET, qk_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                 MASKED: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
     # The consumer's K/V block g (its j-th of the tile, j >= 1): S_j = Q K_j^T and O += P_{j-1}
     # V_{j-1} issued as asynchronous wgmma in this warpgroup's turn, block j's softmax while the
     # P V product runs, then O rescaled. With a split head_dim (SPLIT) each product is two wgmma,
-    # one per column part.
+    # one per column part. MASKED: whether the block is masked (True, False), or None: masked
+    # from block full_blocks on, chosen at run time.
     slot = g % STAGES
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
@@ -478,8 +479,12 @@ def _next_block(q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_rea
         # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
         s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
     mbarrier.arrive(k_empty.index(slot))
-    p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, start_n, N_CTX_K, CAUSAL_OFFSET, qk_scale,
-                                  MASKED, CAUSAL, s.shape[1])
+    if MASKED is None:
+        p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K,
+                                            CAUSAL_OFFSET, qk_scale, CAUSAL, s.shape[1])
+    else:
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * s.shape[1], N_CTX_K, CAUSAL_OFFSET,
+                                      qk_scale, MASKED, CAUSAL, s.shape[1])
     if SPLIT:
         acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
         alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
@@ -565,7 +570,7 @@ def _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz,
 def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-              O_IN_Q: gl.constexpr, ONE_BLOCK: gl.constexpr):
+              O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
@@ -648,21 +653,28 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                                                 offset, qk_scale, CAUSAL, BLOCK_N)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        # Blocks past the first (none where every tile holds one K/V block: ONE_BLOCK) in two
-        # loops: those every row of this warpgroup sees in full, then those it sees in part
-        # (the causal diagonal, the keys' end), so the main loop holds no mask arithmetic and
-        # no column indices in its registers.
-        if not ONE_BLOCK:
+        # The blocks past the first, as BLOCK_LOOPS says (the launch's rule, `block_loops`):
+        # none (every tile holds one K/V block), one loop choosing each block's mask at run
+        # time, or two loops: the blocks every row of this warpgroup sees in full, then those it
+        # sees in part (the causal diagonal, the keys' end), so the first loop holds no mask
+        # arithmetic and no column indices in its registers.
+        if BLOCK_LOOPS == 1:
+            for j in range(1, n_blocks):
+                acc, acc1, p_op, l_i, m_i = _next_block(
+                    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
+                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
+                    offset, qk_scale, WG, STAGES, None, CAUSAL, SPLIT)
+        elif BLOCK_LOOPS == 2:
             full_end = gl.maximum(gl.minimum(full_blocks, n_blocks), 1)
             for j in range(1, full_end):
                 acc, acc1, p_op, l_i, m_i = _next_block(
                     q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j * BLOCK_N, k_len,
+                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
                     offset, qk_scale, WG, STAGES, False, CAUSAL, SPLIT)
             for j in range(full_end, n_blocks):
                 acc, acc1, p_op, l_i, m_i = _next_block(
                     q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j * BLOCK_N, k_len,
+                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
                     offset, qk_scale, WG, STAGES, True, CAUSAL, SPLIT)
         # Q is no longer read: the loader may bring in the next tile's while this one ends
         # (O_IN_Q: once the output staged in Q's buffer has left, below)
@@ -728,7 +740,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
                      TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-                     O_IN_Q: gl.constexpr, ONE_BLOCK: gl.constexpr):
+                     O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
@@ -808,9 +820,9 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     # built with + turns them into runtime values.)
     gl.warp_specialize([
         (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN,
-                     STRIDED, O_IN_Q, ONE_BLOCK)),
+                     STRIDED, O_IN_Q, BLOCK_LOOPS)),
         (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN,
-                     STRIDED, O_IN_Q, ONE_BLOCK)),
+                     STRIDED, O_IN_Q, BLOCK_LOOPS)),
         (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, BLOCK_D1, VARLEN, STRIDED, O_IN_Q)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -1038,7 +1050,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
-                  VARLEN=varlen is not None, STRIDED=strided, ONE_BLOCK=varlen is None and kv_len <= block_n,
+                  VARLEN=varlen is not None, STRIDED=strided,
+                  BLOCK_LOOPS=block_loops(d0, d1, block_n, None if varlen else kv_len),
                   num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
@@ -1050,6 +1063,25 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     launch = _launch if varlen is None else _launch_packed
     return launch(key, grid, args, kwargs, per_call=5 if varlen is None else 8,
                   config=dict(zip(CONFIG_FIELDS, config), BLOCK_D0=d0, BLOCK_D1=d1))
+
+
+def block_loops(d0, d1, block_n, kv_len):
+    """How the consumers walk a tile's K/V blocks past the first (the kernel's BLOCK_LOOPS), for
+    column parts (d0, d1), blocks of block_n keys and a dense call's kv_len (None for a packed
+    batch, whose lengths the host does not trust to bound the blocks): 1, one loop choosing
+    each block's mask at run time, where the head_dim is one part of 128 columns or more; else
+    0, no loop, where the call's tiles hold one block each, and 2, the unmasked blocks' loop
+    then the masked ones'. H200, Triton 3.6, hopper_lab.py --time, two jobs against one loop
+    (notes/lab/gluon_block_loops_h200.txt):
+    - two loops 2-4 % faster at head_dim 64's long rows (9.70 against 10.09 ms at
+      (8,16,16384,64), 0.661 against 0.684 at (4,32,4096,64)), 2.5 % at (8,16,4096,192,kv4), 7 %
+      at (512,16,256,96) (64-key blocks); no loop 6.5 % at (1024,16,128,96);
+    - at one part of 128 or 256 columns two loops were level at long rows and 3-9 % slower
+      with one or two blocks a tile ((1024,16,128,128): 0.556 against 0.512; no loop there:
+      0.546 against 0.519; (512,16,256,128) 0.80-0.82 against 0.78)."""
+    if d1 == 0 and d0 >= 128:
+        return 1
+    return 0 if kv_len is not None and kv_len <= block_n else 2
 
 
 def layout_for(head_dim, kv_len, many_tiles):
