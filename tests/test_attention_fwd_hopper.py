@@ -308,6 +308,28 @@ def test_few_keys_at_split_head_dims_choose_padding_or_short_blocks():
                                                                  table[head_dim])
 
 
+def test_block_loops_by_column_parts_and_keys():
+    # block_loops on the CPU: one loop choosing each block's mask where the head_dim is one part
+    # of 128 columns or more and for every packed batch (kv_len None); elsewhere no loop for a
+    # dense call of at most one K/V block, two loops (unmasked, then masked blocks) past that.
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    for parts in ((128, 0), (256, 0)):
+        for kv_len in (1, 64, 128, 129, 4096, None):
+            assert hopper.block_loops(*parts, 128, kv_len) == 1
+    for parts in ((64, 0), (64, 16), (64, 32), (128, 64)):
+        for block_n in (64, 128):
+            assert hopper.block_loops(*parts, block_n, 1) == 0
+            assert hopper.block_loops(*parts, block_n, block_n) == 0
+            assert hopper.block_loops(*parts, block_n, block_n + 1) == 2
+            assert hopper.block_loops(*parts, block_n, None) == 1
+    # through layout_for: the head dims' own layouts at few and many keys
+    for head_dim, kv_len, loops in ((64, 4096, 2), (96, 128, 0), (96, 300, 2), (80, 100, 1),
+                                    (112, 4096, 1), (128, 128, 1), (192, 64, 0), (192, 4096, 2),
+                                    (256, 64, 1)):
+        parts, config = hopper.layout_for(head_dim, kv_len, True)
+        assert hopper.block_loops(*parts, config[0], kv_len) == loops, (head_dim, kv_len)
+
+
 def test_a_labs_column_parts_are_checked():
     # attention_fwd_hopper(parts=...): widths the kernel's buffers take, covering head_dim (a
     # packed batch's exactly: a wider box would read the next head's columns).

@@ -45,6 +45,8 @@ for name in sys.argv[2:]:
         compiled = sass_offline.compile_gluon(head_dim, config, "bf16", parts=parts)
     elif name.startswith("s"):  # "s{head_dim}": bshd inputs, the STRIDED kernel
         compiled = sass_offline.compile_gluon(int(name[1:]), None, "bf16", bshd=True)
+    elif name.startswith("o"):  # "o{head_dim}": 128 keys, one K/V block a tile (no block loop)
+        compiled = sass_offline.compile_gluon(int(name[1:]), None, "bf16", keys=128)
     else:
         compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
                                               varlen=name.startswith("p"))
@@ -85,6 +87,9 @@ COMPILED_FEW_KEYS = ("f80k100", "f80k300", "f96k300")
 # and its strided variant ("s{head_dim}"): bshd q/k/v/out, one column part, two, and the output
 # staged in Q's buffer
 COMPILED_STRIDED = ("s128", "s96", "s256")
+# and a dense call whose tiles hold one K/V block each ("o{head_dim}"), which block_loops
+# compiles without the block loops at a split head_dim
+COMPILED_ONE_BLOCK = ("o96",)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +103,7 @@ def hopper_compile():
                           *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS),
                           *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
                           *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128",
-                          *COMPILED_FEW_KEYS, *COMPILED_STRIDED],
+                          *COMPILED_FEW_KEYS, *COMPILED_STRIDED, *COMPILED_ONE_BLOCK],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -1068,20 +1068,22 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
 def block_loops(d0, d1, block_n, kv_len):
     """How the consumers walk a tile's K/V blocks past the first (the kernel's BLOCK_LOOPS), for
     column parts (d0, d1), blocks of block_n keys and a dense call's kv_len (None for a packed
-    batch, whose lengths the host does not trust to bound the blocks): 1, one loop choosing
-    each block's mask at run time, where the head_dim is one part of 128 columns or more; else
-    0, no loop, where the call's tiles hold one block each, and 2, the unmasked blocks' loop
-    then the masked ones'. H200, Triton 3.6, hopper_lab.py --time, two jobs against one loop
-    (notes/lab/gluon_block_loops_h200.txt):
-    - two loops 2-4 % faster at head_dim 64's long rows (9.70 against 10.09 ms at
-      (8,16,16384,64), 0.661 against 0.684 at (4,32,4096,64)), 2.5 % at (8,16,4096,192,kv4), 7 %
-      at (512,16,256,96) (64-key blocks); no loop 6.5 % at (1024,16,128,96);
+    batch): 1, one loop choosing each block's mask at run time, where the head_dim is one part
+    of 128 columns or more, and for packed batches (their two-loop build has not run on a GPU);
+    else 0, no loop, where the call's tiles hold one block each, and 2, the unmasked blocks'
+    loop then the masked ones'. H200, Triton 3.6, hopper_lab.py --time, three jobs against
+    one loop everywhere (notes/lab/gluon_block_loops_h200.txt):
+    - two loops 2-4 % faster at head_dim 64's long rows (9.80 against 10.21 ms at
+      (8,16,16384,64), 0.666 against 0.693 at (4,32,4096,64)), 2.5 % at (8,16,4096,192,kv4), 7 %
+      at (512,16,256,96) (64-key blocks), 1-2 % at (4,32,4096,96); no loop 6.5 % at
+      (1024,16,128,96);
     - at one part of 128 or 256 columns two loops were level at long rows and 3-9 % slower
-      with one or two blocks a tile ((1024,16,128,128): 0.556 against 0.512; no loop there:
-      0.546 against 0.519; (512,16,256,128) 0.80-0.82 against 0.78)."""
-    if d1 == 0 and d0 >= 128:
+      with one or two blocks a tile ((1024,16,128,128): 0.556 against 0.512 ms; no loop there:
+      0.546 against 0.519; (512,16,256,128): 0.80-0.82 against 0.78); one loop there reads as
+      before (0.513 against 0.513, 0.761 against 0.768)."""
+    if kv_len is None or (d1 == 0 and d0 >= 128):
         return 1
-    return 0 if kv_len is not None and kv_len <= block_n else 2
+    return 0 if kv_len <= block_n else 2
 
 
 def layout_for(head_dim, kv_len, many_tiles):
