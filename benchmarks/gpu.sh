@@ -22,9 +22,14 @@
 #   ncu      `attnscope ncu` (hardware counters) into compare/
 #   host     `benchmarks/host_cost.py`: the op's host time a call by layer (head_dim 64 and 128,
 #            with cProfile), and the decode route's at 1 and 8 queries
+#   lab      `benchmarks/labs/hopper_lab.py --time` (the Gluon forward launched directly, with
+#            the Triton kernel and cuDNN) at LAB_SHAPES (B,H,S,D[,KV] ...), LAB_REPEAT rounds
+#            (default 2), into lab_after.jsonl; with BEFORE_TREE, interleaved: this tree, the
+#            before tree (into lab_before.jsonl), this tree again, then the Gluon rows' ratios
+#            (mean of this tree's two runs / before's)
 # Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_SHAPES, BENCH_MODES, BENCH_IMPLS (forward
-# peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; STEP_TIMEOUT (seconds per command,
-# default 280).
+# peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; LAB_SHAPES, LAB_REPEAT;
+# STEP_TIMEOUT (seconds per command, default 280).
 set -uo pipefail
 # The scripts under benchmarks/ import this tree's attnscope even where `pip install -e` cannot
 # build (no network for an isolated build): the repository root goes on the path.
@@ -109,6 +114,36 @@ step_host() {
   return $rc
 }
 
+lab_ratios() {  # BEFORE.jsonl AFTER.jsonl (two runs): the Gluon rows, mean after / before
+  python - "$1" "$2" <<'PY'
+import json, sys
+before, after = ([json.loads(line) for line in open(p)] for p in sys.argv[1:])
+for b in before:
+    if not b["impl"].startswith("gluon"):
+        continue
+    a = [r["median_ms"] for r in after if (r["shape"], r["kv_heads"], r["impl"]) ==
+         (b["shape"], b["kv_heads"], b["impl"])]
+    print(f"{b['impl']} {b['shape']} kv_heads {b['kv_heads']}: before {b['median_ms']:.4f} ms, "
+          f"after {' '.join(f'{t:.4f}' for t in a)}, ratio {sum(a) / len(a) / b['median_ms']:.3f}")
+PY
+}
+
+step_lab() {
+  local rc=0 out side
+  [ -n "${LAB_SHAPES:-}" ] || { echo "lab: set LAB_SHAPES (B,H,S,D[,KV] ...)"; return 2; }
+  out=$(cd "$OUT" && pwd)
+  rm -f "$out/lab_after.jsonl" "$out/lab_before.jsonl"
+  for side in after ${BEFORE_TREE:+before after}; do
+    local tree=$PWD
+    [ "$side" = after ] || tree=$(cd "$BEFORE_TREE" && pwd)
+    echo "-- $side: $tree"
+    # shellcheck disable=SC2086  # the shapes are separate arguments
+    (cd "$tree/benchmarks/labs" && PYTHONPATH=$tree timeout "$STEP_TIMEOUT" python hopper_lab.py       --time --repeat "${LAB_REPEAT:-2}" --shapes $LAB_SHAPES --out "$out/lab_$side.jsonl") || rc=$?
+  done
+  [ -z "${BEFORE_TREE:-}" ] || lab_ratios "$out/lab_before.jsonl" "$out/lab_after.jsonl" || rc=$?
+  return $rc
+}
+
 # the lines of a step's log that say how it went, for the summary
 highlights() {
   case $1 in
@@ -116,6 +151,7 @@ highlights() {
     test) grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/test.log" ;;
     bench) grep -E "^\s*(fused|sdpa_cudnn) |geometric|ratio" "$OUT/bench.log" ;;
     host) grep -E "^(head_dim|decode)|public op|autograd|sdpa" "$OUT/host.log" ;;
+    lab) grep -E "ratio" "$OUT/lab.log" ;;
     *) tail -3 "$OUT/$1.log" ;;
   esac
 }
@@ -123,7 +159,7 @@ highlights() {
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 for step in "$@"; do
   if ! declare -F "step_$step" > /dev/null; then
-    echo "gpu.sh: unknown step '$step' (setup, test, bench, compare, ncu, host)" >&2
+    echo "gpu.sh: unknown step '$step' (setup, test, bench, compare, ncu, host, lab)" >&2
     exit 2
   fi
 done

@@ -21,7 +21,10 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - Each consumer overlaps its softmax with its tensor cores (FA3's intra-warpgroup pipeline):
   it issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as asynchronous wgmma, waits only for S_j,
   runs the softmax of block j while the P V wgmma is still running, then waits for it and
-  rescales O. P goes to the second wgmma straight from registers.
+  rescales O. P goes to the second wgmma straight from registers. The blocks past a tile's
+  first run in two loops, those every row of the consumer sees in full and then the masked ones,
+  except at one column part of 128 columns or more and in packed batches (one loop choosing each
+  block's mask), and in none where every tile holds one block (`block_loops`).
 - The two consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its
   wgmma pair for block j only after the other one has issued its pair for block j - 1 (warp-
   group 0) or j (warpgroup 1), through two mbarriers, so one warpgroup's softmax tends to run
