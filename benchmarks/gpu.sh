@@ -123,6 +123,9 @@ for b in before:
         continue
     a = [r["median_ms"] for r in after if (r["shape"], r["kv_heads"], r["impl"]) ==
          (b["shape"], b["kv_heads"], b["impl"])]
+    if not a:
+        print(f"{b['impl']} {b['shape']} kv_heads {b['kv_heads']}: no run of this tree")
+        continue
     print(f"{b['impl']} {b['shape']} kv_heads {b['kv_heads']}: before {b['median_ms']:.4f} ms, "
           f"after {' '.join(f'{t:.4f}' for t in a)}, ratio {sum(a) / len(a) / b['median_ms']:.3f}")
 PY
@@ -138,7 +141,8 @@ step_lab() {
     [ "$side" = after ] || tree=$(cd "$BEFORE_TREE" && pwd)
     echo "-- $side: $tree"
     # shellcheck disable=SC2086  # the shapes are separate arguments
-    (cd "$tree/benchmarks/labs" && PYTHONPATH=$tree timeout "$STEP_TIMEOUT" python hopper_lab.py       --time --repeat "${LAB_REPEAT:-2}" --shapes $LAB_SHAPES --out "$out/lab_$side.jsonl") || rc=$?
+    (cd "$tree/benchmarks/labs" && PYTHONPATH=$tree timeout "$STEP_TIMEOUT" python hopper_lab.py \
+      --time --repeat "${LAB_REPEAT:-2}" --shapes $LAB_SHAPES --out "$out/lab_$side.jsonl") || rc=$?
   done
   [ -z "${BEFORE_TREE:-}" ] || lab_ratios "$out/lab_before.jsonl" "$out/lab_after.jsonl" || rc=$?
   return $rc

@@ -113,13 +113,17 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
     fused_attention_varlen launches it; `parts`: column parts (D0, D1) instead of layout_for's
     (a dense call of 1024 keys: column_parts'); `bshd`: a dense call of [batch, seq, heads,
     head_dim] tensors, which the kernel views at their strides (STRIDED); `keys`: a dense call's
-    query and key length (at most one K/V block: the ONE_BLOCK variant)."""
+    query and key length (at most one K/V block: no block loop where block_loops says so)."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_fwd_hopper as module
     kernel = module._attn_fwd_hopper
-    module._launch = module._launch_packed = (
-        lambda key, grid, args, kwargs, **_: kernel.warmup(*args, grid=grid, **kwargs))
+
+    def compile_only(key, grid, args, kwargs, **_):
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        compiled.launch_kwargs = kwargs  # what the launch passed (tests read BLOCK_LOOPS)
+        return compiled
+    module._launch = module._launch_packed = compile_only
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     config = config or module.CONFIGS[head_dim]
     if varlen:  # two sequences packed into 1024 rows, viewed as the varlen op views them
@@ -283,9 +287,10 @@ def main():
                    help="with --gluon: its packed-sequence variant (fused_attention_varlen's)")
     p.add_argument("--bshd", action="store_true",
                    help="with --gluon: a dense call of bshd tensors, viewed at their strides")
-    p.add_argument("--keys", type=int, default=1024,
+    p.add_argument("--keys", type=int, default=None,
                    help="with --gluon: a dense call of this many queries and keys (default 1024; "
-                        "at most one K/V block, e.g. 128, builds its ONE_BLOCK variant)")
+                        "e.g. 128, one K/V block a tile: no block loop where block_loops says "
+                        "so)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
@@ -299,9 +304,9 @@ def main():
         p.error("--parts goes with --gluon")
     if args.bshd and (not args.gluon or args.varlen):
         p.error("--bshd goes with --gluon, without --varlen")
-    if args.keys != 1024 and (not args.gluon or args.varlen):
+    if args.keys is not None and (not args.gluon or args.varlen):
         p.error("--keys goes with --gluon, without --varlen")
-    if args.keys < 1:
+    if args.keys is not None and args.keys < 1:
         p.error(f"--keys must be positive, got {args.keys}")
     if args.parts and not re.fullmatch(r"\d+,\d+", args.parts):
         p.error(f"--parts takes D0,D1 (e.g. 128,0), got {args.parts!r}")
@@ -339,7 +344,7 @@ def main():
             p.error("--gluon --config takes BLOCK_N,STAGES,REGS")
         parts = args.parts and tuple(int(x) for x in args.parts.split(","))
         compiled = compile_gluon(args.head_dim, config, args.dtype, args.varlen, parts,
-                                 args.bshd, args.keys)
+                                 args.bshd, args.keys or 1024)
     else:
         config = tuple(int(x) for x in (args.config or "128,64,8,3").split(","))
         if len(config) != 4:

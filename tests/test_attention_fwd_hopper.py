@@ -79,9 +79,10 @@ def test_hopper_kernel(shape, dtype, floor, lse_tol):
 
 OTHER_HEAD_DIM_SHAPES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment) for the head dims other than
-    # 128: tiles padded to 128 (80, 96, 112) or 256 columns (192), whose padding columns must
-    # read as zeros and never be written; 64-key blocks (192, 256), the output staged in Q's
-    # buffer (256: O_IN_Q)
+    # 128: 64 (three ring stages), column parts (80, 96, 192) or one part padded (112; 80 with
+    # few keys), whose padding columns must read as zeros and never be written; 64-key blocks
+    # (192, 256), the output staged in Q's buffer (256: O_IN_Q); the blocks past a tile's first
+    # in two loops (64, 80, 96, 192: block_loops) or in none (one block a tile)
     (2, 3, 3, 1000, 1000, True, "top_left"),      # ragged query and key tiles
     (1, 8, 2, 3000, 3000, True, "top_left"),      # GQA, ragged last block
     (2, 2, 2, 129, 129, True, "top_left"),        # a 1-key last block
@@ -99,9 +100,11 @@ OTHER_HEAD_DIM_SHAPES = [
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
-@pytest.mark.parametrize("head_dim", [80, 96, 112, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 192, 256])
 @pytest.mark.parametrize("shape", OTHER_HEAD_DIM_SHAPES)
-def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol):
+def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, monkeypatch):
+    # (head_dim 64 at any length too: the routing gives it this kernel from MIN_QUERIES on)
+    monkeypatch.setattr(dispatch._hopper(), "MIN_QUERIES", {})
     batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
     assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)

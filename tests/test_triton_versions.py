@@ -42,16 +42,17 @@ for name in sys.argv[2:]:
         from attnscope.kernels.attention_fwd_hopper import layout_for
         head_dim, keys = map(int, name[1:].split("k"))
         parts, config = layout_for(head_dim, keys, True)
-        compiled = sass_offline.compile_gluon(head_dim, config, "bf16", parts=parts)
+        compiled = sass_offline.compile_gluon(head_dim, config, "bf16", parts=parts, keys=keys)
     elif name.startswith("s"):  # "s{head_dim}": bshd inputs, the STRIDED kernel
         compiled = sass_offline.compile_gluon(int(name[1:]), None, "bf16", bshd=True)
-    elif name.startswith("o"):  # "o{head_dim}": 128 keys, one K/V block a tile (no block loop)
+    elif name.startswith("o"):  # "o{head_dim}": 128 keys, one K/V block a tile
         compiled = sass_offline.compile_gluon(int(name[1:]), None, "bf16", keys=128)
     else:
         compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
                                               varlen=name.startswith("p"))
     ptx = compiled.asm["ptx"]
-    counts = result[name] = {"ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
+    counts = result[name] = {
+        "block_loops": getattr(compiled, "launch_kwargs", {}).get("BLOCK_LOOPS"), "ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
         ("wgmma", r"wgmma\.mma_async"), ("tma_load", r"cp\.async\.bulk\.tensor\.\dd\.shared"),
         ("tma_store", r"cp\.async\.bulk\.tensor\.\dd\.global"), ("mbarrier", r"mbarrier\."),
         ("tma_4d", r"cp\.async\.bulk\.tensor\.4d"),
@@ -90,6 +91,12 @@ COMPILED_STRIDED = ("s128", "s96", "s256")
 # and a dense call whose tiles hold one K/V block each ("o{head_dim}"), which block_loops
 # compiles without the block loops at a split head_dim
 COMPILED_ONE_BLOCK = ("o96",)
+# the block loops (block_loops) each of those launches passes: two at 64, 96 and 192 and at
+# their few-key layouts but 80's padded one, one at one part of 128 or 256 columns and in every
+# packed batch, none where a tile holds one block
+BLOCK_LOOPS = {"128": 1, "64": 2, "96": 2, "192": 2, "256": 1, "o96": 0, "f80k100": 1,
+               "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1,
+               **{f"p{d}": 1 for d in COMPILED_PACKED_HEAD_DIMS}}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +139,8 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # variant ("s...") copies through 4-D [batch, heads, seq, head_dim] views, the others
     # through views of fewer dimensions.
     for head_dim, counts in hopper_compile.items():
+        if not head_dim.startswith("b"):  # the forward's: the launch's BLOCK_LOOPS
+            assert counts["block_loops"] == BLOCK_LOOPS[head_dim], (head_dim, counts)
         ptx = counts["ptx"]
         assert ptx["wgmma"] > 0 and ptx["tma_load"] > 0, (head_dim, ptx)
         assert (ptx["atomic"] > 0) == head_dim.startswith("p"), (head_dim, ptx)

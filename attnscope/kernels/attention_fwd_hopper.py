@@ -22,9 +22,9 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   it issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as asynchronous wgmma, waits only for S_j,
   runs the softmax of block j while the P V wgmma is still running, then waits for it and
   rescales O. P goes to the second wgmma straight from registers. The blocks past a tile's
-  first run in two loops, those every row of the consumer sees in full and then the masked ones,
-  except at one column part of 128 columns or more and in packed batches (one loop choosing each
-  block's mask), and in none where every tile holds one block (`block_loops`).
+  first (`block_loops`): at one column part of 128 columns or more and in packed batches, one
+  loop choosing each block's mask; elsewhere none where every tile holds one block, else two
+  loops, the blocks every row of the consumer sees in full and then the masked ones.
 - The two consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its
   wgmma pair for block j only after the other one has issued its pair for block j - 1 (warp-
   group 0) or j (warpgroup 1), through two mbarriers, so one warpgroup's softmax tends to run
@@ -450,15 +450,16 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk
 
 
 @gluon.jit
-def _next_block(q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-                turn, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, N_CTX_K,
+def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, N_CTX_K,
                 CAUSAL_OFFSET, qk_scale, WG: gl.constexpr, STAGES: gl.constexpr,
                 MASKED: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
     # The consumer's K/V block g (its j-th of the tile, j >= 1): S_j = Q K_j^T and O += P_{j-1}
     # V_{j-1} issued as asynchronous wgmma in this warpgroup's turn, block j's softmax while the
     # P V product runs, then O rescaled. With a split head_dim (SPLIT) each product is two wgmma,
     # one per column part. MASKED: whether the block is masked (True, False), or None: masked
-    # from block full_blocks on, chosen at run time.
+    # from block full_blocks on, chosen at run time. ring: the consumer's Q buffers, the K/V
+    # ring's buffers and barriers, the ping-pong's turn barriers.
+    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     slot = g % STAGES
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
@@ -601,6 +602,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         q1 = q_smem1.index(WG)
     else:  # unused
         q1 = q
+    ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn)
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM], or [batch, heads, seq,
         # HEAD_DIM] at 16-byte aligned strides for STRIDED (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end. A packed out is
@@ -664,20 +666,17 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         if BLOCK_LOOPS == 1:
             for j in range(1, n_blocks):
                 acc, acc1, p_op, l_i, m_i = _next_block(
-                    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
+                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
                     offset, qk_scale, WG, STAGES, None, CAUSAL, SPLIT)
         elif BLOCK_LOOPS == 2:
             full_end = gl.maximum(gl.minimum(full_blocks, n_blocks), 1)
             for j in range(1, full_end):
                 acc, acc1, p_op, l_i, m_i = _next_block(
-                    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
+                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
                     offset, qk_scale, WG, STAGES, False, CAUSAL, SPLIT)
             for j in range(full_end, n_blocks):
                 acc, acc1, p_op, l_i, m_i = _next_block(
-                    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-                    turn, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
+                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
                     offset, qk_scale, WG, STAGES, True, CAUSAL, SPLIT)
         # Q is no longer read: the loader may bring in the next tile's while this one ends
         # (O_IN_Q: once the output staged in Q's buffer has left, below)
@@ -1060,7 +1059,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, q.stride(), k.stride(),
                v.stride(), out.stride(), aligned(out, lse), kwargs["TMA_STORE"], sched_width,
-               causal, causal_offset, scale, grid, config, parts)
+               causal, causal_offset, scale, grid, config, parts, kwargs["BLOCK_LOOPS"])
         if varlen is not None:
             key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
     launch = _launch if varlen is None else _launch_packed
