@@ -1075,14 +1075,15 @@ def block_loops(d0, d1, block_n, kv_len):
     else 0, no loop, where the call's tiles hold one block each, and 2, the unmasked blocks'
     loop then the masked ones'. H200, Triton 3.6, hopper_lab.py --time, three jobs against
     one loop everywhere (notes/lab/gluon_block_loops_h200.txt):
-    - two loops 2-4 % faster at head_dim 64's long rows (9.80 against 10.21 ms at
-      (8,16,16384,64), 0.666 against 0.693 at (4,32,4096,64)), 2.5 % at (8,16,4096,192,kv4), 7 %
-      at (512,16,256,96) (64-key blocks), 1-2 % at (4,32,4096,96); no loop 6.5 % at
+    - two loops 2-4 % faster at head_dim 64's long rows (9.81 against 10.21 ms at
+      (8,16,16384,64), 0.669 against 0.693 at (4,32,4096,64)), 2.3 % at (8,16,4096,192,kv4), 7 %
+      at (512,16,256,96) (64-key blocks), 1 % at (4,32,4096,96); no loop 6.4 % at
       (1024,16,128,96);
-    - at one part of 128 or 256 columns two loops were level at long rows and 3-9 % slower
-      with one or two blocks a tile ((1024,16,128,128): 0.556 against 0.512 ms; no loop there:
-      0.546 against 0.519; (512,16,256,128): 0.80-0.82 against 0.78); one loop there reads as
-      before (0.513 against 0.513, 0.761 against 0.768)."""
+    - at one part of 128 columns two loops were level at long rows and 3-9 % slower with one
+      or two blocks a tile ((1024,16,128,128): 0.556 against 0.512 ms; no loop there: 0.546
+      against 0.519; (512,16,256,128): 0.80-0.82 against 0.78); at 256 only a long row was
+      measured (level); one loop at 128 reads as before (0.513 against 0.513, 0.761 against
+      0.768)."""
     if kv_len is None or (d1 == 0 and d0 >= 128):
         return 1
     return 0 if kv_len <= block_n else 2
