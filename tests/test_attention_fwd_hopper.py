@@ -4,6 +4,8 @@ its two output paths (TMA store, register stores) and CUDA-graph capture; on CPU
 dispatch never takes it.
 """
 
+import types
+
 import pytest
 import torch
 from einops import rearrange
@@ -331,6 +333,45 @@ def test_block_loops_by_column_parts_and_keys():
                                     (256, 64, 1)):
         parts, config = hopper.layout_for(head_dim, kv_len, True)
         assert hopper.block_loops(*parts, config[0], kv_len) == loops, (head_dim, kv_len)
+
+
+def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_blocks(monkeypatch):
+    # attention_fwd_hopper on CPU tensors up to its launch (an H200's properties, the launch
+    # recorded): BLOCK_LOOPS as block_loops says, or as a lab forces it; no loop forced where a
+    # tile holds more than one K/V block, or on a packed batch, is refused (the loader would
+    # fill a ring nobody reads).
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    from attnscope.attention.varlen import _as_batched
+    from attnscope.kernels import common
+    h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
+    monkeypatch.setattr(hopper, "device_properties", lambda device: h200)
+    monkeypatch.setattr(common, "device_properties", lambda device: h200)
+    launched = []
+    record = lambda key, grid, args, kwargs, **kw: launched.append(  # noqa: E731
+        (kwargs["BLOCK_LOOPS"], kw["config"]["BLOCK_LOOPS"]))
+    monkeypatch.setattr(hopper, "_launch", record)
+    monkeypatch.setattr(hopper, "_launch_packed", record)
+
+    def call(seq, head_dim, **kw):
+        q = torch.empty(2, 4, seq, head_dim, dtype=torch.bfloat16)
+        hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, seq),
+                                    causal=True, scale=0.1, causal_offset=0, **kw)
+        return launched[-1]
+    assert call(128, 96) == (0, 0) and call(1024, 96) == (2, 2) and call(1024, 128) == (1, 1)
+    assert call(128, 96, loops=2) == (2, 2) and call(1024, 128, loops=2) == (2, 2)
+    assert call(128, 128, loops=0) == (0, 0)
+    for seq, loops in ((129, 0), (1024, 0), (128, 3)):
+        with pytest.raises(ValueError, match="loops must be"):
+            call(seq, 96, loops=loops)
+    packed = _as_batched(torch.empty(600, 4, 96, dtype=torch.bfloat16), 2)  # the op's view
+    cu = torch.tensor([0, 100, 600], dtype=torch.int32)
+    kw = dict(causal=True, scale=0.1, causal_offset=0, varlen=(cu, cu, 500, 500))
+    hopper.attention_fwd_hopper(packed, packed, packed, torch.empty_like(packed),
+                                torch.empty(4, 600), **kw)
+    assert launched[-1] == (1, 1)
+    with pytest.raises(ValueError, match="packed"):
+        hopper.attention_fwd_hopper(packed, packed, packed, torch.empty_like(packed),
+                                    torch.empty(4, 600), loops=0, **kw)
 
 
 def test_a_labs_column_parts_are_checked():

@@ -974,14 +974,15 @@ def _packed(t):
 
 
 def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, varlen=None,
-                         config=None, parts=None, key=None):
+                         config=None, parts=None, loops=None, key=None):
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
     attention_fwd.attention_fwd_triton's (`varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k) for a packed batch, q/k/v/out its [batch, heads, total, head_dim] views, lse
     [heads, total_q]): `config` a tuple named by CONFIG_FIELDS and `parts` the column parts
     (D0, D1) instead of layout_for's (the lab; a dense call's parts may pad, D0 + D1 >= head_dim,
-    a packed batch's must be head_dim exactly), `key` the dispatch's launch key for this call
-    (built here when None)."""
+    a packed batch's must be head_dim exactly), `loops` the kernel's BLOCK_LOOPS instead of
+    block_loops' (the lab; 0 only for a dense call of at most one K/V block a tile), `key` the
+    dispatch's launch key for this call (built here when None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is not None and len(config) != len(CONFIG_FIELDS):
@@ -1037,6 +1038,13 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     # ahead of its Q). A packed batch's blocks that run past their sequence's end leave by
     # register stores (the copy engine would write them over the next sequence's rows).
     d0, d1 = parts
+    if loops is None:
+        loops = block_loops(d0, d1, block_n, None if varlen else kv_len)
+    elif loops not in (1, 2) and not (loops == 0 and varlen is None and kv_len <= block_n):
+        # (no loop where a tile holds more blocks would leave the loader's ring unread: a hang)
+        raise ValueError(f"loops must be 1 or 2, or 0 for a dense call of at most one {block_n}"
+                         f"-key block a tile; got {loops!r} at {kv_len} keys"
+                         f"{' (packed)' if varlen else ''}")
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
     smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
     if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
@@ -1052,9 +1060,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
-                  VARLEN=varlen is not None, STRIDED=strided,
-                  BLOCK_LOOPS=block_loops(d0, d1, block_n, None if varlen else kv_len),
-                  num_warps=4)
+                  VARLEN=varlen is not None, STRIDED=strided, BLOCK_LOOPS=loops, num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, q.stride(), k.stride(),
@@ -1064,7 +1070,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
             key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
     launch = _launch if varlen is None else _launch_packed
     return launch(key, grid, args, kwargs, per_call=5 if varlen is None else 8,
-                  config=dict(zip(CONFIG_FIELDS, config), BLOCK_D0=d0, BLOCK_D1=d1))
+                  config=dict(zip(CONFIG_FIELDS, config), BLOCK_D0=d0, BLOCK_D1=d1,
+                               BLOCK_LOOPS=loops))
 
 
 def block_loops(d0, d1, block_n, kv_len):

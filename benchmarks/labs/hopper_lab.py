@@ -8,6 +8,9 @@ Two parts, each optional:
            table's (layout_for's), each with layout_for's column parts and with each --parts
            entry, the Triton kernel (its table's config) and cuDNN, in --repeat interleaved
            rounds; JSON lines to --out.
+  --loops N ...: the kernel's BLOCK_LOOPS forced (0 none, 1 one loop, 2 two loops; block_loops
+           says which the launch picks): --check runs each (0 only on cases of one K/V block a
+           tile), --time adds the table's config with each.
 
     python benchmarks/labs/hopper_lab.py --check --time --shapes 8,16,1024,128 \
         --configs 128,2,240 128,3,232 --out lab.jsonl
@@ -20,7 +23,11 @@ With --varlen L1,L2,...: --time times a packed batch of those sequence lengths i
 bottom-right per sequence; heads, head_dim and KV heads from each --shapes entry, whose batch and
 length are ignored): the Gluon kernel persistent (its launch, whatever the op's routing rules
 say), the Gluon kernel with one program per tile (the hardware hands tiles out as programs
-finish), the Triton kernel, and FA4's varlen kernel where it is installed.
+finish), the Triton kernel, and FA4's varlen kernel where it is installed; and --check checks
+packed batches of those lengths against float64 (each sequence's rows), under each --loops.
+
+    python benchmarks/labs/hopper_lab.py --check --time --varlen 300,77,1000,129 \
+        --shapes 1,8,0,96,2 --loops 1 2    # a packed batch's one loop against two
 """
 
 import argparse
@@ -33,7 +40,7 @@ import types
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attnscope.attention.reference import attention_reference
+from attnscope.attention.reference import attention_reference, attention_reference_varlen
 from attnscope.kernels import attention_fwd as fwd
 from attnscope.kernels import attention_fwd_hopper as hop
 from attnscope.attention import registry
@@ -80,24 +87,31 @@ def _inputs(b, h, hkv, lq, lk, d, dtype, layout="bhsd"):
     return rand(h, lq), rand(hkv, lk), rand(hkv, lk)
 
 
-def _run(q, k, v, causal, bottom_right, config=None):
+def _run(q, k, v, causal, bottom_right, config=None, loops=None):
     b, h, lq, d = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, h, lq), float("nan"), device="cuda")
     offset = k.shape[2] - lq if bottom_right else 0
     hop.attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=d ** -0.5,
-                             causal_offset=offset, config=config)
+                             causal_offset=offset, config=config, loops=loops)
     return out, lse
 
 
-def check(config, layout="bhsd"):
+def _one_block(config, d, kv_len):
+    # whether every tile of a dense call holds one K/V block (where loops 0 may be forced)
+    return kv_len <= (config or hop.layout_for(d, kv_len, False)[1])[0]
+
+
+def check(config, layout="bhsd", loops=None):
     worst = 0.0
     for b, h, hkv, lq, lk, d, causal, br, dtype in CHECK_CASES:
         if config is None and d not in hop.CONFIGS:
             continue  # the table has no config for this head_dim
+        if loops == 0 and not _one_block(config, d, lk):
+            continue
         torch.manual_seed(lq * 7 + d)
         q, k, v = _inputs(b, h, hkv, lq, lk, d, dtype, layout)
-        out, lse = _run(q, k, v, causal, br, config)
+        out, lse = _run(q, k, v, causal, br, config, loops)
         torch.cuda.synchronize()
         ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=causal,
                                            causal_alignment="bottom_right" if br else "top_left",
@@ -113,7 +127,37 @@ def check(config, layout="bhsd"):
     return worst
 
 
-def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd"):
+def check_varlen(lengths, shapes, loops=None):
+    """A packed batch of these lengths (causal, bottom-right per sequence; heads, head_dim and KV
+    heads from each shape) through the Gluon kernel's launch under `loops`, against float64;
+    outputs poisoned with NaN first. Returns the largest error (inf on a NaN)."""
+    worst = 0.0
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    for _, h, _, d, hkv in shapes:
+        if d not in hop.PACKED_HEAD_DIMS:
+            print(f"check varlen head_dim {d}: not a packed head_dim of the kernel "
+                  f"({sorted(hop.PACKED_HEAD_DIMS)})", flush=True)
+            continue
+        torch.manual_seed(d * 13 + h)
+        q = torch.randn(sum(lengths), h, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(sum(lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((h, q.shape[0]), float("nan"), device="cuda")
+        views = [_as_batched(t, len(lengths)) for t in (q, k, v, out)]
+        hop.attention_fwd_hopper(*views, lse, causal=True, scale=d ** -0.5, causal_offset=0,
+                                 varlen=(cu, cu, max(lengths), max(lengths)), loops=loops)
+        torch.cuda.synchronize()
+        ref = attention_reference_varlen(q.double(), k.double(), v.double(), cu, cu, causal=True)
+        err = (out.double() - ref).abs().max().item()
+        nan = bool(out.isnan().any())
+        print(f"check varlen x{len(lengths)} {h},{d} kv{hkv} loops {loops}: max|err| {err:.2e} "
+              f"nan {nan}", flush=True)
+        worst = max(worst, err if not nan else float("inf"))
+    return worst
+
+
+def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loops=()):
     rows = []
     for b, h, s, d, hkv in shapes:
         q, k, v = _inputs(b, h, hkv, s, s, d, torch.bfloat16, layout)
@@ -125,6 +169,12 @@ def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd"):
                 q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c,
                 parts=p))
             for c in configs if c is not None or d in hop.CONFIGS for p in (None, *parts)}
+        for n in loops:  # the table's config with BLOCK_LOOPS forced
+            if n == 0 and not _one_block(None, d, s):
+                print(f"{b},{h},{s},{d}: loops 0 skipped (tiles of more than one K/V block)")
+                continue
+            cands[f"gluon loops{n}"] = lambda n=n: hop.attention_fwd_hopper(
+                q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, loops=n)
         def triton_kernel():  # its launch, directly: the op would take the Gluon kernel
             return fwd.attention_fwd_triton(q, k, v, out, lse, causal=True, scale=d ** -0.5,
                                             causal_offset=0)
@@ -164,7 +214,7 @@ def _append(rows, out_path):
                 f.write(json.dumps(row) + "\n")
 
 
-def time_varlen(lengths, shapes, repeat, out_path):
+def time_varlen(lengths, shapes, repeat, out_path, loops=()):
     rows = []
     cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
     varlen = (cu, cu, max(lengths), max(lengths))
@@ -190,6 +240,10 @@ def time_varlen(lengths, shapes, repeat, out_path):
         cands = {"gluon": lambda: hop.attention_fwd_hopper(*views, lse, **kw),
                  "gluon-per-tile": gluon_per_tile,
                  "triton": lambda: fwd.attention_fwd_triton(*views, lse, **kw)}
+        for n in loops:  # BLOCK_LOOPS forced (0 takes no packed batch)
+            if n:
+                cands[f"gluon loops{n}"] = lambda n=n: hop.attention_fwd_hopper(
+                    *views, lse, **kw, loops=n)
         fa4 = registry.get("fa4")
         ok, why = fa4.available(q.device)
         if ok:
@@ -221,7 +275,12 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--varlen", default=None,
-                   help="L1,L2,...: --time a packed batch of these lengths (see above)")
+                   help="L1,L2,...: --time (and --check) a packed batch of these lengths (see "
+                        "above)")
+    p.add_argument("--loops", nargs="*", type=int, default=[], choices=[0, 1, 2],
+                   help="the kernel's BLOCK_LOOPS to force besides block_loops' choice: --check "
+                        "runs each, --time adds the table's config with each (0: no block loop, "
+                        "only where every tile holds one K/V block; not for packed batches)")
     a = p.parse_args(argv)
     configs = [None] + [tuple(int(x) for x in c.split(",")) for c in a.configs]
     for c in configs[1:]:
@@ -235,21 +294,37 @@ def main(argv=None):
     for pp in a.parts:
         if not re.fullmatch(r"\d+,\d+", pp):
             p.error(f"--parts takes D0,D1 (e.g. 128,0), got {pp!r}")
-    if a.check:
-        for c in configs:
-            print(f"== check config {c or 'table'}", flush=True)
-            worst = check(c, a.layout)
+    if a.varlen and 0 in a.loops:
+        p.error("--loops 0 takes no packed batch (its tiles may hold many K/V blocks)")
+    if a.varlen and not re.fullmatch(r"\d+(,\d+)*", a.varlen):
+        p.error(f"--varlen takes lengths L1,L2,..., got {a.varlen!r}")
+    shapes = []
+    for s in a.shapes:
+        vals = [int(x) for x in s.split(",")]
+        if len(vals) not in (4, 5):
+            p.error(f"a shape is B,H,S,D[,KV_HEADS], got {s!r}")
+        shapes.append(tuple(vals[:4]) + (vals[4] if len(vals) > 4 else vals[1],))
+    loops = [None] + a.loops
+    if a.check and a.varlen:
+        for n in loops:
+            print(f"== check varlen loops {'(block_loops)' if n is None else n}", flush=True)
+            worst = check_varlen([int(x) for x in a.varlen.split(",")], shapes, n)
             print(f"worst {worst:.2e}", flush=True)
+    elif a.check:
+        for c in configs:
+            for n in loops:
+                print(f"== check config {c or 'table'} loops "
+                      f"{'(block_loops)' if n is None else n}", flush=True)
+                worst = check(c, a.layout, n)
+                print(f"worst {worst:.2e}", flush=True)
     if a.time:
-        shapes = []
-        for s in a.shapes:
-            vals = [int(x) for x in s.split(",")]
-            shapes.append(tuple(vals[:4]) + (vals[4] if len(vals) > 4 else vals[1],))
         if a.varlen:
-            time_varlen([int(x) for x in a.varlen.split(",")], shapes, a.repeat, a.out)
+            time_varlen([int(x) for x in a.varlen.split(",")], shapes, a.repeat, a.out,
+                        a.loops)
         else:
             time_shapes(shapes, configs, a.repeat, a.out,
-                        [tuple(int(x) for x in pp.split(",")) for pp in a.parts], a.layout)
+                        [tuple(int(x) for x in pp.split(",")) for pp in a.parts], a.layout,
+                        a.loops)
     return 0
 
 
