@@ -346,9 +346,11 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
     h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
     monkeypatch.setattr(hopper, "device_properties", lambda device: h200)
     monkeypatch.setattr(common, "device_properties", lambda device: h200)
-    launched = []
-    record = lambda key, grid, args, kwargs, **kw: launched.append(  # noqa: E731
-        (kwargs["BLOCK_LOOPS"], kw["config"]["BLOCK_LOOPS"]))
+    launched, keys = [], []
+
+    def record(key, grid, args, kwargs, **kw):
+        launched.append((kwargs["BLOCK_LOOPS"], kw["config"]["BLOCK_LOOPS"]))
+        keys.append(key)
     monkeypatch.setattr(hopper, "_launch", record)
     monkeypatch.setattr(hopper, "_launch_packed", record)
 
@@ -360,9 +362,12 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
     assert call(128, 96) == (0, 0) and call(1024, 96) == (2, 2) and call(1024, 128) == (1, 1)
     assert call(128, 96, loops=2) == (2, 2) and call(1024, 128, loops=2) == (2, 2)
     assert call(128, 128, loops=0) == (0, 0)
-    for seq, loops in ((129, 0), (1024, 0), (128, 3)):
+    assert keys[-1] != keys[-2]  # a forced form is its own launch
+    assert call(64, 96, config=(64, 2, 240), loops=0) == (0, 0)  # a lab's 64-key blocks
+    for seq, loops, config in ((129, 0, None), (1024, 0, None), (128, 3, None),
+                               (100, 0, (64, 2, 240))):
         with pytest.raises(ValueError, match="loops must be"):
-            call(seq, 96, loops=loops)
+            call(seq, 96, loops=loops, config=config)
     packed = _as_batched(torch.empty(600, 4, 96, dtype=torch.bfloat16), 2)  # the op's view
     cu = torch.tensor([0, 100, 600], dtype=torch.int32)
     kw = dict(causal=True, scale=0.1, causal_offset=0, varlen=(cu, cu, 500, 500))
@@ -372,6 +377,7 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
     with pytest.raises(ValueError, match="packed"):
         hopper.attention_fwd_hopper(packed, packed, packed, torch.empty_like(packed),
                                     torch.empty(4, 600), loops=0, **kw)
+    tile_schedule.forget_schedules()  # the CPU tensors' schedules made above
 
 
 def test_a_labs_column_parts_are_checked():

@@ -1,6 +1,6 @@
 """Lab for the Gluon Hopper forward (attnscope/kernels/attention_fwd_hopper.py) on one sm_90 GPU.
 
-Two parts, each optional:
+Two parts, each optional (--loops varies both):
   --check: the kernel against the float64 reference on odd shapes (causal and not, both causal
            alignments, GQA, fp16/bf16, output poisoned with NaN first); prints max errors.
   --time:  median times (triton.testing.do_bench, L2 flushed) of the Gluon kernel under each
@@ -9,8 +9,8 @@ Two parts, each optional:
            entry, the Triton kernel (its table's config) and cuDNN, in --repeat interleaved
            rounds; JSON lines to --out.
   --loops N ...: the kernel's BLOCK_LOOPS forced (0 none, 1 one loop, 2 two loops; block_loops
-           says which the launch picks): --check runs each (0 only on cases of one K/V block a
-           tile), --time adds the table's config with each.
+           says which the launch picks): --check runs block_loops' choice, then each (0 only on
+           cases of one K/V block a tile); --time adds the table's config with each.
 
     python benchmarks/labs/hopper_lab.py --check --time --shapes 8,16,1024,128 \
         --configs 128,2,240 128,3,232 --out lab.jsonl
@@ -23,8 +23,9 @@ With --varlen L1,L2,...: --time times a packed batch of those sequence lengths i
 bottom-right per sequence; heads, head_dim and KV heads from each --shapes entry, whose batch and
 length are ignored): the Gluon kernel persistent (its launch, whatever the op's routing rules
 say), the Gluon kernel with one program per tile (the hardware hands tiles out as programs
-finish), the Triton kernel, and FA4's varlen kernel where it is installed; and --check checks
-packed batches of those lengths against float64 (each sequence's rows), under each --loops.
+finish), the Triton kernel, and FA4's varlen kernel where it is installed; and --check also
+checks packed batches of those query lengths against float64 (check_varlen: keys as long and
+longer, causal and not), under each --loops.
 
     python benchmarks/labs/hopper_lab.py --check --time --varlen 300,77,1000,129 \
         --shapes 1,8,0,96,2 --loops 1 2    # a packed batch's one loop against two
@@ -98,8 +99,9 @@ def _run(q, k, v, causal, bottom_right, config=None, loops=None):
 
 
 def _one_block(config, d, kv_len):
-    # whether every tile of a dense call holds one K/V block (where loops 0 may be forced)
-    return kv_len <= (config or hop.layout_for(d, kv_len, False)[1])[0]
+    # whether every tile of a dense call holds one K/V block (where loops 0 may be forced), by
+    # the shorter of layout_for's blocks (many tiles or few)
+    return kv_len <= (config or hop.layout_for(d, kv_len, True)[1])[0]
 
 
 def check(config, layout="bhsd", loops=None):
@@ -128,33 +130,46 @@ def check(config, layout="bhsd", loops=None):
 
 
 def check_varlen(lengths, shapes, loops=None):
-    """A packed batch of these lengths (causal, bottom-right per sequence; heads, head_dim and KV
-    heads from each shape) through the Gluon kernel's launch under `loops`, against float64;
-    outputs poisoned with NaN first. Returns the largest error (inf on a NaN)."""
-    worst = 0.0
-    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    """Packed batches of these query lengths through the Gluon kernel's launch under `loops`,
+    against float64 (outputs and LSE, both poisoned with NaN first): causal with keys as long as
+    the queries, causal with longer keys (bottom-right: each sequence's diagonal offset by its
+    extra keys) and not causal; heads, head_dim and KV heads from each shape. Returns the
+    largest output error (inf on a NaN), NaN where no shape has a packed head_dim."""
+    worst, checked = 0.0, False
+    extra = [(i * 37) % 100 for i in range(len(lengths))]  # the longer keys' surplus
     for _, h, _, d, hkv in shapes:
         if d not in hop.PACKED_HEAD_DIMS:
             print(f"check varlen head_dim {d}: not a packed head_dim of the kernel "
                   f"({sorted(hop.PACKED_HEAD_DIMS)})", flush=True)
             continue
-        torch.manual_seed(d * 13 + h)
-        q = torch.randn(sum(lengths), h, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(sum(lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full((h, q.shape[0]), float("nan"), device="cuda")
-        views = [_as_batched(t, len(lengths)) for t in (q, k, v, out)]
-        hop.attention_fwd_hopper(*views, lse, causal=True, scale=d ** -0.5, causal_offset=0,
-                                 varlen=(cu, cu, max(lengths), max(lengths)), loops=loops)
-        torch.cuda.synchronize()
-        ref = attention_reference_varlen(q.double(), k.double(), v.double(), cu, cu, causal=True)
-        err = (out.double() - ref).abs().max().item()
-        nan = bool(out.isnan().any())
-        print(f"check varlen x{len(lengths)} {h},{d} kv{hkv} loops {loops}: max|err| {err:.2e} "
-              f"nan {nan}", flush=True)
-        worst = max(worst, err if not nan else float("inf"))
-    return worst
+        for causal, k_lengths in ((True, lengths), (True, [n + e for n, e in zip(lengths, extra)]),
+                                  (False, lengths)):
+            torch.manual_seed(d * 13 + h + sum(k_lengths))
+            cu_q, cu_k = (torch.tensor([0, *n], device="cuda").cumsum(0).to(torch.int32)
+                          for n in (lengths, k_lengths))
+            q = torch.randn(sum(lengths), h, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(sum(k_lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((h, q.shape[0]), float("nan"), device="cuda")
+            views = [_as_batched(t, len(lengths)) for t in (q, k, v, out)]
+            hop.attention_fwd_hopper(*views, lse, causal=causal, scale=d ** -0.5,
+                                     causal_offset=0, loops=loops,
+                                     varlen=(cu_q, cu_k, max(lengths), max(k_lengths)))
+            torch.cuda.synchronize()
+            ref, ref_lse = attention_reference_varlen(q.double(), k.double(), v.double(), cu_q,
+                                                      cu_k, causal=causal, return_lse=True)
+            err = (out.double() - ref).abs().max().item()
+            finite = torch.isfinite(ref_lse)
+            lse_err = ((lse.double() - ref_lse).abs()[finite].max().item()
+                       if finite.any() else 0.0)
+            nan = bool(out.isnan().any() or lse.isnan().any())
+            print(f"check varlen x{len(lengths)} {h},{d} kv{hkv} causal={causal} keys "
+                  f"{'+' if k_lengths is not lengths else '='} loops {loops}: max|err| {err:.2e} "
+                  f"lse {lse_err:.2e} nan {nan}", flush=True)
+            worst = max(worst, err if not nan else float("inf"))
+            checked = True
+    return worst if checked else float("nan")
 
 
 def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loops=()):
@@ -169,9 +184,10 @@ def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loop
                 q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c,
                 parts=p))
             for c in configs if c is not None or d in hop.CONFIGS for p in (None, *parts)}
-        for n in loops:  # the table's config with BLOCK_LOOPS forced
+        for n in loops if d in hop.CONFIGS else ():  # the table's config, BLOCK_LOOPS forced
             if n == 0 and not _one_block(None, d, s):
-                print(f"{b},{h},{s},{d}: loops 0 skipped (tiles of more than one K/V block)")
+                print(f"{b},{h},{s},{d}: loops 0 skipped (tiles of more than one K/V block)",
+                      flush=True)
                 continue
             cands[f"gluon loops{n}"] = lambda n=n: hop.attention_fwd_hopper(
                 q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, loops=n)
@@ -305,17 +321,17 @@ def main(argv=None):
             p.error(f"a shape is B,H,S,D[,KV_HEADS], got {s!r}")
         shapes.append(tuple(vals[:4]) + (vals[4] if len(vals) > 4 else vals[1],))
     loops = [None] + a.loops
-    if a.check and a.varlen:
-        for n in loops:
-            print(f"== check varlen loops {'(block_loops)' if n is None else n}", flush=True)
-            worst = check_varlen([int(x) for x in a.varlen.split(",")], shapes, n)
-            print(f"worst {worst:.2e}", flush=True)
-    elif a.check:
+    if a.check:
         for c in configs:
             for n in loops:
-                print(f"== check config {c or 'table'} loops "
-                      f"{'(block_loops)' if n is None else n}", flush=True)
+                print(f"== check config {c or 'table'}" + (f" loops {n}" if n is not None else ""),
+                      flush=True)
                 worst = check(c, a.layout, n)
+                print(f"worst {worst:.2e}", flush=True)
+        if a.varlen:  # (the table's configs: a packed batch takes no other)
+            for n in loops:
+                print("== check varlen" + (f" loops {n}" if n is not None else ""), flush=True)
+                worst = check_varlen([int(x) for x in a.varlen.split(",")], shapes, n)
                 print(f"worst {worst:.2e}", flush=True)
     if a.time:
         if a.varlen:
