@@ -1015,15 +1015,11 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     out_strided = not out.is_contiguous() and _strided_ok(out) and out.data_ptr() % 16 == 0
     strided = varlen is None and (out_strided or not (
         q.is_contiguous() and k.is_contiguous() and v.is_contiguous()))
-    if strided:
-        (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_km), (
-            stride_vz, stride_vh, stride_vm), (stride_oz, stride_oh, stride_om) = map(
-                _view_strides, (q, k, v, out))
-    else:  # (the batch and head strides of q, k, v are then unused)
-        stride_qz, stride_qh, stride_qm = q.stride(0), q.stride(1), q.stride(2)
-        stride_kz, stride_kh, stride_km = k.stride(0), k.stride(1), k.stride(2)
-        stride_vz, stride_vh, stride_vm = v.stride(0), v.stride(1), v.stride(2)
-        stride_oz, stride_oh, stride_om = out.stride(0), out.stride(1), out.stride(2)
+    # (batch, head and row strides; without STRIDED the batch and head ones of q, k, v unused)
+    view_strides = _view_strides if strided else (lambda t: t.stride()[:3])
+    (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_km), (
+        stride_vz, stride_vh, stride_vm), (stride_oz, stride_oh, stride_om) = map(
+            view_strides, (q, k, v, out))
     args = (q, k, v, out, lse, cu_q, cu_k, counter, sched, stride_qm, stride_km, stride_vm,
             stride_oz, stride_oh, stride_om, stride_qz, stride_qh, stride_kz, stride_kh,
             stride_vz, stride_vh,
@@ -1064,8 +1060,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, q.stride(), k.stride(),
-               v.stride(), out.stride(), aligned(out, lse), kwargs["TMA_STORE"], sched_width,
-               causal, causal_offset, scale, grid, config, parts, kwargs["BLOCK_LOOPS"])
+               v.stride(), out.stride(), aligned(out, lse), stored_by_copy, sched_width,
+               causal, causal_offset, scale, grid, config, parts, loops)
         if varlen is not None:
             key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
     launch = _launch if varlen is None else _launch_packed
