@@ -129,6 +129,16 @@ def check(config, layout="bhsd", loops=None):
     return worst
 
 
+def _packed_inputs(q_lengths, k_lengths, h, hkv, d):
+    # packed bf16 q [total_q, h, d], k and v [total_k, hkv, d] (random, from the caller's seed)
+    # and the cumulative lengths
+    cu_q, cu_k = (torch.tensor([0, *n], device="cuda").cumsum(0).to(torch.int32)
+                  for n in (q_lengths, k_lengths))
+    q = torch.randn(sum(q_lengths), h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(k_lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k), cu_q, cu_k
+
+
 def check_varlen(lengths, shapes, loops=None):
     """Packed batches of these query lengths through the Gluon kernel's launch under `loops`,
     against float64 (outputs and LSE, both poisoned with NaN first): causal with keys as long as
@@ -145,11 +155,7 @@ def check_varlen(lengths, shapes, loops=None):
         for causal, k_lengths in ((True, lengths), (True, [n + e for n, e in zip(lengths, extra)]),
                                   (False, lengths)):
             torch.manual_seed(d * 13 + h + sum(k_lengths))
-            cu_q, cu_k = (torch.tensor([0, *n], device="cuda").cumsum(0).to(torch.int32)
-                          for n in (lengths, k_lengths))
-            q = torch.randn(sum(lengths), h, d, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(sum(k_lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
+            q, k, v, cu_q, cu_k = _packed_inputs(lengths, k_lengths, h, hkv, d)
             out = torch.full_like(q, float("nan"))
             lse = torch.full((h, q.shape[0]), float("nan"), device="cuda")
             views = [_as_batched(t, len(lengths)) for t in (q, k, v, out)]
@@ -232,13 +238,10 @@ def _append(rows, out_path):
 
 def time_varlen(lengths, shapes, repeat, out_path, loops=()):
     rows = []
-    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
-    varlen = (cu, cu, max(lengths), max(lengths))
     for _, h, _, d, hkv in shapes:
         torch.manual_seed(d)
-        q = torch.randn(sum(lengths), h, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(sum(lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
+        q, k, v, cu, _ = _packed_inputs(lengths, lengths, h, hkv, d)
+        varlen = (cu, cu, max(lengths), max(lengths))
         out = torch.empty_like(q)
         lse = torch.empty(h, q.shape[0], device="cuda")
         views = [_as_batched(t, len(lengths)) for t in (q, k, v, out)]
@@ -321,6 +324,7 @@ def main(argv=None):
             p.error(f"a shape is B,H,S,D[,KV_HEADS], got {s!r}")
         shapes.append(tuple(vals[:4]) + (vals[4] if len(vals) > 4 else vals[1],))
     loops = [None] + a.loops
+    lengths = [int(x) for x in a.varlen.split(",")] if a.varlen else None
     if a.check:
         for c in configs:
             for n in loops:
@@ -331,12 +335,11 @@ def main(argv=None):
         if a.varlen:  # (the table's configs: a packed batch takes no other)
             for n in loops:
                 print("== check varlen" + (f" loops {n}" if n is not None else ""), flush=True)
-                worst = check_varlen([int(x) for x in a.varlen.split(",")], shapes, n)
+                worst = check_varlen(lengths, shapes, n)
                 print(f"worst {worst:.2e}", flush=True)
     if a.time:
         if a.varlen:
-            time_varlen([int(x) for x in a.varlen.split(",")], shapes, a.repeat, a.out,
-                        a.loops)
+            time_varlen(lengths, shapes, a.repeat, a.out, a.loops)
         else:
             time_shapes(shapes, configs, a.repeat, a.out,
                         [tuple(int(x) for x in pp.split(",")) for pp in a.parts], a.layout,
