@@ -134,9 +134,10 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
                                            causal=True, scale=head_dim ** -0.5, causal_offset=0,
                                            varlen=(cu, cu, 724, 724), config=config,
                                            parts=parts)
-    q = torch.empty(2, 4, keys, head_dim, dtype=torch_dtype)
     if bshd:
         q = torch.empty(2, keys, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
+    else:
+        q = torch.empty(2, 4, keys, head_dim, dtype=torch_dtype)
     return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, keys),
                                        causal=True, scale=head_dim ** -0.5, causal_offset=0,
                                        config=config, parts=parts)

@@ -51,12 +51,12 @@ for name in sys.argv[2:]:
         compiled = sass_offline.compile_gluon(int(name.lstrip("p")), None, "bf16",
                                               varlen=name.startswith("p"))
     ptx = compiled.asm["ptx"]
-    counts = result[name] = {
-        "block_loops": getattr(compiled, "launch_kwargs", {}).get("BLOCK_LOOPS"), "ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
+    counts = result[name] = {"ptx": {name: len(re.findall(pattern, ptx)) for name, pattern in (
         ("wgmma", r"wgmma\.mma_async"), ("tma_load", r"cp\.async\.bulk\.tensor\.\dd\.shared"),
         ("tma_store", r"cp\.async\.bulk\.tensor\.\dd\.global"), ("mbarrier", r"mbarrier\."),
         ("tma_4d", r"cp\.async\.bulk\.tensor\.4d"),
         ("setmaxnreg", r"setmaxnreg"), ("atomic", r"\b(atom|red)\.global"))}}
+    counts["block_loops"] = getattr(compiled, "launch_kwargs", {}).get("BLOCK_LOOPS")
     try:
         sass = sass_offline.cuobjdump(compiled, "-sass")
         usage = sass_offline.cuobjdump(compiled, "-res-usage")
