@@ -315,8 +315,8 @@ def test_few_keys_at_split_head_dims_choose_padding_or_short_blocks():
 
 def test_block_loops_by_column_parts_and_keys():
     # block_loops on the CPU: one loop choosing each block's mask where the head_dim is one part
-    # of 128 columns or more and for every packed batch (kv_len None); elsewhere no loop for a
-    # dense call of at most one K/V block, two loops (unmasked, then masked blocks) past that.
+    # of 128 columns or more; elsewhere no loop for a dense call of at most one K/V block, two
+    # loops (unmasked, then masked blocks) past that and for every packed batch (kv_len None).
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     for parts in ((128, 0), (256, 0)):
         for kv_len in (1, 64, 128, 129, 4096, None):
@@ -326,7 +326,7 @@ def test_block_loops_by_column_parts_and_keys():
             assert hopper.block_loops(*parts, block_n, 1) == 0
             assert hopper.block_loops(*parts, block_n, block_n) == 0
             assert hopper.block_loops(*parts, block_n, block_n + 1) == 2
-            assert hopper.block_loops(*parts, block_n, None) == 1
+            assert hopper.block_loops(*parts, block_n, None) == 2
     # through layout_for: the head dims' own layouts at few and many keys
     for head_dim, kv_len, loops in ((64, 4096, 2), (96, 128, 0), (96, 300, 2), (80, 100, 1),
                                     (112, 4096, 1), (128, 128, 1), (192, 64, 0), (192, 4096, 2),
@@ -373,7 +373,7 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
     kw = dict(causal=True, scale=0.1, causal_offset=0, varlen=(cu, cu, 500, 500))
     hopper.attention_fwd_hopper(packed, packed, packed, torch.empty_like(packed),
                                 torch.empty(4, 600), **kw)
-    assert launched[-1] == (1, 1)
+    assert launched[-1] == (2, 2)
     with pytest.raises(ValueError, match="packed"):
         hopper.attention_fwd_hopper(packed, packed, packed, torch.empty_like(packed),
                                     torch.empty(4, 600), loops=0, **kw)

@@ -255,7 +255,9 @@ def test_gpu_gluon_kernel_only_takes_what_it_supports():
                                            varlen=(cu_q, cu_k, max(lengths), max(lengths)))
     assert takes(128, [300, 5])
     assert not takes(112, [300, 5])  # padded to 128: a box would read the next head's columns
-    assert not takes(64, [4096, 5])  # the Triton kernel is faster there
+    # head_dim 64 from 2049 queries a sequence on average (MIN_QUERIES): below, the Triton kernel
+    assert takes(64, [4096, 2100]) and takes(64, [4096, 5])
+    assert not takes(64, [4096, 5, 5]) and not takes(64, [2048] * 4)
     assert takes(128, [2048] + [1] * 31)  # a mostly empty tile grid: no tile is handed out empty
     assert not takes(128, [300, 5], torch.float32)
 

@@ -78,7 +78,7 @@ print(json.dumps(result))
 # buffers of its own do not fit in shared memory).
 COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
 # and its packed-batch variant at every head_dim it takes (PACKED_HEAD_DIMS)
-COMPILED_PACKED_HEAD_DIMS = (128, 80, 96, 192, 256)
+COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # and the Gluon backward's dK/dV ("b" + head_dim) and dQ ("bq" + head_dim) kernels at the head
 # dims they take (and both without the causal mask at 128: "bn128", "bqn128")
 COMPILED_BWD_HEAD_DIMS = (128,)
@@ -91,12 +91,12 @@ COMPILED_STRIDED = ("s128", "s96", "s256")
 # and a dense call whose tiles hold one K/V block each ("o{head_dim}"), which block_loops
 # compiles without the block loops at a split head_dim
 COMPILED_ONE_BLOCK = ("o96",)
-# the block loops (block_loops) each of those launches passes: two at 64, 96 and 192 and at
-# their few-key layouts but 80's padded one, one at one part of 128 or 256 columns and in every
-# packed batch, none where a tile holds one block
+# the block loops (block_loops) each of those launches passes: two at 64, 96 and 192, at their
+# few-key layouts but 80's padded one, and in packed batches at 64, 80, 96 and 192; one at one
+# part of 128 or 256 columns, packed or not; none where a tile holds one block
 BLOCK_LOOPS = {"128": 1, "64": 2, "96": 2, "192": 2, "256": 1, "o96": 0, "f80k100": 1,
                "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1,
-               **{f"p{d}": 1 for d in COMPILED_PACKED_HEAD_DIMS}}
+               **{f"p{d}": 1 if d in (128, 256) else 2 for d in COMPILED_PACKED_HEAD_DIMS}}
 
 
 @pytest.fixture(scope="module")

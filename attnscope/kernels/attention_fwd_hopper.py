@@ -54,21 +54,21 @@ multiples). At head_dim 256, where buffers of their own do not fit in shared mem
 staged in the consumer's Q buffer (O_IN_Q), which takes the next tile's Q once the store has read
 it.
 
-Packed batches (fused_attention_varlen, VARLEN) at head_dim 80, 96, 128, 192 and 256
-(PACKED_HEAD_DIMS): the packed [total, heads, head_dim] tensors, whose rows may be any 16-byte
-multiple apart (slices of a fused QKV projection), are seen by the copy engine as [total, heads *
-head_dim] and a tile reads its sequence's bounds from the cumulative lengths, aligned bottom-right
-under the causal mask. A block that runs past its sequence's end reads the next sequence's rows:
-keys past the end are masked to -inf (their V rows are multiplied by zero, so only an inf or NaN
-there would reach this sequence), query rows past it are computed and never stored. Output blocks
-wholly inside their sequence leave by TMA store (at head_dim 256 staged in Q's buffer), a
-sequence's ragged last block by register stores. The tiles are handed out on the device
-as programs ask for them, from a counter zeroed at each launch, since the host does not know the
-lengths (they are on the GPU) to schedule by: the loader takes the next number, finds the sequence
-and tile it stands for (_packed_tile: the numbers count only tiles that hold queries, sequence
-after sequence, each sequence's heads in groups that share L2 and their last query block first)
-and passes the tile to the consumers through shared memory. Against the host's round-robin this
-took the serving sweep's packed row from 1.956 to 1.770 ms in one job
+Packed batches (fused_attention_varlen, VARLEN) at head_dim 64 (from MIN_QUERIES queries a sequence
+on average), 80, 96, 128, 192 and 256 (PACKED_HEAD_DIMS): the packed [total, heads, head_dim]
+tensors, whose rows may be any 16-byte multiple apart (slices of a fused QKV projection), are seen
+by the copy engine as [total, heads * head_dim] and a tile reads its sequence's bounds from the
+cumulative lengths, aligned bottom-right under the causal mask. A block that runs past its
+sequence's end reads the next sequence's rows: keys past the end are masked to -inf (their V rows
+are multiplied by zero, so only an inf or NaN there would reach this sequence), query rows past it
+are computed and never stored. Output blocks wholly inside their sequence leave by TMA store (at
+head_dim 256 staged in Q's buffer), a sequence's ragged last block by register stores. The tiles are
+handed out on the device as programs ask for them, from a counter zeroed at each launch, since the
+host does not know the lengths (they are on the GPU) to schedule by: the loader takes the next
+number, finds the sequence and tile it stands for (_packed_tile: the numbers count only tiles that
+hold queries, sequence after sequence, each sequence's heads in groups that share L2 and their last
+query block first) and passes the tile to the consumers through shared memory. Against the host's
+round-robin this took the serving sweep's packed row from 1.956 to 1.770 ms in one job
 (notes/lab/gluon_varlen_h200.txt).
 """
 
@@ -887,12 +887,15 @@ SHORT_WORK = 256 * 128
 # - at 192 (64-key blocks already) padding to 256 lost 26-35 %.
 PADDED_KEYS = 128
 SHORT_KEYS = 512
-# Packed batches (fused_attention_varlen) take this kernel at these head dims: not at 64, where
-# the Triton kernel was faster on the serving sweep's 16 packed lengths (1.236 against 1.277 ms
-# with the device hand-out, 32 / 8 heads; at 128, 2.311 against 1.743;
-# notes/lab/gluon_varlen_h200.txt), nor where the column parts pad head_dim (112: a box would
-# read the neighbouring head's columns).
-PACKED_HEAD_DIMS = frozenset({80, 96, 128, 192, 256})
+# Packed batches (fused_attention_varlen) take this kernel at these head dims, at 64 as dense
+# calls do, from MIN_QUERIES queries, here a sequence on average (total queries / sequences):
+# with two block loops it ran 2.6-5.6 % faster than the Triton kernel on packed batches of longer
+# sequences (the serving sweep's 16 lengths of 272-3916, 32 / 8 heads: 1.208 against 1.270 ms;
+# 16384 + 8192 + 3000 + 12000: 4.58 against 4.72) and 15-30 % slower on 256 sequences of
+# 64-1024 (1.724 against 1.492), as dense calls under 2049 queries
+# (notes/lab/gluon_block_loops_varlen_h200.txt). Not where the column parts pad head_dim (112: a
+# box would read the neighbouring head's columns).
+PACKED_HEAD_DIMS = frozenset({64, 80, 96, 128, 192, 256})
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 TILE_ROWS = NUM_WG.value * ROWS.value  # query rows a tile covers
 # Shared memory one program may take on sm_90 (227 KB), less 1 KB for the mbarriers and what
@@ -909,15 +912,17 @@ def supports(q, k, v, out, varlen=None):
     stride. Any query and key length, but a dense call of short tiles (SHORT_WORK) no more than
     the SMs runs the Triton kernel (faster there). A packed batch (`varlen`, as
     attention_fwd_triton's: the views with batch stride 0 of packed [total, heads, head_dim]
-    tensors) needs a head_dim in PACKED_HEAD_DIMS, a tile count within the kernel's int32
-    (packed_tiles_ok) and in each packed tensor a unit last stride, heads next to each other
-    and rows at 16-byte aligned strides."""
+    tensors) needs a head_dim in PACKED_HEAD_DIMS (64: MIN_QUERIES queries a sequence on average,
+    q.shape[2] being the packed total and q.shape[0] the sequences), a tile count within the
+    kernel's int32 (packed_tiles_ok) and in each packed tensor a unit last stride, heads next to
+    each other and rows at 16-byte aligned strides."""
     # cheapest refusals first: this runs on every eager call
     head_dim = q.shape[-1]
     if varlen is None:
         shape_ok = head_dim in CONFIGS and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
     else:
-        shape_ok = head_dim in PACKED_HEAD_DIMS and packed_tiles_ok(*q.shape[:2], varlen[2])
+        shape_ok = (head_dim in PACKED_HEAD_DIMS and packed_tiles_ok(*q.shape[:2], varlen[2])
+                    and q.shape[2] >= MIN_QUERIES.get(head_dim, 0) * q.shape[0])
     return (shape_ok and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
@@ -1074,10 +1079,9 @@ def block_loops(d0, d1, block_n, kv_len):
     """How the consumers walk a tile's K/V blocks past the first (the kernel's BLOCK_LOOPS), for
     column parts (d0, d1), blocks of block_n keys and a dense call's kv_len (None for a packed
     batch): 1, one loop choosing each block's mask at run time, where the head_dim is one part
-    of 128 columns or more, and for packed batches (their two-loop build has not run on a GPU);
-    else 0, no loop, where the call's tiles hold one block each, and 2, the unmasked blocks'
-    loop then the masked ones'. H200, Triton 3.6, hopper_lab.py --time, three jobs against
-    one loop everywhere (notes/lab/gluon_block_loops_h200.txt):
+    of 128 columns or more; else 0, no loop, where a dense call's tiles hold one block each,
+    and 2, the unmasked blocks' loop then the masked ones'. H200, Triton 3.6, hopper_lab.py
+    --time, three jobs against one loop everywhere (notes/lab/gluon_block_loops_h200.txt):
     - two loops 2-4 % faster at head_dim 64's long rows (9.81 against 10.21 ms at
       (8,16,16384,64), 0.669 against 0.693 at (4,32,4096,64)), 2.3 % at (8,16,4096,192,kv4), 7 %
       at (512,16,256,96) (64-key blocks), 1 % at (4,32,4096,96); no loop 6.4 % at
@@ -1086,10 +1090,14 @@ def block_loops(d0, d1, block_n, kv_len):
       or two blocks a tile ((1024,16,128,128): 0.556 against 0.512 ms; no loop there: 0.546
       against 0.519; (512,16,256,128): 0.80-0.82 against 0.78); at 256 only a long row was
       measured (level); one loop at 128 reads as before (0.513 against 0.513, 0.761 against
-      0.768)."""
-    if kv_len is None or (d1 == 0 and d0 >= 128):
+      0.768);
+    - packed batches (16 sequences of 517-4096 keys, 32/8 heads) the same way: two loops 5 %
+      faster at head_dim 64 (0.961 against 1.013 ms), 3.3 % at 192, 1.5 % at 96, and 1.7 % at
+      128, inside that job's spread, so 128 keeps the dense rule's one loop
+      (notes/lab/gluon_block_loops_varlen_h200.txt)."""
+    if d1 == 0 and d0 >= 128:
         return 1
-    return 0 if kv_len <= block_n else 2
+    return 0 if kv_len is not None and kv_len <= block_n else 2
 
 
 def layout_for(head_dim, kv_len, many_tiles):
