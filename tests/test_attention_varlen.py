@@ -173,12 +173,27 @@ GLUON_LENGTHS_K = [5, 0, 300, 128, 999, 2500, 2049, 64]
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128, 192, 256])
 def test_gpu_gluon_kernel(head_dim, causal, dtype):
-    # and head dims it leaves to the Triton kernel (64, 112), through the same checks
+    # and those it leaves to the Triton kernel (112; 64 under 2049 queries a sequence on average,
+    # as these lengths), through the same checks
     from attnscope.kernels import attention_fwd_hopper as hopper
     dispatch.forget_launches()
     check_varlen(GLUON_LENGTHS_Q, GLUON_LENGTHS_K, 8, 2, head_dim, dtype, "cuda", causal=causal)
-    kernel = "_attn_fwd_hopper" if head_dim in hopper.PACKED_HEAD_DIMS else "_attn_fwd"
+    long_enough = sum(GLUON_LENGTHS_Q) >= hopper.MIN_QUERIES.get(head_dim, 0) * len(GLUON_LENGTHS_Q)
+    kernel = ("_attn_fwd_hopper" if head_dim in hopper.PACKED_HEAD_DIMS and long_enough
+              else "_attn_fwd")
     assert dispatch.launched_forward_kernels()[0]["name"] == kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_gluon_kernel_head_dim_64(causal):
+    # head_dim 64 takes the Gluon kernel from 2049 queries a sequence on average (2345 here):
+    # empty and one-row sequences, fewer keys than queries, ragged tiles, GQA
+    lengths_q, lengths_k = [0, 1, 127, 4096, 4097, 3000, 4000], [5, 0, 300, 4096, 4000, 3100, 4000]
+    dispatch.forget_launches()
+    check_varlen(lengths_q, lengths_k, 4, 2, 64, torch.bfloat16, "cuda", causal=causal)
+    assert dispatch.launched_forward_kernels()[0]["name"] == "_attn_fwd_hopper"
 
 
 def test_packed_head_dims_are_whole_column_parts():
