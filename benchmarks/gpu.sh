@@ -39,7 +39,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STEP_TIMEOUT=${STEP_TIMEOUT:-280}
 BENCH_IMPLS=${BENCH_IMPLS:-naive naive_inplace sdpa_auto sdpa_math sdpa_flash sdpa_efficient sdpa_cudnn flex fa4 flash_attn2 fused}
-BENCH_BWD_IMPLS=${BENCH_BWD_IMPLS:-sdpa_flash sdpa_cudnn flex fa4 flash_attn2 fused fused_nondeterministic}
+BENCH_BWD_IMPLS=${BENCH_BWD_IMPLS:-sdpa_flash sdpa_cudnn flex fa4 fa4_deterministic flash_attn2 fused fused_nondeterministic}
 BENCH_SWEEP=${BENCH_SWEEP:-default}
 SUMMARY=()
 

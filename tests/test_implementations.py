@@ -12,7 +12,7 @@ from attnscope.profile.inputs import make_inputs
 
 # seq 37: not a multiple of any block size, so partial blocks and the diagonal both get masked.
 SHAPE = (1, 2, 37, 16)
-CUDA_ONLY = {"sdpa_efficient", "sdpa_cudnn", "fa4", "flash_attn2"}
+CUDA_ONLY = {"sdpa_efficient", "sdpa_cudnn", "fa4", "fa4_deterministic", "flash_attn2"}
 # Compiled FlexAttention takes ~30 s to build on CPU; its wiring (block mask, call) is the same
 # eager, so the test hands it the uncompiled flex_attention. naive_compiled compiles for real
 # (a few seconds).

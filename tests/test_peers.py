@@ -33,9 +33,10 @@ FAKE_FUNC = """
 import torch.nn.functional as F
 calls = []
 
-def flash_attn_func(q, k, v, causal=False):
+def flash_attn_func(q, k, v, causal=False, **options):
     calls.append({{"shape": tuple(q.shape), "kv_shape": tuple(k.shape), "causal": causal,
-                   "ptrs": tuple(t.data_ptr() for t in (q, k, v)), "stride": q.stride()}})
+                   "ptrs": tuple(t.data_ptr() for t in (q, k, v)), "stride": q.stride(),
+                   "options": options}})
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          is_causal=causal, enable_gqa=k.shape[2] != q.shape[2])
     out = out.transpose(1, 2)
@@ -179,10 +180,14 @@ def _bound(low, ref):
     return 2 * (low.double() - ref).abs().max().item() + 2.0 ** -10
 
 
-@pytest.mark.parametrize("name, module", [("fa4", "flash_attn.cute"),
-                                          ("flash_attn2", "flash_attn")])
+@pytest.mark.parametrize("name, module, options", [
+    ("fa4", "flash_attn.cute", {}),
+    ("fa4_deterministic", "flash_attn.cute", {"deterministic": True}),
+    ("flash_attn2", "flash_attn", {}),
+])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])  # MHA, and GQA with 2 q per k/v
-def test_prepare_passes_bshd_views_and_keeps_the_graph(site, name, module, heads, kv_heads):
+def test_prepare_passes_bshd_views_and_keeps_the_graph(site, name, module, options, heads,
+                                                       kv_heads):
     install(site, fa4=True, fa2=True)
     q, k, v = _qkv(heads, kv_heads)
     forward = IMPLEMENTATIONS[name].prepare(q, k, v)
@@ -192,7 +197,7 @@ def test_prepare_passes_bshd_views_and_keeps_the_graph(site, name, module, heads
     assert calls == [{"shape": (b, s, h, d), "kv_shape": (b, s, kv_heads, d), "causal": True,
                       # the caller's storage, seen through a transpose: no copy was made
                       "ptrs": tuple(t.data_ptr() for t in (q, k, v)),
-                      "stride": q.transpose(1, 2).stride()}]
+                      "stride": q.transpose(1, 2).stride(), "options": options}]
     assert out.shape == q.shape and out.dtype == torch.float16
 
     ref = attention_reference(q.detach(), k.detach(), v.detach())
@@ -351,7 +356,7 @@ def _poison_allocator(nbytes: int) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["fa4", "flash_attn2"])
+@pytest.mark.parametrize("name", ["fa4", "fa4_deterministic", "flash_attn2"])
 @pytest.mark.parametrize("heads, kv_heads, seq, head_dim", [
     (4, 4, 1000, 128),  # 1000: no multiple of a tile, so the last tiles are partial
     (8, 2, 777, 64),    # GQA, 4 q heads per k/v head; odd length
@@ -380,6 +385,19 @@ def test_peer_matches_reference_on_gpu(name, heads, kv_heads, seq, head_dim):
         err = (got.double() - want).abs().max().item()
         bound = 2 * (base.double() - want).abs().max().item() + 2.0 ** -7
         assert err <= bound, f"{name} {what}: error {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_heads", [8, 2])  # and GQA, where FA4 orders dK/dV's adds too
+def test_fa4_deterministic_backward_repeats_bit_for_bit(kv_heads):
+    _require("fa4_deterministic")
+    gen = torch.Generator().manual_seed(kv_heads)
+    q, k, v = (torch.randn(2, h, 1000, 128, generator=gen).to("cuda", torch.bfloat16)
+               .requires_grad_() for h in (8, kv_heads, kv_heads))
+    dout = torch.randn(q.shape, generator=gen).to("cuda", torch.bfloat16)
+    forward = IMPLEMENTATIONS["fa4_deterministic"].prepare(q, k, v)
+    first, second = (torch.autograd.grad(forward(), (q, k, v), dout) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.cuda

@@ -138,13 +138,15 @@ class Peer:
             raise RuntimeError(why)
         return func
 
-    def prepare(self, q, k, v, causal=True):
-        # causal=True is aligned bottom-right in both libraries when q_len < kv_len.
+    def prepare(self, q, k, v, causal=True, **options):
+        # causal=True is aligned bottom-right in both libraries when q_len < kv_len; options go
+        # to flash_attn_func as they are (fa4_deterministic's deterministic=True).
         func = self._loaded(q)
 
         def forward():
             # BSHD views, no copy (see the module docstring).
-            out = func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+            out = func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                       **options)
             return _output(out).transpose(1, 2)  # back to [batch, heads, seq, dim], a view
         return forward
 
@@ -218,3 +220,23 @@ for _name, _peer, _description in (
         prepare_varlen=_peer.prepare_varlen,
         prepare_paged=_peer.prepare_paged,
     ))
+
+
+def _prepare_fa4_deterministic(q, k, v, causal=True):
+    return FA4.prepare(q, k, v, causal=causal, deterministic=True)
+
+
+# FA4's backward adds dQ in whatever order its programs run unless deterministic=True (then its
+# dQ writer waits its turn on a semaphore, and under GQA dK/dV too): the peer to read beside our
+# deterministic default. Its forward is fa4's (backward_variant_of); no packed or paged form.
+register(Implementation(
+    name="fa4_deterministic",
+    description="FlashAttention-4 with deterministic=True: the same forward; a backward "
+                "reproducible bit for bit (dQ, and under GQA dK/dV, added in a fixed order)",
+    seed_script="",
+    available=FA4.available,
+    prepare=_prepare_fa4_deterministic,
+    backward_variant_of="fa4",
+    gqa=True,
+    q_len_differs=True,
+))
