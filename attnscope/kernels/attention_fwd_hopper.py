@@ -22,8 +22,8 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   it issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as asynchronous wgmma, waits only for S_j,
   runs the softmax of block j while the P V wgmma is still running, then waits for it and
   rescales O. P goes to the second wgmma straight from registers. The blocks past a tile's
-  first (`block_loops`): at one column part of 128 columns or more and in packed batches, one
-  loop choosing each block's mask; elsewhere none where every tile holds one block, else two
+  first (`block_loops`): at one column part of 128 columns or more, one loop choosing each
+  block's mask; elsewhere none where every tile of a dense call holds one block, else two
   loops, the blocks every row of the consumer sees in full and then the masked ones.
 - The two consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its
   wgmma pair for block j only after the other one has issued its pair for block j - 1 (warp-
@@ -893,8 +893,10 @@ SHORT_KEYS = 512
 # sequences (the serving sweep's 16 lengths of 272-3916, 32 / 8 heads: 1.208 against 1.270 ms;
 # 16384 + 8192 + 3000 + 12000: 4.58 against 4.72) and 15-30 % slower on 256 sequences of
 # 64-1024 (1.724 against 1.492), as dense calls under 2049 queries
-# (notes/lab/gluon_block_loops_varlen_h200.txt). Not where the column parts pad head_dim (112: a
-# box would read the neighbouring head's columns).
+# (notes/lab/gluon_block_loops_varlen_h200.txt). Where between a mean of 503 queries (lost) and
+# 2047 (won: 0.961 ms against the Triton kernel's 1.020, same file) the two cross was not
+# measured; the threshold is the dense one, so that 2047-query batch takes the Triton kernel.
+# Not where the column parts pad head_dim (112: a box would read the neighbouring head's columns).
 PACKED_HEAD_DIMS = frozenset({64, 80, 96, 128, 192, 256})
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 TILE_ROWS = NUM_WG.value * ROWS.value  # query rows a tile covers
