@@ -185,13 +185,15 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                                   is_async=True)
             dp_tok = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)
-            s_t, dp_t = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
             # each query's LSE (log2 units; +inf for a row that sees no key or past the end,
-            # so its P is 0) and Delta, along the columns (16 values a thread each: loaded once
-            # the products are in, not held through them)
+            # so its P is 0) and Delta, along the columns (16 values a thread each)
             cols = m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
             row = hz.to(gl.int64) * N_CTX_Q + cols
             col_ok = cols < N_CTX_Q
+            if FUSED:
+                s_t, dp_t = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
+            else:  # S^T alone: P's exponentials run while dP^T's product does
+                s_t = warpgroup_mma_wait(1, deps=[s_tok])
             lse = gl.load(Lse + row, mask=col_ok, other=float("-inf"))
             lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_G)
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
@@ -202,6 +204,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                     seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + CAUSAL_OFFSET, 0)
                     p_t = gl.where(seen, p_t, 0.0)
             delta = gl.load(Delta + row, mask=col_ok, other=0.0)
+            if not FUSED:
+                dp_t = warpgroup_mma_wait(0, deps=[dp_tok])
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             # dV += P^T dO, dK += dS^T Q
             if FUSED:  # dS^T through shared memory, where dQ needs both warpgroups'
@@ -435,7 +439,7 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-        s, dp = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # S alone: P's exponentials run under dP's
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
         # keys past the end (the copy engine's zeros) and, under a causal mask, keys right of
         # each row's diagonal (key j counts for row i when j <= i + CAUSAL_OFFSET): masked in
@@ -447,6 +451,7 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
                 seen = seen & (gl.expand_dims(keys, 0)
                                <= gl.expand_dims(rows + CAUSAL_OFFSET, 1))
             p = gl.where(seen, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=[dp_tok])
         ds = p * (dp - gl.expand_dims(delta, 1))
         # dQ += dS K
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
