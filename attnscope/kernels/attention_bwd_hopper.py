@@ -190,10 +190,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
             cols = m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
             row = hz.to(gl.int64) * N_CTX_Q + cols
             col_ok = cols < N_CTX_Q
-            if FUSED:
-                s_t, dp_t = warpgroup_mma_wait(0, deps=[s_tok, dp_tok])
-            else:  # S^T alone: P's exponentials run while dP^T's product does
-                s_t = warpgroup_mma_wait(1, deps=[s_tok])
+            # S^T alone: P's exponentials run while dP^T's product does
+            s_t = warpgroup_mma_wait(1, deps=[s_tok])
             lse = gl.load(Lse + row, mask=col_ok, other=float("-inf"))
             lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_G)
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
@@ -204,8 +202,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                     seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + CAUSAL_OFFSET, 0)
                     p_t = gl.where(seen, p_t, 0.0)
             delta = gl.load(Delta + row, mask=col_ok, other=0.0)
-            if not FUSED:
-                dp_t = warpgroup_mma_wait(0, deps=[dp_tok])
+            dp_t = warpgroup_mma_wait(0, deps=[dp_tok])
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             # dV += P^T dO, dK += dS^T Q
             if FUSED:  # dS^T through shared memory, where dQ needs both warpgroups'
