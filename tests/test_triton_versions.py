@@ -35,9 +35,11 @@ sys.path.insert(0, sys.argv[1])
 import sass_offline
 result = {}
 for name in sys.argv[2:]:
-    if name.startswith("b"):  # the backward's dK/dV ("b") and dQ ("bq") kernels, "n": not causal
-        compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bqn")), "bf16",
-                                                  dq="q" in name, causal="n" not in name)
+    if name.startswith("b"):  # the backward's dK/dV ("b") and dQ ("bq") kernels, "n": not causal,
+        # "d": the dK/dV kernel that adds dQ too (deterministic=False's)
+        compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bqnd")), "bf16",
+                                                  dq="q" in name, causal="n" not in name,
+                                                  fused_dq="d" in name)
     elif name.startswith("f"):  # "f{head_dim}k{keys}": layout_for's few-key layout, many tiles
         from attnscope.kernels.attention_fwd_hopper import layout_for
         head_dim, keys = map(int, name[1:].split("k"))
@@ -55,6 +57,7 @@ for name in sys.argv[2:]:
         ("wgmma", r"wgmma\.mma_async"), ("tma_load", r"cp\.async\.bulk\.tensor\.\dd\.shared"),
         ("tma_store", r"cp\.async\.bulk\.tensor\.\dd\.global"), ("mbarrier", r"mbarrier\."),
         ("tma_4d", r"cp\.async\.bulk\.tensor\.4d"),
+        ("tma_reduce", r"cp\.reduce\.async\.bulk\.tensor"),
         ("setmaxnreg", r"setmaxnreg"), ("atomic", r"\b(atom|red)\.global"))}}
     counts["block_loops"] = getattr(compiled, "launch_kwargs", {}).get("BLOCK_LOOPS")
     try:
@@ -80,7 +83,8 @@ COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
 # and its packed-batch variant at every head_dim it takes (PACKED_HEAD_DIMS)
 COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # and the Gluon backward's dK/dV ("b" + head_dim) and dQ ("bq" + head_dim) kernels at the head
-# dims they take (and both without the causal mask at 128: "bn128", "bqn128")
+# dims they take (and both without the causal mask at 128: "bn128", "bqn128"; and the dK/dV
+# kernel that adds dQ by the copy engine's reduce-add, deterministic=False's: "bd128")
 COMPILED_BWD_HEAD_DIMS = (128,)
 # and layout_for's few-key layouts ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
 # with 64-key blocks
@@ -109,7 +113,7 @@ def hopper_compile():
                           *map(str, COMPILED_HEAD_DIMS),
                           *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS),
                           *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
-                          *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128",
+                          *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128", "bd128",
                           *COMPILED_FEW_KEYS, *COMPILED_STRIDED, *COMPILED_ONE_BLOCK],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -134,7 +138,8 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # The packed-batch variant ("p" + head_dim) also takes its tiles from a global counter
     # (an atomic add) and stores blocks inside a sequence by TMA. The dK/dV kernel ("b" +
     # head_dim) has the same parts: its four products as wgmma, Q/dO/K/V by TMA, dK/dV stored by
-    # TMA; so does the dQ kernel ("bq" + head_dim), with dQ stored by TMA. The few-key layouts
+    # TMA; so does the dQ kernel ("bq" + head_dim), with dQ stored by TMA; the fused one ("bd")
+    # adds its dQ tiles by the copy engine's reduce-add, which no other kernel here issues. The few-key layouts
     # ("f...") are the forward's, with their other column parts or key blocks. The strided
     # variant ("s...") copies through 4-D [batch, heads, seq, head_dim] views, the others
     # through views of fewer dimensions.
@@ -147,6 +152,7 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
         assert ptx["tma_store"] > 0, (head_dim, ptx)
         assert ptx["mbarrier"] > 0 and ptx["setmaxnreg"] > 0, (head_dim, ptx)
         assert (ptx["tma_4d"] > 0) == head_dim.startswith("s"), (head_dim, ptx)
+        assert (ptx["tma_reduce"] > 0) == head_dim.startswith("bd"), (head_dim, ptx)
         if "sass" not in counts:
             pytest.skip(f"PTX checked; the wheel's cuobjdump did not run here: "
                         f"{counts['sass_error']}")
