@@ -41,6 +41,13 @@ COUNTED = ("HGMMA", "WARPGROUP", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP"
            "UTMALDG", "UTMASTG", "SYNCS", "BAR", "USETMAXREG", "LDL", "STL", "LDS", "STS", "SHFL")
 
 
+def _launch_options():
+    # the compile options every eager launch passes (attnscope.kernels.launch), so the offline
+    # kernels are the launched ones (imported late: _offline_driver comes first)
+    from attnscope.kernels.launch import COMPILE_OPTIONS
+    return COMPILE_OPTIONS
+
+
 def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
     """The CompiledKernel of _attn_fwd for sm_90, specialised as a contiguous launch would be."""
     from attnscope.kernels.attention_fwd import _attn_fwd as fn
@@ -68,7 +75,7 @@ def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
                      CAUSAL=True, INPUT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n,
                      PIPELINE=pipeline, USE_TMA=tma, EVEN_N=True, EMPTY_ROWS=False,
                      HAS_WINDOW=False, SOFTCAP=False, VARLEN=False)
-    options = dict(num_warps=num_warps, num_stages=num_stages)
+    options = dict(num_warps=num_warps, num_stages=num_stages, **_launch_options())
     if maxnreg:
         options["maxnreg"] = maxnreg
     return triton.compile(ASTSource(fn, signature, constants, attrs),
@@ -120,7 +127,7 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
     kernel = module._attn_fwd_hopper
 
     def compile_only(key, grid, args, kwargs, **_):
-        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        compiled = kernel.warmup(*args, grid=grid, **kwargs, **_launch_options())
         compiled.launch_kwargs = kwargs  # what the launch passed (tests read BLOCK_LOOPS)
         return compiled
     module._launch = module._launch_packed = compile_only
@@ -154,7 +161,7 @@ def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=Fa
     for name, kernel in (("_launch", module._attn_bwd_dkdv_hopper),
                          ("_launch_dq", module._attn_bwd_dq_hopper)):
         setattr(module, name, lambda key, grid, args, kwargs, kernel=kernel, **_:
-                kernel.warmup(*args, grid=grid, **kwargs))
+                kernel.warmup(*args, grid=grid, **kwargs, **_launch_options()))
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
     k = torch.empty(2, 4 if fused_dq else 2, 1024, head_dim, dtype=torch_dtype)
@@ -184,7 +191,7 @@ def compile_triton_bwd(head_dim, config, which, dtype="bf16", kv_heads=2):
 
         def __getitem__(self, grid):
             def warm(*args, **kwargs):
-                compiled[self.kernel] = self.kernel.warmup(*args, grid=grid, **kwargs)
+                compiled[self.kernel] = self.kernel.warmup(*args, grid=grid, **kwargs, **_launch_options())
             return warm
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
@@ -215,7 +222,7 @@ def compile_decode(head_dim, config, dtype="bf16", page_size=None, num_splits=No
 
         def __call__(self, key, grid, args, kwargs, **_):
             if self.kernel is not None:
-                compiled.append(self.kernel.warmup(*args, grid=grid, **kwargs))
+                compiled.append(self.kernel.warmup(*args, grid=grid, **kwargs, **_launch_options()))
     module._split_launch = Offline(module._decode_split)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     batch, kv_len = 4, 8192
