@@ -191,7 +191,8 @@ def compile_triton_bwd(head_dim, config, which, dtype="bf16", kv_heads=2):
 
         def __getitem__(self, grid):
             def warm(*args, **kwargs):
-                compiled[self.kernel] = self.kernel.warmup(*args, grid=grid, **kwargs, **_launch_options())
+                compiled[self.kernel] = self.kernel.warmup(*args, grid=grid, **kwargs,
+                                                           **_launch_options())
             return warm
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
@@ -222,7 +223,8 @@ def compile_decode(head_dim, config, dtype="bf16", page_size=None, num_splits=No
 
         def __call__(self, key, grid, args, kwargs, **_):
             if self.kernel is not None:
-                compiled.append(self.kernel.warmup(*args, grid=grid, **kwargs, **_launch_options()))
+                compiled.append(self.kernel.warmup(*args, grid=grid, **kwargs,
+                                                   **_launch_options()))
     module._split_launch = Offline(module._decode_split)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     batch, kv_len = 4, 8192

@@ -139,10 +139,10 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # (an atomic add) and stores blocks inside a sequence by TMA. The dK/dV kernel ("b" +
     # head_dim) has the same parts: its four products as wgmma, Q/dO/K/V by TMA, dK/dV stored by
     # TMA; so does the dQ kernel ("bq" + head_dim), with dQ stored by TMA; the fused one ("bd")
-    # adds its dQ tiles by the copy engine's reduce-add, which no other kernel here issues. The few-key layouts
-    # ("f...") are the forward's, with their other column parts or key blocks. The strided
-    # variant ("s...") copies through 4-D [batch, heads, seq, head_dim] views, the others
-    # through views of fewer dimensions.
+    # adds its dQ tiles by the copy engine's reduce-add, which no other kernel here issues. The
+    # few-key layouts ("f...") are the forward's, with their other column parts or key blocks.
+    # The strided variant ("s...") copies through 4-D [batch, heads, seq, head_dim] views, the
+    # others through views of fewer dimensions.
     for head_dim, counts in hopper_compile.items():
         if not head_dim.startswith("b"):  # the forward's: the launch's BLOCK_LOOPS
             assert counts["block_loops"] == BLOCK_LOOPS[head_dim], (head_dim, counts)
