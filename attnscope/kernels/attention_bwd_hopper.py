@@ -57,7 +57,7 @@ from attnscope.kernels.common import LOG2E, _grouped_tile, aligned, device_prope
 from attnscope.kernels.gluon_compat import tma_add, tma_load, tma_store
 from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
 
-ROWS = gl.constexpr(64)  # keys per consumer warpgroup, and query rows per streamed block
+ROWS = gl.constexpr(64)  # keys per consumer warpgroup; the dQ kernel's query rows per warpgroup
 LOG2E_G = gl.constexpr(LOG2E)
 
 
@@ -95,14 +95,14 @@ def _store(desc, hz, row, buf):
 
 
 @gluon.jit
-def _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL: gl.constexpr):
-    # The query blocks that see any key from n0 on: [lo, hi) in blocks of ROWS rows.
+def _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    # The query blocks that see any key from n0 on: [lo, hi) in blocks of BLOCK_M rows.
     if CAUSAL:
         first = gl.maximum(n0 - CAUSAL_OFFSET, 0)
-        lo = gl.minimum(first, N_CTX_Q) // ROWS
+        lo = gl.minimum(first, N_CTX_Q) // BLOCK_M
     else:
         lo = 0
-    return lo, gl.cdiv(N_CTX_Q, ROWS)
+    return lo, gl.cdiv(N_CTX_Q, BLOCK_M)
 
 
 @gluon.jit
@@ -120,7 +120,8 @@ def _query_head(off_hkvz, H, GROUP, g):
 
 
 @gluon.jit
-def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+            BLOCK_M: gl.constexpr):
     (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP) = args
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
@@ -130,12 +131,13 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
     v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, HEAD_DIM, v_smem)
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     block_bytes: gl.constexpr = ROWS * HEAD_DIM * elem
+    q_bytes: gl.constexpr = BLOCK_M * HEAD_DIM * elem
     # the program's keys, once: each consumer's 64 rows of K and of V
     mbarrier.expect(kv_ready, 4 * block_bytes)
     for wg in gl.static_range(2):
         _load(k_desc, hz_kv, n0 + wg * ROWS, kv_ready, k_smem.index(wg))
         _load(v_desc, hz_kv, n0 + wg * ROWS, kv_ready, v_smem.index(wg))
-    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL)
+    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL, BLOCK_M)
     it = 0
     for g in range(GROUP):
         hz = _query_head(hz_kv, H, GROUP, g)
@@ -143,15 +145,15 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
             slot = it % STAGES
             # a fresh mbarrier is in phase 0: the first wait for parity 1 passes at once
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), 2 * block_bytes)
-            _load(q_desc, hz, m * ROWS, ready.index(slot), q_smem.index(slot))
-            _load(do_desc, hz, m * ROWS, ready.index(slot), do_smem.index(slot))
+            mbarrier.expect(ready.index(slot), 2 * q_bytes)
+            _load(q_desc, hz, m * BLOCK_M, ready.index(slot), q_smem.index(slot))
+            _load(do_desc, hz, m * BLOCK_M, ready.index(slot), do_smem.index(slot))
             it += 1
 
 
 @gluon.jit
 def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, FUSED: gl.constexpr):
+              CAUSAL: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr):
     (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H, GROUP,
      N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
     if FUSED:
@@ -160,18 +162,18 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
     k0 = n0 + WG * ROWS  # this warpgroup's first key
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 16])
+                                                       instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     keys = k0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     k_tile = k_smem.index(WG)
     v_tile = v_smem.index(WG)
-    s_zero = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_ready, 0)
-    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL)
+    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL, BLOCK_M)
     it = 0
     for g in range(GROUP):
         hz = _query_head(hz_kv, H, GROUP, g)
@@ -187,7 +189,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                                    is_async=True)
             # each query's LSE (log2 units; +inf for a row that sees no key or past the end,
             # so its P is 0) and Delta, along the columns (16 values a thread each)
-            cols = m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+            cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             row = hz.to(gl.int64) * N_CTX_Q + cols
             col_ok = cols < N_CTX_Q
             # S^T alone: P's exponentials run while dP^T's product does
@@ -196,9 +198,9 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
             lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_G)
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
             # key j counts for query i when j <= i + CAUSAL_OFFSET: every query of the block
-            # sees every key of this warpgroup from m * ROWS + CAUSAL_OFFSET >= k0 + ROWS - 1 on
+            # sees every key of this warpgroup from m * BLOCK_M + CAUSAL_OFFSET >= k0 + ROWS - 1 on
             if CAUSAL:
-                if m * ROWS + CAUSAL_OFFSET < k0 + ROWS - 1:
+                if m * BLOCK_M + CAUSAL_OFFSET < k0 + ROWS - 1:
                     seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + CAUSAL_OFFSET, 0)
                     p_t = gl.where(seen, p_t, 0.0)
             delta = gl.load(Delta + row, mask=col_ok, other=0.0)
@@ -266,7 +268,7 @@ def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
     dq_desc = tma.make_tensor_descriptor(DQ, [n_hz, N_CTX_Q, HEAD_DIM],
                                          [N_CTX_Q * HEAD_DIM, HEAD_DIM, 1], [1, ROWS, ROWS],
                                          dq_smem.index(0).reshape([1, ROWS, ROWS]).layout)
-    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL)
+    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL, ROWS)  # (FUSED: BLOCK_M == ROWS)
     it = 0
     for g in range(GROUP):
         hz = _query_head(hz_kv, H, GROUP, g)
@@ -324,17 +326,19 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
                           N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, SMEM_LAYOUT: gl.constexpr,
-                          FUSED: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr):
+                          FUSED: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
+                          BLOCK_M: gl.constexpr, Q_LAYOUT: gl.constexpr):
     # grid: batch * K/V heads * key blocks of 2 * ROWS (_program_tile); q, dO, LSE and Delta
-    # [batch * H, ...]. FUSED: dQ = dS K (before its scale) added into DQ as well, a
-    # zeroed fp32 [batch * H, N_CTX_Q, HEAD_DIM] (unused otherwise), by a fourth partition.
+    # [batch * H, ...], streamed in blocks of BLOCK_M query rows. FUSED (BLOCK_M == ROWS): dQ =
+    # dS K (before its scale) added into DQ as well, a zeroed fp32 [batch * H, N_CTX_Q,
+    # HEAD_DIM] (unused otherwise), by a fourth partition.
     qk_scale = qk_scale.to(gl.float32)  # (scale * log2e)
     sm_scale = sm_scale.to(gl.float32)
     dtype: gl.constexpr = Q.dtype.element_ty
     k_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], SMEM_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], SMEM_LAYOUT)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_DIM], SMEM_LAYOUT)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, ROWS, HEAD_DIM], SMEM_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     kv_ready, ready, empty = _barriers(STAGES)
     n_hz = BATCH * H
     loads = (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP,
@@ -346,16 +350,16 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
         fused = _fused_buffers(dtype, DS_LAYOUT, DQ_LAYOUT)
         writes = (DQ, H, GROUP, N_CTX_Q, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
         gl.warp_specialize([
-            (_consumer, (work, fused, 0, HEAD_DIM, STAGES, CAUSAL, FUSED)),
-            (_consumer, (work, fused, 1, HEAD_DIM, STAGES, CAUSAL, FUSED)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer, (work, fused, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M)),
+            (_consumer, (work, fused, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, BLOCK_M)),
             (_dq_writer, (writes, fused, HEAD_DIM, CAUSAL)),
         ], [4, 1, 1], [CONSUMER_REGS, 32, 32])
     else:
         gl.warp_specialize([
-            (_consumer, (work, None, 0, HEAD_DIM, STAGES, CAUSAL, FUSED)),
-            (_consumer, (work, None, 1, HEAD_DIM, STAGES, CAUSAL, FUSED)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL)),
+            (_consumer, (work, None, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M)),
+            (_consumer, (work, None, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, BLOCK_M)),
         ], [4, 1], [CONSUMER_REGS, 32])
 
 
@@ -491,12 +495,13 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
     ], [4, 1], [CONSUMER_REGS, 32])
 
 
-# (STAGES, consumer registers) per head_dim: two stages; 240 registers hold dK and dV (64 + 64
-# fp32 a thread) next to S^T and dP^T (32 + 32). head_dim 128 only: on the H200 (Triton 3.6,
+# (STAGES, consumer registers, BLOCK_M: query rows a streamed block) per head_dim: two stages;
+# 240 registers hold dK and dV (64 + 64 fp32 a thread) next to S^T and dP^T (32 + 32); 64-row
+# query blocks (the fused dQ needs BLOCK_M == ROWS). head_dim 128 only: on the H200 (Triton 3.6,
 # bwd_lab.py --triton-kernels) the pair ran the backward in 3.69 ms against the Triton kernels'
 # 4.05 at (4,32,4096,128) and 12.62 against 14.11 at (2,16,16384,128), but 2.58 against 2.31 at
 # (4,32,4096,64), where head_dim 64 stays on the Triton kernels.
-CONFIGS = {128: (2, 240)}
+CONFIGS = {128: (2, 240, 64)}
 # The dQ kernel's (BLOCK_N, STAGES, consumer registers): 64-key blocks keep S and dP at 32 fp32
 # registers each next to the dQ accumulator (64 at head_dim 128).
 DQ_CONFIGS = {128: (64, 2, 240)}
@@ -525,20 +530,23 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     (attention_bwd's deterministic=False)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    stages, regs = CONFIGS[head_dim]
+    stages, regs, block_m = CONFIGS[head_dim]
     num_tiles = -(-kv_len // 128)
     grid = (batch * kv_heads * num_tiles,)
     # each K/V head's programs stream the Q and dO of its query heads
     group = l2_group(q.device, batch * kv_heads, 2 * q_len * head_dim * q.element_size()
                      * (heads // kv_heads))
     fused = dq_acc is not None
+    if fused and block_m != 64:
+        raise ValueError(f"the fused dQ takes 64-row query blocks, CONFIGS has {block_m}")
     args = (q, k, v, do, dk, dv, lse, delta, dq_acc if fused else lse, batch, heads,
             heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_tiles,
             group)
     kwargs = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs,
                   SMEM_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)), FUSED=fused,
                   DS_LAYOUT=_smem_layout(64, 64, str(q.dtype)),
-                  DQ_LAYOUT=_smem_layout(64, 64, "torch.float32"), num_warps=4)
+                  DQ_LAYOUT=_smem_layout(64, 64, "torch.float32"), BLOCK_M=block_m,
+                  Q_LAYOUT=_smem_layout(block_m, head_dim, str(q.dtype)), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:
         key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape,
@@ -546,7 +554,7 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
         key = _dkdv_key(key, scale, fused)
     return _launch(key, grid, args, kwargs, per_call=9,
-                   config=dict(STAGES=stages, consumer_regs=regs, fused_dq=fused))
+                   config=dict(STAGES=stages, consumer_regs=regs, BLOCK_M=block_m, fused_dq=fused))
 
 
 def _dkdv_key(key, scale, fused):
