@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from attnscope.kernels.common import LOG2E, _grouped_tile, aligned, device_properties, l2_group
-from attnscope.kernels.gluon_compat import tma_add, tma_load, tma_store
+from attnscope.kernels.gluon_compat import partition_barrier, tma_add, tma_load, tma_store
 from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup; the dQ kernel's query rows per warpgroup
@@ -123,7 +123,7 @@ def _query_head(off_hkvz, H, GROUP, g):
 def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             BLOCK_M: gl.constexpr):
     (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP) = args
+     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem, delta_smem) = args
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
     q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem)
     do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem)
@@ -145,17 +145,39 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
             slot = it % STAGES
             # a fresh mbarrier is in phase 0: the first wait for parity 1 passes at once
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), 2 * q_bytes)
+            # Q and dO by the copy engine first, then the block's LSE (log2 units; +inf for a
+            # row that sees no key or past the end, so its P is 0) and Delta (0 past the end)
+            # through this warp's loads and stores, which the arrival of `expect` releases to
+            # the consumers. (The copies may land before `expect` adds their bytes: the
+            # barrier's byte count goes below zero meanwhile, and its phase cannot complete
+            # before the arrival.)
             _load(q_desc, hz, m * BLOCK_M, ready.index(slot), q_smem.index(slot))
             _load(do_desc, hz, m * BLOCK_M, ready.index(slot), do_smem.index(slot))
+            _stage_stats(Lse, Delta, lse_smem.index(slot), delta_smem.index(slot), hz,
+                         m * BLOCK_M, N_CTX_Q, BLOCK_M)
+            mbarrier.expect(ready.index(slot), 2 * q_bytes)
             it += 1
+
+
+@gluon.jit
+def _stage_stats(Lse, Delta, lse_buf, delta_buf, hz, row0, N_CTX_Q, BLOCK_M: gl.constexpr):
+    # One warp: LSE and Delta of query rows [row0, row0 + BLOCK_M) of head hz into shared memory.
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    rows = row0 + gl.arange(0, BLOCK_M, layout=layout)
+    ok = rows < N_CTX_Q
+    at = hz.to(gl.int64) * N_CTX_Q + rows
+    lse = gl.load(Lse + at, mask=ok, other=float("-inf"))
+    lse_buf.store(gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_G))
+    delta_buf.store(gl.load(Delta + at, mask=ok, other=0.0))
+    partition_barrier()  # every lane's stores before the one thread's arrival that releases them
 
 
 @gluon.jit
 def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr):
-    (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H, GROUP,
-     N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
+    (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, lse_smem, delta_smem, H,
+     GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES,
+     HEAD_GROUP) = args
     if FUSED:
         ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
@@ -187,15 +209,12 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                                   is_async=True)
             dp_tok = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)
-            # each query's LSE (log2 units; +inf for a row that sees no key or past the end,
-            # so its P is 0) and Delta, along the columns (16 values a thread each)
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            row = hz.to(gl.int64) * N_CTX_Q + cols
-            col_ok = cols < N_CTX_Q
-            # S^T alone: P's exponentials run while dP^T's product does
+            # S^T alone: P's exponentials run while dP^T's product does. Each query's LSE and
+            # Delta come from shared memory (the loader's, _stage_stats) along the columns,
+            # read where they are used, so they are not held through the products.
             s_t = warpgroup_mma_wait(1, deps=[s_tok])
-            lse = gl.load(Lse + row, mask=col_ok, other=float("-inf"))
-            lse = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E_G)
+            lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
             # key j counts for query i when j <= i + CAUSAL_OFFSET: every query of the block
             # sees every key of this warpgroup from m * BLOCK_M + CAUSAL_OFFSET >= k0 + ROWS - 1 on
@@ -203,8 +222,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                 if m * BLOCK_M + CAUSAL_OFFSET < k0 + ROWS - 1:
                     seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + CAUSAL_OFFSET, 0)
                     p_t = gl.where(seen, p_t, 0.0)
-            delta = gl.load(Delta + row, mask=col_ok, other=0.0)
             dp_t = warpgroup_mma_wait(0, deps=[dp_tok])
+            delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             # dV += P^T dO, dK += dS^T Q
             if FUSED:  # dS^T through shared memory, where dQ needs both warpgroups'
@@ -339,13 +358,17 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
     v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], SMEM_LAYOUT)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], Q_LAYOUT)
+    stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
     kv_ready, ready, empty = _barriers(STAGES)
     n_hz = BATCH * H
     loads = (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP,
-             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
-    work = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, Lse, Delta, H,
-            GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES,
-            HEAD_GROUP)
+             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem,
+             delta_smem)
+    work = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, lse_smem,
+            delta_smem, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz,
+            NUM_TILES, HEAD_GROUP)
     if FUSED:
         fused = _fused_buffers(dtype, DS_LAYOUT, DQ_LAYOUT)
         writes = (DQ, H, GROUP, N_CTX_Q, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)

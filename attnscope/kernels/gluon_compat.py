@@ -49,6 +49,11 @@ if tma is not None and tma_add is None:
         tma_add = None
 
 
+# A barrier of the calling partition's threads (bar.sync over its warps): gl.thread_barrier in
+# Triton 3.6, gl.barrier from 3.7.
+partition_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier", None)
+
+
 def missing():
     """What the Hopper kernel uses and the installed Triton lacks, as a list of names (empty:
     the kernel can compile here)."""
@@ -67,6 +72,8 @@ def missing():
     }
     gone = [name for name, module in needed.items()
             if not hasattr(module, name.split(".", 1)[1])]
+    if partition_barrier is None:
+        gone.append("gl.barrier (or 3.6's gl.thread_barrier)")
     if tma_load is None or tma_store is None:
         gone.append("tma.async_load/async_store (or 3.6's async_copy_* names)")
     # warp_specialize takes one list of (function, args) pairs, the default partition first,
