@@ -41,6 +41,20 @@ def parse_config(text):
     return values
 
 
+def parse_gluon_config(text):
+    try:
+        head_dim, dkdv, dq = text.split(":")
+        head_dim = int(head_dim)
+        dkdv, dq = (tuple(int(x) for x in part.split(",")) for part in (dkdv, dq))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a Gluon config is HEAD_DIM:STAGES,REGS,BLOCK_M:BLOCK_N,STAGES,REGS, got {text!r}")
+    if len(dkdv) != 3 or len(dq) != 3:
+        raise argparse.ArgumentTypeError(
+            f"a Gluon config is HEAD_DIM:STAGES,REGS,BLOCK_M:BLOCK_N,STAGES,REGS, got {text!r}")
+    return head_dim, dkdv, dq
+
+
 def parse_shape(text):
     values = tuple(int(x) for x in text.split(","))
     if len(values) not in (4, 5):
@@ -83,8 +97,18 @@ def main():
     p.add_argument("--triton-kernels", action="store_true",
                    help="also time the table's config with the Triton dK/dV and dQ kernels where "
                         "the Gluon ones (attention_bwd_hopper.py) take the call")
+    p.add_argument("--gluon-config", type=parse_gluon_config, default=None,
+                   metavar="HEAD_DIM:STAGES,REGS,BLOCK_M:BLOCK_N,STAGES,REGS",
+                   help="put this entry into the Gluon kernels' tables (attention_bwd_hopper's "
+                        "CONFIGS and DQ_CONFIGS) for the whole run, so calls of that head_dim "
+                        "take them (e.g. 64:2,240,128:128,2,240); with --triton-kernels the "
+                        "Triton pair runs beside them")
     rounds.add_arguments(p)
     args = p.parse_args()
+    if args.gluon_config is not None:
+        from attnscope.kernels import attention_bwd_hopper as hop
+        head_dim, dkdv, dq = args.gluon_config
+        hop.CONFIGS[head_dim], hop.DQ_CONFIGS[head_dim] = dkdv, dq
     out_file = open(args.out, "a") if args.out else None
     for shape in args.shapes:
         b, h, s, d, hk = shape
