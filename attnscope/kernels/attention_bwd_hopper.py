@@ -233,7 +233,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                 fence_async_shared()
                 dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv,
                                    is_async=True)
-                dk = warpgroup_mma(ds_own, q, dk, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk,
+                                   is_async=True)
                 # dQ[queries, this warpgroup's 64 columns] = dS K[:, columns], from both
                 # warpgroups' dS^T (keys along rows) read transposed; two steps deep, so a
                 # warpgroup writes a buffer again only after the other's product read it
