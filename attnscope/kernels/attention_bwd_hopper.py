@@ -14,9 +14,10 @@ dK/dV (`_attn_bwd_dkdv_hopper`):
 - One program per (batch, K/V head, 128-key block), every head's key block 0 first (heads on
   grid axis 0: under a causal mask the first key blocks are seen by the most queries, so the
   longest programs start first).
-- The loader brings the program's K and V tiles in once, then streams the (Q, dO) blocks of 64
-  query rows that see those keys, for every query head that shares the K/V head (GQA sums them
-  on chip), through a STAGES-deep ring.
+- The loader brings the program's K and V tiles in once, then streams the (Q, dO) blocks of
+  BLOCK_M query rows (CONFIGS) that see those keys, each with its rows' LSE (times log2 e) and
+  Delta, which it loads and stores into shared memory itself, for every query head that
+  shares the K/V head (GQA sums them on chip), through a STAGES-deep ring.
 - Each consumer owns 64 of the block's keys and works on transposed tiles, keys along rows, so
   its dK and dV accumulators ([64 keys, head_dim] fp32) take every product without a transpose:
   S^T = K Q^T and dP^T = V dO^T from shared memory, then P^T = exp2(S^T * scale * log2e - LSE *
@@ -197,8 +198,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
     mbarrier.wait(kv_ready, 0)
     lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL, BLOCK_M)
     it = 0
-    for g in range(GROUP):
-        hz = _query_head(hz_kv, H, GROUP, g)
+    for g in range(GROUP):  # the query heads that share this K/V head (their LSE and Delta
+        # come staged by the loader, which knows the head)
         for m in range(lo, hi):
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
