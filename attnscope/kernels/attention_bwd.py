@@ -496,7 +496,7 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         launch, grid, args, kwargs = launches[0]
         launch(key, grid, args, kwargs)  # Delta
         gluon = _hopper()
-        fused = not deterministic and fused_dq(gluon, heads, kv_heads)
+        fused = not deterministic and fused_dq(gluon, heads, kv_heads, q.shape[-1])
         if fused:
             # dS K added into a zeroed fp32 buffer by the dK/dV kernel, then scaled into dq
             dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -567,14 +567,16 @@ def _kept_gluon_backward(gluon, key, delta_launch, scale, fused):
     return run
 
 
-def fused_dq(gluon, heads, kv_heads):
+def fused_dq(gluon, heads, kv_heads, head_dim=None):
     """Whether deterministic=False fuses dQ into the Gluon dK/dV kernel (a call the Gluon
     kernels take): without GQA, where the copy engine can add into global memory, and not while
     torch.use_deterministic_algorithms(True) is on (that setting wins). One kernel
     instead of two: at head_dim 128, bf16, on the H200, 3.45 against 3.70 ms at
     (4,32,4096,128) and 11.73 against 12.87 at (2,16,16384,128); under GQA its consumers spill
-    and it lost (4.35 against 3.63 ms with 8 K/V heads; notes/backward.md, lever 3)."""
+    and it lost (4.35 against 3.63 ms with 8 K/V heads; notes/backward.md, lever 3). head_dim
+    (when given): its CONFIGS entry must stream 64-row query blocks, the fused dQ's tile."""
     return (heads == kv_heads and gluon.tma_add is not None
+            and (head_dim is None or gluon.CONFIGS[head_dim][2] == 64)  # its 64-row blocks
             and not torch.are_deterministic_algorithms_enabled())
 
 

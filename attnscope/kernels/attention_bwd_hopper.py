@@ -353,6 +353,7 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
     # [batch * H, ...], streamed in blocks of BLOCK_M query rows. FUSED (BLOCK_M == ROWS): dQ =
     # dS K (before its scale) added into DQ as well, a zeroed fp32 [batch * H, N_CTX_Q,
     # HEAD_DIM] (unused otherwise), by a fourth partition.
+    gl.static_assert(not FUSED or BLOCK_M == ROWS, "the fused dQ takes 64-row query blocks")
     qk_scale = qk_scale.to(gl.float32)  # (scale * log2e)
     sm_scale = sm_scale.to(gl.float32)
     dtype: gl.constexpr = Q.dtype.element_ty

@@ -106,7 +106,10 @@ def main():
     rounds.add_arguments(p)
     args = p.parse_args()
     if args.gluon_config is not None:
-        from attnscope.kernels import attention_bwd_hopper as hop
+        hop = bwd._hopper()
+        if hop is None:
+            p.error("--gluon-config: this Triton's Gluon lacks what the Gluon backward uses "
+                    "(attnscope.kernels.gluon_compat.missing())")
         head_dim, dkdv, dq = args.gluon_config
         hop.CONFIGS[head_dim], hop.DQ_CONFIGS[head_dim] = dkdv, dq
     out_file = open(args.out, "a") if args.out else None
@@ -153,6 +156,7 @@ def main():
             errors = [(g.float() - r).abs().max().item() for g, r in zip(grads, refs)]
             timers[name] = run
             rows[name] = {"shape": shape, "impl": name, "config": config,
+                          "gluon_config": args.gluon_config,
                           "err_dq_dk_dv": errors, "regs_spills": kernels}
         if args.peers:
             rep = h // hk
