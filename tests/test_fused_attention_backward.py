@@ -492,6 +492,44 @@ def test_gpu_gluon_backward_nondeterministic(shape, dtype, floor, monkeypatch):
     assert fused == [heads == kv_heads]
 
 
+GLUON_SHAPES_64 = [
+    # head_dim 64 streams 128-row query blocks: ragged ones, GQA, both alignments
+    (2, 3, 3, 333, 333, 64, "bottom_right"),
+    (1, 8, 2, 700, 1500, 64, "top_left"),
+    (2, 4, 4, 500, 300, 64, None),
+    (1, 2, 2, 2100, 2100, 64, "bottom_right"),   # from MIN_QUERIES on
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.parametrize("shape", GLUON_SHAPES_64)
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gpu_gluon_backward_head_dim_64(shape, deterministic, monkeypatch):
+    # head_dim 64 takes the Gluon pair from MIN_QUERIES queries on; the test lowers the bound
+    # so that short, ragged calls take it too. deterministic=False runs the split kernels here
+    # (the fused dQ takes 64-row query blocks)
+    batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
+    hopper = attention_bwd._hopper()
+    assert hopper is not None
+    if q_len < hopper.MIN_QUERIES[64]:
+        assert not hopper.supports(q, k, v, q, q, k, v)
+        monkeypatch.setattr(hopper, "MIN_QUERIES", {})
+    assert hopper.supports(q, k, v, q, q, k, v)
+    calls, dkdv = [], hopper.attention_bwd_dkdv_hopper
+    monkeypatch.setattr(hopper, "attention_bwd_dkdv_hopper", lambda *a, **kw: (
+        calls.append(kw.get("dq_acc") is not None), dkdv(*a, **kw))[1])
+    kwargs = dict(causal=False) if alignment is None else dict(causal_alignment=alignment)
+    from attnscope.kernels import launch
+    launch.forget_launches()  # a backward remembered by an earlier test would skip the patch
+    try:
+        check_grads(q, k, v, 4e-3, op_kwargs=dict(deterministic=deterministic), **kwargs)
+    finally:
+        launch.forget_launches()
+    assert calls == [False]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
 def test_gpu_gluon_backward_takes_each_calls_scale():

@@ -522,23 +522,28 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
 
 
 # (STAGES, consumer registers, BLOCK_M: query rows a streamed block) per head_dim: two stages;
-# 240 registers hold dK and dV (64 + 64 fp32 a thread) next to S^T and dP^T (32 + 32); 64-row
-# query blocks (the fused dQ needs BLOCK_M == ROWS). head_dim 128 only: on the H200 (Triton 3.6,
-# bwd_lab.py --triton-kernels) the pair ran the backward in 3.69 ms against the Triton kernels'
-# 4.05 at (4,32,4096,128) and 12.62 against 14.11 at (2,16,16384,128), but 2.58 against 2.31 at
-# (4,32,4096,64), where head_dim 64 stays on the Triton kernels.
-CONFIGS = {128: (2, 240, 64)}
-# The dQ kernel's (BLOCK_N, STAGES, consumer registers): 64-key blocks keep S and dP at 32 fp32
-# registers each next to the dQ accumulator (64 at head_dim 128).
-DQ_CONFIGS = {128: (64, 2, 240)}
+# 240 registers. head_dim 128: dK and dV (64 + 64 fp32 a thread) next to S^T and dP^T (32 + 32)
+# in 64-row query blocks (the fused dQ needs BLOCK_M == ROWS). head_dim 64: dK and dV take half
+# as many, so S^T and dP^T take 128-row query blocks (FA4's tile at 64; 64 + 64), each thread's
+# LSE and Delta columns staged in shared memory by the loader, not in registers.
+CONFIGS = {64: (2, 240, 128), 128: (2, 240, 64)}
+# The dQ kernel's (BLOCK_N, STAGES, consumer registers): S and dP of 64 keys (head_dim 128) or
+# 128 (64) next to the dQ accumulator (64 fp32 registers a thread at head_dim 128, 32 at 64).
+DQ_CONFIGS = {64: (128, 2, 240), 128: (64, 2, 240)}
+# head_dim 64 takes these kernels from MIN_QUERIES queries on; below, the Triton pair is faster:
+# a 128-key program then streams only a few query blocks and pays this pair's fixed costs (the
+# partitions' start, the device-side descriptors) for them.
+MIN_QUERIES = {64: 2049}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
 def supports(q, k, v, do, dq, dk, dv, window=(-1, -1), softcap=0.0, varlen=None):
     """True when these kernels compute the call's dQ, dK and dV: sm_90, fp16/bf16, head_dim in
-    CONFIGS, q/k/v/dO/dQ/dK/dV contiguous [batch, heads, seq, head_dim] at 16-byte aligned
-    addresses (the copy engine reads and writes them), no window, softcap or packed batch."""
+    CONFIGS (64 from MIN_QUERIES queries on), q/k/v/dO/dQ/dK/dV contiguous [batch, heads, seq,
+    head_dim] at 16-byte aligned addresses (the copy engine reads and writes them), no window,
+    softcap or packed batch."""
     return (q.shape[-1] in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
+            and q.shape[2] >= MIN_QUERIES.get(q.shape[-1], 0)
             and varlen is None and tuple(window) == (-1, -1) and softcap == 0
             and all(t.dtype == q.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
                     for t in (q, k, v, do, dq, dk, dv))
