@@ -34,8 +34,9 @@ dQ. Key blocks add in whatever order their programs run: dQ's fp32 sums differ b
 their last bits.
 
 dQ (`_attn_bwd_dq_hopper`): the same with queries and keys exchanged. One program per (batch,
-query head, 128-row query tile), last tile first; Q and dO stay, (K, V) blocks of 64 keys
-stream; each consumer owns 64 rows: S = Q K^T, dP = dO V^T, dS = P * (dP - Delta), dQ += dS K.
+query head, 128-row query tile), last tile first; Q and dO stay, (K, V) blocks of BLOCK_N keys
+(DQ_CONFIGS: 64 at head_dim 128, 128 at 64) stream; each consumer owns 64 rows: S = Q K^T,
+dP = dO V^T, dS = P * (dP - Delta), dQ += dS K.
 
 Rows that see no key (LSE -inf) read as +inf, so their P is exactly 0; query rows past the end
 are the copy engine's zeros with LSE -inf; keys past the end are zeros, masked in dQ and only
@@ -43,7 +44,8 @@ in their own (dropped) rows of dK/dV. Under a causal mask key j counts for query
 CAUSAL_OFFSET; only blocks some row or key of a warpgroup sees in part take the mask (a
 run-time branch per block, as the forward's).
 
-What they take (`supports`): sm_90, fp16/bf16, head_dim 128, q/k/v/dO/dQ/dK/dV contiguous
+What they take (`supports`): sm_90, fp16/bf16, head_dim 128 (64 from MIN_QUERIES queries on,
+in 128-row query blocks and 128-key dQ blocks), q/k/v/dO/dQ/dK/dV contiguous
 [batch, heads, seq, head_dim] at 16-byte aligned addresses, no window, softcap or packed batch.
 """
 
