@@ -83,9 +83,10 @@ COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
 # and its packed-batch variant at every head_dim it takes (PACKED_HEAD_DIMS)
 COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # and the Gluon backward's dK/dV ("b" + head_dim) and dQ ("bq" + head_dim) kernels at the head
-# dims they take (and both without the causal mask at 128: "bn128", "bqn128"; and the dK/dV
-# kernel that adds dQ by the copy engine's reduce-add, deterministic=False's: "bd128")
-COMPILED_BWD_HEAD_DIMS = (128,)
+# dims they take (64 in 128-row query blocks and 128-key dQ blocks; both without the causal mask
+# at 128: "bn128", "bqn128"; and the dK/dV kernel that adds dQ by the copy engine's reduce-add,
+# deterministic=False's: "bd128")
+COMPILED_BWD_HEAD_DIMS = (128, 64)
 # and layout_for's few-key layouts ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
 # with 64-key blocks
 COMPILED_FEW_KEYS = ("f80k100", "f80k300", "f96k300")
