@@ -527,7 +527,9 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
 # 240 registers. head_dim 128: dK and dV (64 + 64 fp32 a thread) next to S^T and dP^T (32 + 32)
 # in 64-row query blocks (the fused dQ needs BLOCK_M == ROWS). head_dim 64: dK and dV take half
 # as many, so S^T and dP^T take 128-row query blocks (FA4's tile at 64; 64 + 64), each thread's
-# LSE and Delta columns staged in shared memory by the loader, not in registers.
+# LSE and Delta columns staged in shared memory by the loader, not in registers. Timed around
+# these on the H200 (notes/lab/bwd_gluon_configs_h200.txt): three stages in either kernel,
+# 128-key dQ blocks at 128 and 64-key ones at 64 were none of them faster.
 CONFIGS = {64: (2, 240, 128), 128: (2, 240, 64)}
 # The dQ kernel's (BLOCK_N, STAGES, consumer registers): S and dP of 64 keys (head_dim 128) or
 # 128 (64) next to the dQ accumulator (64 fp32 registers a thread at head_dim 128, 32 at 64).
