@@ -13,7 +13,7 @@ venv; the code generated differs by version.
 --gluon compiles the Hopper kernel (attention_fwd_hopper.py) instead; its --config is that
 module's CONFIG_FIELDS (default: its table's entry for --head-dim). --gluon-bwd and
 --gluon-bwd-dq compile the Gluon backward's dK/dV and dQ kernels (attention_bwd_hopper.py) at
-its table's config (head_dim 128 by default, the one it takes; --config does not apply).
+its table's config (head_dim 128 by default; 64 too; --config does not apply).
 --triton-bwd dkdv|dq compiles the Triton backward's kernels (attention_bwd.py) at a config of its
 CONFIG_FIELDS (default: its table's entry for --head-dim), --kv-heads K/V heads of 4 query heads.
 --decode compiles the split-KV decode kernel (attention_decode.py) as the op launches it for 32
@@ -329,6 +329,8 @@ def main():
         from attnscope.kernels import attention_bwd_hopper
         if args.head_dim not in attention_bwd_hopper.CONFIGS:
             p.error(f"the Gluon backward takes head_dim {sorted(attention_bwd_hopper.CONFIGS)}")
+        if args.fused_dq and not attention_bwd_hopper.fuses_dq(args.head_dim):
+            p.error(f"--fused-dq: the fused dQ kernel does not take head_dim {args.head_dim}")
         if args.config:
             p.error("--config does not apply to --gluon-bwd / --gluon-bwd-dq")
         config = None

@@ -457,7 +457,8 @@ GLUON_SHAPES = [
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gpu_gluon_backward(shape):
     # The Gluon dK/dV and dQ kernels (attention_bwd_hopper.py) take contiguous head_dim-128 calls
-    # on sm_90; Delta stays on the Triton preprocess
+    # on sm_90 (and head_dim 64 ones from MIN_QUERIES queries on); Delta stays on the Triton
+    # preprocess
     batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
     hopper = attention_bwd._hopper()
@@ -497,6 +498,7 @@ GLUON_SHAPES_64 = [
     (2, 3, 3, 333, 333, 64, "bottom_right"),
     (1, 8, 2, 700, 1500, 64, "top_left"),
     (2, 4, 4, 500, 300, 64, None),
+    (1, 4, 4, 1500, 300, 64, "bottom_right"),    # rows that see no key
     (1, 2, 2, 2100, 2100, 64, "bottom_right"),   # from MIN_QUERIES on
 ]
 
@@ -561,15 +563,29 @@ def test_deterministic_takes_a_bool(bad):
 
 def test_fused_dq_takes_calls_without_gqa_where_the_copy_engine_adds():
     import types
-    adds, none = types.SimpleNamespace(tma_add=object()), types.SimpleNamespace(tma_add=None)
-    assert attention_bwd.fused_dq(adds, 8, 8)
-    assert not attention_bwd.fused_dq(adds, 8, 2)  # GQA: its consumers spill, the split won
-    assert not attention_bwd.fused_dq(none, 8, 8)  # a Triton whose Gluon cannot add
+    fuses = lambda head_dim: head_dim == 128  # noqa: E731
+    adds = types.SimpleNamespace(tma_add=object(), fuses_dq=fuses)
+    none = types.SimpleNamespace(tma_add=None, fuses_dq=fuses)
+    assert attention_bwd.fused_dq(adds, 8, 8, 128)
+    assert not attention_bwd.fused_dq(adds, 8, 8, 64)  # not a head_dim the fused kernel takes
+    assert not attention_bwd.fused_dq(adds, 8, 2, 128)  # GQA: its consumers spill, the split won
+    assert not attention_bwd.fused_dq(none, 8, 8, 128)  # a Triton whose Gluon cannot add
     torch.use_deterministic_algorithms(True)  # PyTorch's global setting wins
     try:
-        assert not attention_bwd.fused_dq(adds, 8, 8)
+        assert not attention_bwd.fused_dq(adds, 8, 8, 128)
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_the_fused_dq_kernel_takes_head_dim_128_in_64_row_blocks(monkeypatch):
+    # Each consumer adds 64 of the head's columns: 128 and only there, and only in 64-row query
+    # blocks (the kernel asserts the same; its launch refuses the rest)
+    hopper = pytest.importorskip("attnscope.kernels.attention_bwd_hopper")
+    assert hopper.fuses_dq(128) and not hopper.fuses_dq(64)
+    monkeypatch.setitem(hopper.CONFIGS, 64, (2, 240, 64))  # 64-row blocks: still 64 columns
+    assert not hopper.fuses_dq(64)
+    monkeypatch.setitem(hopper.CONFIGS, 128, (2, 240, 128))
+    assert not hopper.fuses_dq(128)
 
 
 def test_gluon_backward_takes_no_cpu_call_and_groups_heads_for_l2(monkeypatch):

@@ -508,9 +508,9 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     deterministic=True (the default): every backward gives the same gradients bit for bit.
     deterministic=False lets eager bf16/fp16 head_dim-128 calls on Hopper (sm_90) without GQA
     take a faster backward: one kernel adds dQ from every key block in whatever order its
-    programs run, so dQ's last bits may differ between runs (8-10 % faster backward on the
-    H200; notes/backward.md, lever 3); every other call computes as with True, as does every
-    call while torch.use_deterministic_algorithms(True) is on.
+    programs run, so dQ's last bits may differ between runs (8-9 % faster backward on the
+    H200 in the backward record; notes/backward.md, lever 3); every other call computes as
+    with True, as does every call while torch.use_deterministic_algorithms(True) is on.
     """
     # Eager calls of plain tensors (nothing traced): a repeat of a validated call runs its kept
     # launch (_repeats), under autograd's Function where gradients are needed; a first call is

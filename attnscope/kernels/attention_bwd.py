@@ -568,16 +568,15 @@ def _kept_gluon_backward(gluon, key, delta_launch, scale, fused):
     return run
 
 
-def fused_dq(gluon, heads, kv_heads, head_dim=None):
+def fused_dq(gluon, heads, kv_heads, head_dim):
     """Whether deterministic=False fuses dQ into the Gluon dK/dV kernel (a call the Gluon
-    kernels take): without GQA, where the copy engine can add into global memory, and not while
-    torch.use_deterministic_algorithms(True) is on (that setting wins). One kernel
+    kernels take): at head_dim 128 (`gluon.fuses_dq`: each consumer adds 64 of its columns, in
+    64-row query blocks), without GQA, where the copy engine can add into global memory, and not
+    while torch.use_deterministic_algorithms(True) is on (that setting wins). One kernel
     instead of two: at head_dim 128, bf16, on the H200, 3.45 against 3.70 ms at
     (4,32,4096,128) and 11.73 against 12.87 at (2,16,16384,128); under GQA its consumers spill
-    and it lost (4.35 against 3.63 ms with 8 K/V heads; notes/backward.md, lever 3). head_dim
-    (when given): its CONFIGS entry must stream 64-row query blocks, the fused dQ's tile."""
-    return (heads == kv_heads and gluon.tma_add is not None
-            and (head_dim is None or gluon.CONFIGS[head_dim][2] == 64)  # its 64-row blocks
+    and it lost (4.35 against 3.63 ms with 8 K/V heads; notes/backward.md, lever 3)."""
+    return (heads == kv_heads and gluon.tma_add is not None and gluon.fuses_dq(head_dim)
             and not torch.are_deterministic_algorithms_enabled())
 
 

@@ -355,7 +355,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
     # [batch * H, ...], streamed in blocks of BLOCK_M query rows. FUSED (BLOCK_M == ROWS): dQ =
     # dS K (before its scale) added into DQ as well, a zeroed fp32 [batch * H, N_CTX_Q,
     # HEAD_DIM] (unused otherwise), by a fourth partition.
-    gl.static_assert(not FUSED or BLOCK_M == ROWS, "the fused dQ takes 64-row query blocks")
+    gl.static_assert(not FUSED or (BLOCK_M == ROWS and HEAD_DIM == 2 * ROWS),
+                     "the fused dQ takes head_dim 128 in 64-row query blocks")
     qk_scale = qk_scale.to(gl.float32)  # (scale * log2e)
     sm_scale = sm_scale.to(gl.float32)
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -541,6 +542,13 @@ MIN_QUERIES = {64: 2049}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
+def fuses_dq(head_dim):
+    """Whether the dK/dV kernel can add dQ too (FUSED) at this head_dim: each consumer
+    warpgroup multiplies dS by 64 of K's columns and the writer adds two 64-column halves, in
+    the 64-row query blocks CONFIGS must stream there: head_dim 128."""
+    return head_dim == 2 * ROWS.value and CONFIGS[head_dim][2] == ROWS.value
+
+
 def supports(q, k, v, do, dq, dk, dv, window=(-1, -1), softcap=0.0, varlen=None):
     """True when these kernels compute the call's dQ, dK and dV: sm_90, fp16/bf16, head_dim in
     CONFIGS (64 from MIN_QUERIES queries on), q/k/v/dO/dQ/dK/dV contiguous [batch, heads, seq,
@@ -572,8 +580,9 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     group = l2_group(q.device, batch * kv_heads, 2 * q_len * head_dim * q.element_size()
                      * (heads // kv_heads))
     fused = dq_acc is not None
-    if fused and block_m != 64:
-        raise ValueError(f"the fused dQ takes 64-row query blocks, CONFIGS has {block_m}")
+    if fused and not fuses_dq(head_dim):
+        raise ValueError(f"the fused dQ takes head_dim 128 in 64-row query blocks, not "
+                         f"head_dim {head_dim} in {block_m}-row blocks")
     args = (q, k, v, do, dk, dv, lse, delta, dq_acc if fused else lse, batch, heads,
             heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_tiles,
             group)

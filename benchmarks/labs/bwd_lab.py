@@ -100,9 +100,11 @@ def main():
     p.add_argument("--gluon-config", type=parse_gluon_config, default=None,
                    metavar="HEAD_DIM:STAGES,REGS,BLOCK_M:BLOCK_N,STAGES,REGS",
                    help="put this entry into the Gluon kernels' tables (attention_bwd_hopper's "
-                        "CONFIGS and DQ_CONFIGS) for the whole run, so calls of that head_dim "
-                        "take them (e.g. 64:2,240,128:128,2,240); with --triton-kernels the "
-                        "Triton pair runs beside them")
+                        "CONFIGS and DQ_CONFIGS) for the whole run and lift that head_dim's "
+                        "MIN_QUERIES bound, so every call of that head_dim takes them (e.g. "
+                        "64:2,240,128:128,2,240); with --triton-kernels the Triton pair runs "
+                        "beside them. --nondeterministic fuses dQ only where the entry allows "
+                        "it (attention_bwd_hopper.fuses_dq: head_dim 128, 64-row blocks)")
     rounds.add_arguments(p)
     args = p.parse_args()
     if args.gluon_config is not None:
@@ -112,6 +114,7 @@ def main():
                     "(attnscope.kernels.gluon_compat.missing())")
         head_dim, dkdv, dq = args.gluon_config
         hop.CONFIGS[head_dim], hop.DQ_CONFIGS[head_dim] = dkdv, dq
+        hop.MIN_QUERIES.pop(head_dim, None)
     out_file = open(args.out, "a") if args.out else None
     for shape in args.shapes:
         b, h, s, d, hk = shape
