@@ -586,6 +586,94 @@ def test_ncu_skips_an_entry_whose_forward_is_anothers(tmp_path, monkeypatch, cap
     assert "[2/2] fused_nondeterministic: skipped (its forward is fused's" in err
 
 
+def _ncu_args(*argv):
+    import argparse
+
+    from attnscope.profile import ncu
+    parser = argparse.ArgumentParser()
+    ncu.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_ncu_profiles_forward_and_backward_in_a_fwd_bwd_compare_run(tmp_path, monkeypatch):
+    """In the mode of the compare run in --out (here fwd_bwd): every entry is profiled, the one
+    that differs only in its backward too, each child runs forward and backward, and ncu takes a
+    start/end range (the backward's kernels come from autograd's device thread, which a push/pop
+    range of the calling thread does not cover)."""
+    import subprocess
+
+    from attnscope.attention import registry
+    from attnscope.profile import ncu
+
+    path = _compare_output(tmp_path)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "mode": "fwd_bwd"}))
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("fused", "fused_nondeterministic"):
+        monkeypatch.setitem(registry.IMPLEMENTATIONS, name, dataclasses.replace(
+            registry.IMPLEMENTATIONS[name], available=lambda device: (True, "")))
+    commands = []
+
+    def fake_ncu(command, **kwargs):
+        commands.append(command)
+        log = Path(command[command.index("--log-file") + 1])
+        log.write_text((NCU / "fused.csv").read_text())
+        return subprocess.CompletedProcess(command, 0, stdout="")
+
+    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+    args = _ncu_args("--out", str(tmp_path), "--impl", "fused", "fused_nondeterministic")
+    assert ncu.run(args) == 0
+    assert [c[c.index("--target") + 1] for c in commands] == ["fused", "fused_nondeterministic"]
+    for command in commands:
+        assert command[command.index("--nvtx-include") + 1] == ncu.RANGE  # no "/": start/end
+        assert command[command.index("--mode") + 1] == "fwd_bwd"
+
+
+def test_ncu_refuses_a_mode_other_than_the_compare_runs(tmp_path, monkeypatch, capsys):
+    from attnscope.profile import ncu
+
+    _compare_output(tmp_path)  # a forward-only compare run (its results.json says mode fwd)
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **kw: pytest.fail("ncu ran"))
+    assert ncu.run(_ncu_args("--out", str(tmp_path), "--impl", "fused", "--mode",
+                             "fwd_bwd")) == 2
+    assert "was made with --mode fwd" in capsys.readouterr().err
+    assert ncu.run_mode(None, tmp_path / "absent.json") == ("fwd", "")
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_ncu_child_runs_its_profiled_calls_inside_the_range(mode, monkeypatch):
+    """The child (run_target) warms up outside the NVTX range and runs each profiled call
+    inside it: with fwd_bwd the backward too, inside a start/end range. On the CPU, with the
+    NVTX calls recorded."""
+    from attnscope.profile import ncu
+
+    events, open_ranges = [], []
+    nvtx = torch.cuda.nvtx
+    monkeypatch.setattr(nvtx, "range_push", lambda name: open_ranges.append(name))
+    monkeypatch.setattr(nvtx, "range_pop", lambda: open_ranges.pop())
+    monkeypatch.setattr(nvtx, "range_start", lambda name: open_ranges.append(name) or 7)
+    monkeypatch.setattr(nvtx, "range_end", lambda handle: events.append(("end", handle))
+                        or open_ranges.pop())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    make = ncu.make_inputs
+    monkeypatch.setattr(ncu, "make_inputs", lambda *a: make(*a[:-1], "cpu"))
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **kw: (
+        events.append(("backward", tuple(open_ranges))), grad(*a, **kw))[1])
+    args = _ncu_args("--target", "naive", "--batch", "1", "--heads", "2", "--seq", "16",
+                     "--head-dim", "8", "--dtype", "fp32", "--forwards", "2", "--mode", mode)
+    assert ncu.run_target(args) == 0
+    assert open_ranges == []
+    if mode == "fwd":
+        assert events == []
+    else:
+        inside = [("backward", (ncu.RANGE,)), ("end", 7)] * 2
+        assert events == [("backward", ())] * ncu.WARMUP_CALLS + inside
+
+
 def test_ncu_and_kineto_names_of_one_kernel_share_a_key():
     from attnscope.profile import ncu
 

@@ -123,6 +123,28 @@ def test_trace_level_and_nested_range():
         1, 1.0, 3.0)
 
 
+def test_a_backward_on_autograds_device_thread_belongs_to_its_range():
+    # compare --mode fwd_bwd: torch.autograd.grad inside the range hands a GPU graph to the
+    # engine's device thread, which launches the backward's kernels while the range waits. Its
+    # launches count; another thread's (no autograd node) still do not.
+    autograd, stranger = (100, 300), (100, 400)
+    events = [
+        _x("user_annotation", "step", 100, 200, CPU),
+        _launch("cudaLaunchKernel", 110, 1),
+        _x("cpu_op", "autograd::engine::evaluate_function: _AttentionBackward", 150, 40,
+           autograd),
+        _launch("cudaLaunchKernel", 160, 2, where=autograd),
+        _launch("cudaLaunchKernel", 170, 3, where=stranger),
+        _launch("cudaLaunchKernel", 320, 4, where=autograd),  # after the range closed
+        _kernel("attn_fwd", 400, 10, 1), _kernel("attn_bwd", 420, 30, 2),
+        _kernel("unrelated", 460, 5, 3), _kernel("next_step_bwd", 500, 30, 4),
+    ]
+    r = analyze_events(events)["ranges"]["step"]
+    assert r["kernels_per_forward"] == 2.0
+    assert [k["name"] for k in r["kernels"]] == ["attn_bwd", "attn_fwd"]
+    assert r["cuda_time_avg_us"] == pytest.approx(40)
+
+
 def test_cpu_only_trace_has_no_gpu_figures():
     events = [e for e in EVENTS if e.get("cat") == "user_annotation"]
     r = analyze_events(events)["ranges"]["attn"]

@@ -41,6 +41,28 @@ def trace_paths(out_dir, impl_name, shape, mode="fwd"):
     return folder / f"{stem}.json.gz", folder / f"{stem}.txt"
 
 
+def profiled_call(name, forward, leaves, backward):
+    """One profiled call of a prepared implementation (`name`'s), as compare and ncu make it:
+    the forward, and with `backward` dq, dk, dv by torch.autograd.grad for a fixed random
+    upstream gradient (seeded, drawn once from the first output's shape), so no accumulation
+    into .grad is traced. `leaves`: the q, k, v the forward was prepared on (requiring grad with
+    `backward`). The call returns the output, detached."""
+    upstream = []
+
+    def call():
+        out = forward()
+        if backward:
+            if out.grad_fn is None:
+                raise NotImplementedError(f"backward not supported: {name}'s output carries no "
+                                          "autograd graph")
+            if not upstream:
+                gen = torch.Generator(device="cpu").manual_seed(1)
+                upstream.append(torch.randn(out.shape, generator=gen).to(out))
+            torch.autograd.grad(out, leaves, upstream[0])
+        return out.detach()
+    return call
+
+
 def capture(impl, q, k, v, out_dir, mode="fwd", packing=None, paging=None) -> Capture:
     """Profile `impl` on q, k, v; raises whatever the implementation raises. `packing`: packed
     sequences' (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); `paging`: a paged KV
@@ -61,23 +83,10 @@ def capture(impl, q, k, v, out_dir, mode="fwd", packing=None, paging=None) -> Ca
         table.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
                          + "\n")
 
-    upstream = []  # the upstream gradient, drawn once from the first output's shape
-
-    def step():
-        out = forward()
-        if backward:
-            if out.grad_fn is None:
-                raise NotImplementedError(f"backward not supported: {impl.name}'s output carries "
-                                          "no autograd graph")
-            if not upstream:
-                gen = torch.Generator(device="cpu").manual_seed(1)
-                upstream.append(torch.randn(out.shape, generator=gen).to(out))
-            torch.autograd.grad(out, (q, k, v), upstream[0])
-        return out.detach()
-
     with torch.enable_grad() if backward else torch.no_grad():
         forward = scenarios.prepare(impl, scenarios.Inputs((q, k, v), packing, paging),
                                     causal=True)
+        step = profiled_call(impl.name, forward, (q, k, v), backward)
         for _ in range(WARMUP_CALLS):
             output = step()
         if cuda:

@@ -1,10 +1,14 @@
 """`ncu`: re-run implementations under Nsight Compute and attach tensor-pipe counters (tier 1).
 
 Each implementation runs in its own child process (this module with `--target`) under
-`ncu --nvtx --nvtx-include "<RANGE>/"`: warm-up calls (compilation, autotuning, cuBLAS
-heuristics) happen outside the NVTX range, so only the forward's own kernels are profiled and
-replayed. The CSV goes to <out>/ncu/<impl>.csv; per-kernel verdicts are merged into
-<out>/results.json when `compare` wrote one there.
+`ncu --nvtx --nvtx-include <RANGE>`: warm-up calls (compilation, autotuning, cuBLAS
+heuristics) happen outside the NVTX range, so only the profiled calls' own kernels are profiled
+and replayed. `--mode fwd` (compare's default) profiles forwards inside a push/pop range
+("<RANGE>/", the calling thread's); `--mode fwd_bwd` a forward and its backward, as `compare
+--mode fwd_bwd` profiles them, inside a start/end range ("<RANGE>", the whole process's): the
+backward's kernels are launched by autograd's device thread, outside the calling thread's
+push/pop stack. The CSV goes to <out>/ncu/<impl>.csv; per-kernel verdicts are merged into
+<out>/results.json when `compare` wrote one there (in the same mode).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from pathlib import Path
 
 from attnscope.profile import runs
 from attnscope.profile import tensor_cores as tc
+from attnscope.profile.capture import MODES, profiled_call
 from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, SHAPES, WARMUP_CALLS, make_inputs
 
 HELP = "re-run implementations under Nsight Compute; Tensor Core verdicts from hardware counters"
-RANGE = "attnscope_fwd"  # the NVTX push/pop range around each profiled forward
+RANGE = "attnscope_fwd"  # the NVTX range around each profiled call (a forward, or with --mode
+# fwd_bwd a forward and its backward)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"head dimension (default: {head_dim})")
     parser.add_argument("--dtype", choices=list(DTYPES), default=DEFAULT_DTYPE["cuda"],
                         help=f"input dtype (default: {DEFAULT_DTYPE['cuda']})")
-    parser.add_argument("--forwards", type=int, default=1, help="profiled forwards per "
-                        "implementation; ncu replays every kernel once per metric pass, so one "
-                        "is usually enough (default: 1)")
+    parser.add_argument("--mode", choices=MODES, default=None,
+                        help="what each profiled call runs: fwd, the forward under no_grad; "
+                        "fwd_bwd, the forward and its backward (torch.autograd.grad), as "
+                        "compare --mode fwd_bwd profiles them (default: the mode of the compare "
+                        "run in --out, else fwd)")
+    parser.add_argument("--forwards", type=int, default=1, help="profiled calls per "
+                        "implementation (forwards, each with its backward under --mode "
+                        "fwd_bwd); ncu replays every kernel once per metric pass, so one is "
+                        "usually enough (default: 1)")
     parser.add_argument("--out", default="attnscope-out", help="a compare results folder: its "
                         "last complete run (OUT/latest, else OUT itself) gets the CSVs under "
                         "ncu/ and the verdicts merged into its results.json if present "
@@ -57,19 +69,42 @@ def find_ncu(explicit: str | None) -> str | None:
         (p for p in ("/usr/local/cuda/bin/ncu",) if Path(p).is_file()), None)
 
 
-def ncu_command(ncu: str, log_file: Path, child: list[str]) -> list[str]:
+def ncu_command(ncu: str, log_file: Path, child: list[str], mode: str = "fwd") -> list[str]:
     # --clock-control none: keep the GPU's own clocks, as the traces saw them (ncu locks them to
     # base by default). --page raw + --print-units base: one row per launch, unscaled numbers.
+    # The range: a push/pop one ("/" at its end) for forwards, a start/end one for forward and
+    # backward (run_target).
+    nvtx_range = f"{RANGE}/" if mode == "fwd" else RANGE
     return [ncu, "--clock-control", "none", "--csv", "--page", "raw", "--print-units", "base",
-            "--nvtx", "--nvtx-include", f"{RANGE}/", "--metrics", ",".join(tc.COUNTER_METRICS),
+            "--nvtx", "--nvtx-include", nvtx_range, "--metrics", ",".join(tc.COUNTER_METRICS),
             "--log-file", str(log_file), *child]
 
 
-def child_args(args: argparse.Namespace, impl: str) -> list[str]:
+def child_args(args: argparse.Namespace, impl: str, mode: str = "fwd") -> list[str]:
     return [sys.executable, "-m", "attnscope.profile.ncu", "--target", impl,
             "--batch", str(args.batch), "--heads", str(args.heads), "--seq", str(args.seq),
             "--head-dim", str(args.head_dim), "--dtype", args.dtype,
-            "--forwards", str(args.forwards)]
+            "--forwards", str(args.forwards), "--mode", mode]
+
+
+def run_mode(asked: str | None, results: Path) -> tuple[str | None, str]:
+    """(the mode to profile in, or None; the reason when None): `asked` (--mode) or the mode of
+    the compare run whose results.json is `results` (fwd when it has none or there is none).
+    Counters profiled in one mode are not merged into a run of the other: its kernels differ."""
+    made = None  # the compare run's mode
+    if results.exists():
+        try:
+            data = json.loads(results.read_text())
+        except (OSError, ValueError):
+            data = None
+        if isinstance(data, dict):
+            made = data.get("mode") or "fwd"
+    if asked is None:
+        return made or "fwd", ""
+    if made is not None and asked != made:
+        return None, (f"the compare run in {results.parent} was made with --mode {made}; its "
+                      f"kernels are not --mode {asked}'s: pass --mode {made}, or another --out")
+    return asked, ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,19 +137,24 @@ def run(args: argparse.Namespace) -> int:
 
     verdicts: dict[str, dict[str, dict]] = {}
     results = out / runs.RESULTS
+    mode, why = run_mode(args.mode, results)
+    if mode is None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     for i, impl in enumerate(impls, 1):
         ok, reason = impl.available(torch.device("cuda"))
         if not ok:
             print(f"[{i}/{len(impls)}] {impl.name}: skipped ({reason})", file=sys.stderr)
             continue
-        elsewhere = forward_elsewhere(impl)  # ncu profiles forwards: it would be another's
+        # a forward alone would be another entry's (its backward is what differs)
+        elsewhere = forward_elsewhere(impl) if mode == "fwd" else None
         if elsewhere:
             print(f"[{i}/{len(impls)}] {impl.name}: skipped ({elsewhere})", file=sys.stderr)
             continue
-        print(f"[{i}/{len(impls)}] {impl.name}: profiling under ncu ...", file=sys.stderr,
-              flush=True)
+        print(f"[{i}/{len(impls)}] {impl.name}: profiling under ncu ({mode}) ...",
+              file=sys.stderr, flush=True)
         csv_path = out / "ncu" / f"{impl.name}.csv"
-        proc = subprocess.run(ncu_command(ncu, csv_path, child_args(args, impl.name)),
+        proc = subprocess.run(ncu_command(ncu, csv_path, child_args(args, impl.name, mode), mode),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         text = csv_path.read_text() if csv_path.exists() else ""
         launches = _launches(text) or _launches(proc.stdout)
@@ -353,28 +393,41 @@ def _annotate_trace(folder: Path, row: dict) -> None:
 
 
 def run_target(args: argparse.Namespace) -> int:
-    """Child process: warm up outside the NVTX range, then run each profiled forward inside it.
-    Progress goes to stderr so ncu's CSV stays clean."""
+    """Child process: warm up outside the NVTX range, then run each profiled call inside it (a
+    forward; with --mode fwd_bwd a forward and its backward, compare's profiled_call). Progress
+    goes to stderr so ncu's CSV stays clean."""
     import torch
 
     from attnscope.attention import get
 
     impl = get(args.target)
+    backward = (args.mode or "fwd") == "fwd_bwd"
     # The same inputs compare profiles, so the counters describe the kernels in its traces.
     q, k, v = make_inputs(args.batch, args.heads, args.seq, args.head_dim, DTYPES[args.dtype],
                           "cuda")
-    with torch.no_grad():
-        forward = impl.prepare(q, k, v)
+    if backward:
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad() if backward else torch.no_grad():
+        call = profiled_call(impl.name, impl.prepare(q, k, v), (q, k, v), backward)
         for _ in range(WARMUP_CALLS):
-            forward()
+            call()
         torch.cuda.synchronize()
         for _ in range(args.forwards):
-            # ncu filters on the NVTX stack at launch time, so no sync is needed inside.
-            torch.cuda.nvtx.range_push(RANGE)
-            forward()
-            torch.cuda.nvtx.range_pop()
+            # ncu filters on the NVTX ranges at launch time, so no sync is needed inside; the
+            # backward's launches come from autograd's device thread, which a start/end range
+            # covers and this thread's push/pop stack does not. autograd.grad returns once the
+            # backward has launched everything.
+            if backward:
+                handle = torch.cuda.nvtx.range_start(RANGE)
+                call()
+                torch.cuda.nvtx.range_end(handle)
+            else:
+                torch.cuda.nvtx.range_push(RANGE)
+                call()
+                torch.cuda.nvtx.range_pop()
         torch.cuda.synchronize()
-    print(f"{impl.name}: {args.forwards} forward(s) inside NVTX range {RANGE!r}", file=sys.stderr)
+    what = "forward(s) with their backward" if backward else "forward(s)"
+    print(f"{impl.name}: {args.forwards} {what} inside NVTX range {RANGE!r}", file=sys.stderr)
     return 0
 
 

@@ -2,7 +2,11 @@
 
 A forward is one `record_function` range (a `user_annotation` event). A GPU op (kernel, memcpy,
 memset) belongs to it when the CPU call that launched it (a `cuda_runtime` or `cuda_driver`
-event, joined to the op by `args.correlation`) starts inside the range, on the range's thread.
+event, joined to the op by `args.correlation`) starts inside the range, on the range's thread or
+on one of autograd's device threads (a thread running `autograd::engine::evaluate_function`
+ops): a backward inside the range (compare --mode fwd_bwd) has torch.autograd.grad hand a GPU
+graph's nodes to the engine's per-device worker thread, which launches their kernels while the
+calling thread waits inside the range.
 Launch time, not GPU time, decides: the GPU runs behind the CPU, so a forward's kernels often
 execute after its range has closed. `ProfilerStep#N` ranges are the profiler's own and skipped.
 
@@ -39,6 +43,9 @@ _CATEGORY_ALIASES = {"kernel": "kernel", "gpu_memcpy": "gpu_memcpy", "memcpy": "
 GPU_OP_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 PROFILER_STEP_PREFIX = "ProfilerStep"
+# The name autograd's engine gives each backward node it runs (RECORD_FUNCTION in its
+# evaluate_function): its threads' launches inside a range are the range's backward
+AUTOGRAD_NODE_PREFIX = "autograd::engine::evaluate_function"
 # The kernel-event args `compare` writes (annotate_kernels): the verdict as a whole, which
 # analysis reads back so that `analyze` on compare's trace says what compare's table says, and
 # the two lines a Perfetto reader sees (traces written before the whole verdict was kept carry
@@ -199,9 +206,13 @@ def _occupancy(args, props):
 
 
 def _launches_in(r, idx):
-    """The launches made inside range instance `r` (on its thread), in time order."""
-    starts, launches = idx["launches_by_thread"].get(_thread(r), ([], []))
-    return launches[bisect.bisect_left(starts, r["ts"]):bisect.bisect_right(starts, _end(r))]
+    """The launches made inside range instance `r`, on its thread or an autograd device thread
+    (a backward the range ran), in time order."""
+    found = []
+    for thread in {_thread(r), *idx["autograd_threads"]}:
+        starts, launches = idx["launches_by_thread"].get(thread, ([], []))
+        found += launches[bisect.bisect_left(starts, r["ts"]):bisect.bisect_right(starts, _end(r))]
+    return sorted(found, key=lambda e: e["ts"])
 
 
 def _ops_launched_by(launches, idx):
@@ -268,9 +279,11 @@ def _index(events) -> dict:
     for r in sorted(cats["user_annotation"], key=lambda e: e["ts"]):
         if not str(r.get("name", "")).startswith(PROFILER_STEP_PREFIX):
             instances[r["name"]].append(r)
+    autograd_threads = {_thread(e) for e in cats["cpu_op"]
+                        if str(e.get("name", "")).startswith(AUTOGRAD_NODE_PREFIX)}
     return {"cats": cats, "ops": ops, "ops_by_correlation": ops_by_correlation,
             "launches_of": launches_of, "launches_by_thread": launches_by_thread,
-            "instances": instances}
+            "instances": instances, "autograd_threads": autograd_threads}
 
 
 def _check_ranges(instances, ranges):
