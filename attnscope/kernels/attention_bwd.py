@@ -20,7 +20,7 @@ Three launches, no atomics, so every gradient is bitwise reproducible:
   in registers: no atomics, no repeated K/V, no per-query-head dK/dV to reduce afterwards.
 - `_attn_bwd_dq`: one program per (batch, query head, query block) keeps Q, dO and the dQ
   accumulator on chip and streams the key blocks its rows see, as the forward does.
-Splitting dQ from dK/dV recomputes P twice (5 matmuls per tile pair instead of 4) but each
+Splitting dQ from dK/dV recomputes S and dP (7 matmuls per tile pair instead of 5) but each
 program owns what it writes; the single-kernel alternative adds dQ with fp32 atomics, which is
 non-deterministic and needs a zeroed fp32 buffer plus a cast.
 
