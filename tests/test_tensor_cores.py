@@ -650,11 +650,14 @@ def test_ncu_child_runs_its_profiled_calls_inside_the_range(mode, monkeypatch):
     NVTX calls recorded."""
     from attnscope.profile import ncu
 
+    from attnscope.attention import registry
+
     events, open_ranges = [], []
     nvtx = torch.cuda.nvtx
-    monkeypatch.setattr(nvtx, "range_push", lambda name: open_ranges.append(name))
+    monkeypatch.setattr(nvtx, "range_push", lambda name: open_ranges.append(("push", name)))
     monkeypatch.setattr(nvtx, "range_pop", lambda: open_ranges.pop())
-    monkeypatch.setattr(nvtx, "range_start", lambda name: open_ranges.append(name) or 7)
+    monkeypatch.setattr(nvtx, "range_start", lambda name: open_ranges.append(("start", name))
+                        or 7)
     monkeypatch.setattr(nvtx, "range_end", lambda handle: events.append(("end", handle))
                         or open_ranges.pop())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -663,15 +666,26 @@ def test_ncu_child_runs_its_profiled_calls_inside_the_range(mode, monkeypatch):
     grad = torch.autograd.grad
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **kw: (
         events.append(("backward", tuple(open_ranges))), grad(*a, **kw))[1])
+    naive = registry.IMPLEMENTATIONS["naive"]
+    prepare = naive.prepare
+
+    def recorded(*a, **kw):
+        forward = prepare(*a, **kw)
+        return lambda: (events.append(("forward", tuple(open_ranges))), forward())[1]
+    monkeypatch.setitem(registry.IMPLEMENTATIONS, "naive",
+                        dataclasses.replace(naive, prepare=recorded))
     args = _ncu_args("--target", "naive", "--batch", "1", "--heads", "2", "--seq", "16",
                      "--head-dim", "8", "--dtype", "fp32", "--forwards", "2", "--mode", mode)
     assert ncu.run_target(args) == 0
     assert open_ranges == []
-    if mode == "fwd":
-        assert events == []
-    else:
-        inside = [("backward", (ncu.RANGE,)), ("end", 7)] * 2
-        assert events == [("backward", ())] * ncu.WARMUP_CALLS + inside
+    if mode == "fwd":  # a push/pop range around each forward
+        inside = [("forward", (("push", ncu.RANGE),))] * 2
+        assert events == [("forward", ())] * ncu.WARMUP_CALLS + inside
+    else:  # a start/end range around each forward and its backward
+        warm = [("forward", ()), ("backward", ())] * ncu.WARMUP_CALLS
+        inside = [("forward", (("start", ncu.RANGE),)), ("backward", (("start", ncu.RANGE),)),
+                  ("end", 7)] * 2
+        assert events == warm + inside
 
 
 def test_ncu_and_kineto_names_of_one_kernel_share_a_key():

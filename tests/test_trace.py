@@ -17,7 +17,8 @@ import pytest
 
 from attnscope.profile.cli import main
 from attnscope.profile.tensor_cores import name_verdict
-from attnscope.profile.trace import TraceError, analyze_events, analyze_file, load_events
+from attnscope.profile.trace import (TraceError, analyze_events, analyze_file, forward_events,
+                                     load_events)
 
 GEMM = "sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize32x32x8_stage3_warpsize1x2x1_ffma_kernel"
 SOFTMAX = "softmax_warp_forward"
@@ -125,24 +126,47 @@ def test_trace_level_and_nested_range():
 
 def test_a_backward_on_autograds_device_thread_belongs_to_its_range():
     # compare --mode fwd_bwd: torch.autograd.grad inside the range hands a GPU graph to the
-    # engine's device thread, which launches the backward's kernels while the range waits. Its
-    # launches count; another thread's (no autograd node) still do not.
+    # engine's device thread, which launches the backward's kernels inside its
+    # evaluate_function ops while the range waits. Those launches count, in launch order, and
+    # the nodes are drawn with the range's CPU ops; a launch of that thread outside a node, or
+    # another thread's, does not count.
     autograd, stranger = (100, 300), (100, 400)
+    node = _x("cpu_op", "autograd::engine::evaluate_function: _AttentionBackward", 150, 40,
+              autograd)
     events = [
         _x("user_annotation", "step", 100, 200, CPU),
+        _x("cpu_op", "aten::mul", 105, 10, CPU),
         _launch("cudaLaunchKernel", 110, 1),
-        _x("cpu_op", "autograd::engine::evaluate_function: _AttentionBackward", 150, 40,
-           autograd),
+        node,
+        _x("cpu_op", "aten::mm", 155, 10, autograd),  # nested inside the node
         _launch("cudaLaunchKernel", 160, 2, where=autograd),
         _launch("cudaLaunchKernel", 170, 3, where=stranger),
+        _launch("cudaLaunchKernel", 195, 5, where=autograd),  # between nodes
         _launch("cudaLaunchKernel", 320, 4, where=autograd),  # after the range closed
         _kernel("attn_fwd", 400, 10, 1), _kernel("attn_bwd", 420, 30, 2),
         _kernel("unrelated", 460, 5, 3), _kernel("next_step_bwd", 500, 30, 4),
+        _kernel("between_nodes", 540, 5, 5),
     ]
     r = analyze_events(events)["ranges"]["step"]
     assert r["kernels_per_forward"] == 2.0
     assert [k["name"] for k in r["kernels"]] == ["attn_bwd", "attn_fwd"]
     assert r["cuda_time_avg_us"] == pytest.approx(40)
+    (forward,) = forward_events(events, "step")
+    assert [(e["args"]["correlation"]) for e in forward["launches"]] == [1, 2]
+    assert [e["name"] for e in forward["cpu_ops"]] == ["aten::mul", node["name"]]
+
+
+def test_a_backward_on_the_ranges_own_thread_counts_once():
+    # On the CPU the engine runs the backward on the calling thread: its nodes are the range's
+    # own ops, and their launches count once
+    events = [
+        _x("user_annotation", "step", 100, 200, CPU),
+        _launch("cudaLaunchKernel", 110, 1),
+        _x("cpu_op", "autograd::engine::evaluate_function: MulBackward0", 150, 40, CPU),
+        _launch("cudaLaunchKernel", 160, 2),
+        _kernel("fwd", 400, 10, 1), _kernel("bwd", 420, 30, 2),
+    ]
+    assert analyze_events(events)["ranges"]["step"]["kernels_per_forward"] == 2.0
 
 
 def test_cpu_only_trace_has_no_gpu_figures():

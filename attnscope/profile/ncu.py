@@ -34,7 +34,8 @@ RANGE = "attnscope_fwd"  # the NVTX range around each profiled call (a forward, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", nargs="+", metavar="NAME", default=None,
                         help="implementations to profile (default: every one available here; "
-                        "an entry that differs from another only in the backward is skipped)")
+                        "under --mode fwd an entry that differs from another only in the "
+                        "backward is skipped)")
     batch, heads, seq, head_dim = SHAPES["cuda"]  # compare's, so the counters match its traces
     parser.add_argument("--batch", type=int, default=batch, help=f"batch size (default: {batch})")
     parser.add_argument("--heads", type=int, default=heads,
@@ -129,6 +130,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = runs.resolve(args.out)  # the same run `report` reads
+    results = out / runs.RESULTS
+    mode, why = run_mode(args.mode, results)
+    if mode is None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     try:
         (out / "ncu").mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -136,11 +142,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     verdicts: dict[str, dict[str, dict]] = {}
-    results = out / runs.RESULTS
-    mode, why = run_mode(args.mode, results)
-    if mode is None:
-        print(f"error: {why}", file=sys.stderr)
-        return 2
     for i, impl in enumerate(impls, 1):
         ok, reason = impl.available(torch.device("cuda"))
         if not ok:

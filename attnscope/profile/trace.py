@@ -2,11 +2,13 @@
 
 A forward is one `record_function` range (a `user_annotation` event). A GPU op (kernel, memcpy,
 memset) belongs to it when the CPU call that launched it (a `cuda_runtime` or `cuda_driver`
-event, joined to the op by `args.correlation`) starts inside the range, on the range's thread or
-on one of autograd's device threads (a thread running `autograd::engine::evaluate_function`
-ops): a backward inside the range (compare --mode fwd_bwd) has torch.autograd.grad hand a GPU
-graph's nodes to the engine's per-device worker thread, which launches their kernels while the
-calling thread waits inside the range.
+event, joined to the op by `args.correlation`) starts inside the range, on the range's thread,
+or inside a backward node that autograd's engine runs on another thread during the range (an
+`autograd::engine::evaluate_function` op): torch.autograd.grad inside the range (compare --mode
+fwd_bwd) hands a GPU graph's nodes to the engine's per-device worker thread, which launches
+their kernels while the calling thread waits inside the range. (Ranges that overlap in time on
+two threads would both take such a backward's launches; compare's ranges run one after
+another on one thread.)
 Launch time, not GPU time, decides: the GPU runs behind the CPU, so a forward's kernels often
 execute after its range has closed. `ProfilerStep#N` ranges are the profiler's own and skipped.
 
@@ -14,7 +16,8 @@ Times are in microseconds, as in the trace. Per range:
 - `cuda_time_avg_us`: sum of the durations of the forward's GPU ops (busy GPU time; gaps
   between kernels not counted), averaged over forwards. TFLOP/s figures divide by this.
 - `gpu_span_avg_us`: first GPU op start to last GPU op end, averaged: busy time plus the gaps,
-  the extent the trace's `gpu_user_annotation` row draws for the range.
+  the extent the trace's `gpu_user_annotation` row draws for the range (for a forward; Kineto
+  draws that row from the range thread's launches only, so it leaves out a backward's).
 - `self_cuda_time_total_us`: sum of the durations of every GPU op of every forward.
 - `cpu_time_avg_us`: the range's own duration on the CPU, averaged.
 GPU figures are None for a trace without any GPU activity (a CPU-only profile).
@@ -43,8 +46,9 @@ _CATEGORY_ALIASES = {"kernel": "kernel", "gpu_memcpy": "gpu_memcpy", "memcpy": "
 GPU_OP_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 PROFILER_STEP_PREFIX = "ProfilerStep"
-# The name autograd's engine gives each backward node it runs (RECORD_FUNCTION in its
-# evaluate_function): its threads' launches inside a range are the range's backward
+# The op autograd's engine records around each backward node it runs (RECORD_FUNCTION in
+# Engine::thread_main, around its call to evaluate_function, with the node's name appended):
+# launches inside one of these, on another thread during a range, are the range's backward
 AUTOGRAD_NODE_PREFIX = "autograd::engine::evaluate_function"
 # The kernel-event args `compare` writes (annotate_kernels): the verdict as a whole, which
 # analysis reads back so that `analyze` on compare's trace says what compare's table says, and
@@ -206,13 +210,30 @@ def _occupancy(args, props):
 
 
 def _launches_in(r, idx):
-    """The launches made inside range instance `r`, on its thread or an autograd device thread
-    (a backward the range ran), in time order."""
-    found = []
-    for thread in {_thread(r), *idx["autograd_threads"]}:
-        starts, launches = idx["launches_by_thread"].get(thread, ([], []))
-        found += launches[bisect.bisect_left(starts, r["ts"]):bisect.bisect_right(starts, _end(r))]
-    return sorted(found, key=lambda e: e["ts"])
+    """The launches made inside range instance `r`, in time order: on its thread, and inside
+    the backward nodes autograd's engine ran on other threads meanwhile (_backward_nodes)."""
+    found = _launches_between(_thread(r), r["ts"], _end(r), idx)
+    for node in _backward_nodes(r, idx):
+        found += _launches_between(_thread(node), node["ts"], _end(node), idx)
+    return sorted(found, key=lambda e: (e["ts"], _correlation(e)))
+
+
+def _launches_between(thread, start, end, idx):
+    starts, launches = idx["launches_by_thread"].get(thread, ([], []))
+    return launches[bisect.bisect_left(starts, start):bisect.bisect_right(starts, end)]
+
+
+def _backward_nodes(r, idx):
+    """The backward nodes (AUTOGRAD_NODE_PREFIX ops) that autograd's engine started on threads
+    other than `r`'s while `r` was open, outermost only."""
+    inside = [e for e in idx["autograd_nodes"]
+              if _thread(e) != _thread(r) and r["ts"] <= e["ts"] <= _end(r)]
+    outer, covered = [], {}
+    for e in sorted(inside, key=lambda e: (e["ts"], -e.get("dur", 0))):
+        if e["ts"] >= covered.get(_thread(e), float("-inf")):
+            outer.append(e)
+            covered[_thread(e)] = _end(e)
+    return outer
 
 
 def _ops_launched_by(launches, idx):
@@ -279,11 +300,11 @@ def _index(events) -> dict:
     for r in sorted(cats["user_annotation"], key=lambda e: e["ts"]):
         if not str(r.get("name", "")).startswith(PROFILER_STEP_PREFIX):
             instances[r["name"]].append(r)
-    autograd_threads = {_thread(e) for e in cats["cpu_op"]
-                        if str(e.get("name", "")).startswith(AUTOGRAD_NODE_PREFIX)}
+    autograd_nodes = [e for e in cats["cpu_op"]
+                      if str(e.get("name", "")).startswith(AUTOGRAD_NODE_PREFIX)]
     return {"cats": cats, "ops": ops, "ops_by_correlation": ops_by_correlation,
             "launches_of": launches_of, "launches_by_thread": launches_by_thread,
-            "instances": instances, "autograd_threads": autograd_threads}
+            "instances": instances, "autograd_nodes": autograd_nodes}
 
 
 def _check_ranges(instances, ranges):
@@ -335,14 +356,17 @@ def _top_level_cpu_ops(r, cats):
 
 def forward_events(events, range_name) -> list[dict]:
     """Each forward of a range with the events that drawing it needs, attributed exactly as
-    analyze_events attributes them: {"range", "cpu_ops" (top level), "launches", "ops"}."""
+    analyze_events attributes them: {"range", "cpu_ops" (top level: the range thread's and the
+    backward nodes run on other threads), "launches", "ops"}."""
     idx = _index(events)
     _check_ranges(idx["instances"], [range_name])
     forwards = []
     for r in idx["instances"][range_name]:
         launches = _launches_in(r, idx)
-        forwards.append({"range": r, "cpu_ops": _top_level_cpu_ops(r, idx["cats"]),
-                         "launches": launches, "ops": _ops_launched_by(launches, idx)})
+        cpu_ops = sorted(_top_level_cpu_ops(r, idx["cats"]) + _backward_nodes(r, idx),
+                         key=lambda e: e["ts"])
+        forwards.append({"range": r, "cpu_ops": cpu_ops, "launches": launches,
+                         "ops": _ops_launched_by(launches, idx)})
     return forwards
 
 
