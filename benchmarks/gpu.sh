@@ -18,8 +18,10 @@
 #            build/before`), each mode first runs there too for BEFORE_IMPLS (default: fused),
 #            into bench_before_MODE.json, and the fused rows' time ratios (after / before) are
 #            printed
-#   compare  `attnscope compare` at the seed shape, with its report, into compare/
-#   ncu      `attnscope ncu` (hardware counters) into compare/
+#   compare  `attnscope compare` at the seed shape, with its report, into compare/ (COMPARE_ARGS:
+#            more arguments, e.g. "--mode fwd_bwd --impl fused fa4")
+#   ncu      `attnscope ncu` (hardware counters) into compare/, in the compare run's mode
+#            (NCU_ARGS: more arguments, e.g. "--impl fused fa4")
 #   host     `benchmarks/host_cost.py`: the op's host time a call by layer (head_dim 64 and 128,
 #            with cProfile), and the decode route's at 1 and 8 queries
 #   lab      `benchmarks/labs/hopper_lab.py --time` (the Gluon forward launched directly, with
@@ -28,8 +30,8 @@
 #            before tree (into lab_before.jsonl), this tree again, then the Gluon rows' ratios
 #            (mean of this tree's two runs / before's)
 # Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_SHAPES, BENCH_MODES, BENCH_IMPLS (forward
-# peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; LAB_SHAPES, LAB_REPEAT;
-# STEP_TIMEOUT (seconds per command, default 280).
+# peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; COMPARE_ARGS,
+# NCU_ARGS; LAB_SHAPES, LAB_REPEAT; STEP_TIMEOUT (seconds per command, default 280).
 set -uo pipefail
 # The scripts under benchmarks/ import this tree's attnscope even where `pip install -e` cannot
 # build (no network for an isolated build): the repository root goes on the path.
@@ -96,11 +98,14 @@ step_bench() {
 }
 
 step_compare() {
-  timeout "$STEP_TIMEOUT" python -m attnscope.profile compare --out "$OUT/compare" --report
+  # shellcheck disable=SC2086  # COMPARE_ARGS is a list of arguments
+  timeout "$STEP_TIMEOUT" python -m attnscope.profile compare --out "$OUT/compare" --report \
+    ${COMPARE_ARGS:-}
 }
 
 step_ncu() {
-  timeout "$STEP_TIMEOUT" python -m attnscope.profile ncu --out "$OUT/compare"
+  # shellcheck disable=SC2086  # NCU_ARGS is a list of arguments
+  timeout "$STEP_TIMEOUT" python -m attnscope.profile ncu --out "$OUT/compare" ${NCU_ARGS:-}
 }
 
 step_host() {
