@@ -469,6 +469,24 @@ def test_gpu_gluon_backward(shape):
         check_grads(q, k, v, 4e-3, causal_alignment=alignment)
 
 
+def _gluon_grads(hopper, q, k, v, floor, alignment, deterministic, monkeypatch):
+    """check_grads of the op with `deterministic` (alignment None: not causal), recording each
+    Gluon dK/dV launch as whether it added dQ too (the fused kernel); returns the records. The
+    launch cache is emptied around it: a backward an earlier test remembered would skip the
+    recording patch."""
+    from attnscope.kernels import launch
+    calls, dkdv = [], hopper.attention_bwd_dkdv_hopper
+    monkeypatch.setattr(hopper, "attention_bwd_dkdv_hopper", lambda *a, **kw: (
+        calls.append(kw.get("dq_acc") is not None), dkdv(*a, **kw))[1])
+    kwargs = dict(causal=False) if alignment is None else dict(causal_alignment=alignment)
+    launch.forget_launches()
+    try:
+        check_grads(q, k, v, floor, op_kwargs=dict(deterministic=deterministic), **kwargs)
+    finally:
+        launch.forget_launches()
+    return calls
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
@@ -480,16 +498,7 @@ def test_gpu_gluon_backward_nondeterministic(shape, dtype, floor, monkeypatch):
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
     hopper = attention_bwd._hopper()
     assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
-    fused, dkdv = [], hopper.attention_bwd_dkdv_hopper
-    monkeypatch.setattr(hopper, "attention_bwd_dkdv_hopper", lambda *a, **kw: (
-        fused.append(kw.get("dq_acc") is not None), dkdv(*a, **kw))[1])
-    kwargs = dict(causal=False) if alignment is None else dict(causal_alignment=alignment)
-    from attnscope.kernels import launch
-    launch.forget_launches()  # a backward remembered by an earlier test would skip the patch
-    try:
-        check_grads(q, k, v, floor, op_kwargs=dict(deterministic=False), **kwargs)
-    finally:
-        launch.forget_launches()
+    fused = _gluon_grads(hopper, q, k, v, floor, alignment, False, monkeypatch)
     assert fused == [heads == kv_heads]
 
 
@@ -519,16 +528,7 @@ def test_gpu_gluon_backward_head_dim_64(shape, deterministic, monkeypatch):
         assert not hopper.supports(q, k, v, q, q, k, v)
         monkeypatch.setattr(hopper, "MIN_QUERIES", {})
     assert hopper.supports(q, k, v, q, q, k, v)
-    calls, dkdv = [], hopper.attention_bwd_dkdv_hopper
-    monkeypatch.setattr(hopper, "attention_bwd_dkdv_hopper", lambda *a, **kw: (
-        calls.append(kw.get("dq_acc") is not None), dkdv(*a, **kw))[1])
-    kwargs = dict(causal=False) if alignment is None else dict(causal_alignment=alignment)
-    from attnscope.kernels import launch
-    launch.forget_launches()  # a backward remembered by an earlier test would skip the patch
-    try:
-        check_grads(q, k, v, 4e-3, op_kwargs=dict(deterministic=deterministic), **kwargs)
-    finally:
-        launch.forget_launches()
+    calls = _gluon_grads(hopper, q, k, v, 4e-3, alignment, deterministic, monkeypatch)
     assert calls == [False]
 
 
