@@ -150,11 +150,13 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
                                        config=config, parts=parts)
 
 
-def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=False):
+def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=False,
+                      bshd=False):
     """The CompiledKernel of the Gluon dK/dV kernel (attention_bwd_hopper.py; with dq, its dQ
     kernel; with fused_dq, the dK/dV kernel that adds dQ too) for sm_90, as compile_gluon
     compiles the forward: 2 x 4 query heads on 2 K/V heads (4 with fused_dq, which takes no
-    GQA), 1024 keys, causal unless said."""
+    GQA), 1024 keys, causal unless said; `bshd`: every tensor a [batch, seq, heads, head_dim]
+    view, which the kernels read at their strides (STRIDED)."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_bwd_hopper as module
@@ -163,8 +165,13 @@ def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=Fa
         setattr(module, name, lambda key, grid, args, kwargs, kernel=kernel, **_:
                 kernel.warmup(*args, grid=grid, **kwargs, **_launch_options()))
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
-    q = torch.empty(2, 4, 1024, head_dim, dtype=torch_dtype)
-    k = torch.empty(2, 4 if fused_dq else 2, 1024, head_dim, dtype=torch_dtype)
+
+    def tensor(heads):
+        if bshd:
+            return torch.empty(2, 1024, heads, head_dim, dtype=torch_dtype).transpose(1, 2)
+        return torch.empty(2, heads, 1024, head_dim, dtype=torch_dtype)
+    q = tensor(4)
+    k = tensor(4 if fused_dq else 2)
     lse = torch.empty(2, 4, 1024)
     kw = dict(causal=causal, scale=head_dim ** -0.5, causal_offset=0)
     if fused_dq:
@@ -296,7 +303,8 @@ def main():
     p.add_argument("--varlen", action="store_true",
                    help="with --gluon: its packed-sequence variant (fused_attention_varlen's)")
     p.add_argument("--bshd", action="store_true",
-                   help="with --gluon: a dense call of bshd tensors, viewed at their strides")
+                   help="with --gluon, --gluon-bwd or --gluon-bwd-dq: a dense call of bshd "
+                        "tensors, viewed at their strides")
     p.add_argument("--keys", type=int, default=None,
                    help="with --gluon: a dense call of this many queries and keys (default 1024; "
                         "e.g. 128, one K/V block a tile: no block loop where block_loops says "
@@ -312,8 +320,8 @@ def main():
     args = p.parse_args()
     if args.parts and not args.gluon:
         p.error("--parts goes with --gluon")
-    if args.bshd and (not args.gluon or args.varlen):
-        p.error("--bshd goes with --gluon, without --varlen")
+    if args.bshd and (not (args.gluon or args.gluon_bwd or args.gluon_bwd_dq) or args.varlen):
+        p.error("--bshd goes with --gluon, --gluon-bwd or --gluon-bwd-dq, without --varlen")
     if args.keys is not None and (not args.gluon or args.varlen):
         p.error("--keys goes with --gluon, without --varlen")
     if args.keys is not None and args.keys < 1:
@@ -335,7 +343,7 @@ def main():
             p.error("--config does not apply to --gluon-bwd / --gluon-bwd-dq")
         config = None
         compiled = compile_gluon_bwd(args.head_dim, args.dtype, dq=args.gluon_bwd_dq,
-                                     fused_dq=args.fused_dq)
+                                     fused_dq=args.fused_dq, bshd=args.bshd)
     elif args.triton_bwd:
         from attnscope.kernels import attention_bwd
         config = args.config and tuple(int(x) for x in args.config.split(","))

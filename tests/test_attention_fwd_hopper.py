@@ -393,24 +393,24 @@ def test_a_labs_column_parts_are_checked():
 
 
 def test_strided_views_the_copy_engine_reads():
-    # _strided_ok on the CPU: which dense views the kernel reads at their strides (a 4-D TMA
+    # tma_strided_ok on the CPU: which dense views the kernel reads at their strides (a 4-D TMA
     # view wants a unit last stride and the others positive 16-byte multiples), and the strides
-    # it is given (_view_strides: a dimension of one element gets a contiguous tensor's).
-    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    # it is given (tma_view_strides: a dimension of one element gets a contiguous tensor's).
+    from attnscope.kernels import common
     f16 = dict(dtype=torch.float16, device="meta")
     bshd = torch.empty(2, 300, 4, 128, **f16).transpose(1, 2)
-    assert hopper._strided_ok(bshd) and hopper._view_strides(bshd) == (300 * 512, 128, 512)
-    assert hopper._strided_ok(torch.empty(2, 4, 300, 128, **f16))  # contiguous
-    assert hopper._strided_ok(torch.empty(2, 4, 1024, 128, **f16)[:, :, :300])  # a K/V slice
-    assert hopper._strided_ok(torch.empty(2, 4, 300, 192, **f16)[..., :128])  # padded rows
-    assert not hopper._strided_ok(torch.empty(2, 4, 300, 132, **f16)[..., :128])  # 264-byte rows
-    assert not hopper._strided_ok(torch.empty(2, 4, 300, 256, **f16)[..., ::2])  # columns apart
-    assert not hopper._strided_ok(torch.empty(2, 1, 300, 128, **f16).expand(2, 4, 300, 128))
+    assert common.tma_strided_ok(bshd) and common.tma_view_strides(bshd) == (300 * 512, 128, 512)
+    assert common.tma_strided_ok(torch.empty(2, 4, 300, 128, **f16))  # contiguous
+    assert common.tma_strided_ok(torch.empty(2, 4, 1024, 128, **f16)[:, :, :300])  # a K/V slice
+    assert common.tma_strided_ok(torch.empty(2, 4, 300, 192, **f16)[..., :128])  # padded rows
+    assert not common.tma_strided_ok(torch.empty(2, 4, 300, 132, **f16)[..., :128])  # 264-byte rows
+    assert not common.tma_strided_ok(torch.empty(2, 4, 300, 256, **f16)[..., ::2])  # columns apart
+    assert not common.tma_strided_ok(torch.empty(2, 1, 300, 128, **f16).expand(2, 4, 300, 128))
     # one batch, one head, one query: their strides address nothing and are replaced
     odd = torch.empty(1, 1, 1, 128, **f16).as_strided((1, 1, 1, 128), (3, 5, 7, 1))
-    assert hopper._view_strides(odd) == (128, 128, 128) and hopper._strided_ok(odd)
+    assert common.tma_view_strides(odd) == (128, 128, 128) and common.tma_strided_ok(odd)
     decode = torch.empty(3, 1, 8, 128, **f16).transpose(1, 2)  # bshd, one query a sequence
-    assert hopper._view_strides(decode) == (1024, 128, 128)
+    assert common.tma_view_strides(decode) == (1024, 128, 128)
 
 
 def test_the_short_tile_rule_counts_keys_times_head_dim_and_tiles(monkeypatch):

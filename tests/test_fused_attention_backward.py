@@ -391,8 +391,8 @@ def test_gpu_fp32():
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim,heads,kv_heads,deterministic", [
     (64, 8, 2, True),     # the Triton kernels, GQA
-    (128, 8, 2, True),    # the Gluon kernels on sm_90 in bhsd (bshd views: the Triton ones), GQA
-    (128, 8, 8, False),   # bhsd on sm_90: the Gluon dK/dV kernel adding dQ (fused_dq)
+    (128, 8, 2, True),    # the Gluon kernels on sm_90 (bshd views at their strides), GQA
+    (128, 8, 8, False),   # sm_90: the Gluon dK/dV kernel adding dQ (fused_dq), either layout
 ])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_gpu_a_repeated_backward_is_remembered(layout, head_dim, heads, kv_heads, deterministic,
@@ -469,7 +469,7 @@ def test_gpu_gluon_backward(shape):
         check_grads(q, k, v, 4e-3, causal_alignment=alignment)
 
 
-def _gluon_grads(hopper, q, k, v, floor, alignment, deterministic, monkeypatch):
+def _gluon_grads(hopper, q, k, v, floor, alignment, deterministic, monkeypatch, layout="bhsd"):
     """check_grads of the op with `deterministic` (alignment None: not causal), recording each
     Gluon dK/dV launch as whether it added dQ too (the fused kernel); returns the records. The
     launch cache is emptied around it: a backward an earlier test remembered would skip the
@@ -479,6 +479,8 @@ def _gluon_grads(hopper, q, k, v, floor, alignment, deterministic, monkeypatch):
     monkeypatch.setattr(hopper, "attention_bwd_dkdv_hopper", lambda *a, **kw: (
         calls.append(kw.get("dq_acc") is not None), dkdv(*a, **kw))[1])
     kwargs = dict(causal=False) if alignment is None else dict(causal_alignment=alignment)
+    if layout != "bhsd":
+        kwargs["layout"] = layout
     launch.forget_launches()
     try:
         check_grads(q, k, v, floor, op_kwargs=dict(deterministic=deterministic), **kwargs)
@@ -530,6 +532,47 @@ def test_gpu_gluon_backward_head_dim_64(shape, deterministic, monkeypatch):
     assert hopper.supports(q, k, v, q, q, k, v)
     calls = _gluon_grads(hopper, q, k, v, 4e-3, alignment, deterministic, monkeypatch)
     assert calls == [False]
+
+
+GLUON_BSHD_SHAPES = [
+    # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment; None: not causal), bshd views
+    (2, 4, 4, 1000, 1000, 128, "top_left"),
+    (1, 8, 2, 700, 1500, 128, "bottom_right"),   # GQA, more keys than queries
+    (2, 3, 3, 500, 300, 128, None),
+    (1, 4, 2, 333, 333, 64, "bottom_right"),     # head_dim 64 (MIN_QUERIES lowered), GQA
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.parametrize("shape", GLUON_BSHD_SHAPES)
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gpu_gluon_backward_bshd_views(shape, deterministic, monkeypatch):
+    # layout="bshd" (the transformers backend's): the op's bhsd views of the inputs, and the
+    # gradients it allocates so, are not contiguous; the Gluon kernels read and write them at
+    # their strides (STRIDED)
+    batch, heads, kv_heads, q_len, kv_len, head_dim, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, torch.bfloat16, "cuda",
+                       "bshd")
+    hopper = attention_bwd._hopper()
+    assert hopper is not None
+    monkeypatch.setattr(hopper, "MIN_QUERIES", {})
+    views = [t.transpose(1, 2) for t in (q, k, v)]
+    assert not views[0].is_contiguous() and hopper.supports(*views, views[0], *views)
+    calls = _gluon_grads(hopper, q, k, v, 4e-3, alignment, deterministic, monkeypatch,
+                         layout="bshd")
+    assert calls == [not deterministic and heads == kv_heads and hopper.fuses_dq(head_dim)]
+
+
+def test_gluon_backward_views_strided_tensors_in_four_dimensions():
+    # _strides on the CPU: contiguous calls keep the 3-D views (STRIDED off); a call with any
+    # tensor that is not contiguous views every tensor at its batch, head and row strides
+    hopper = pytest.importorskip("attnscope.kernels.attention_bwd_hopper")
+    bhsd = torch.empty(2, 4, 300, 128, dtype=torch.float16, device="meta")
+    bshd = torch.empty(2, 300, 4, 128, dtype=torch.float16, device="meta").transpose(1, 2)
+    assert hopper._strides(bhsd, bhsd) == (False, (4 * 300 * 128, 300 * 128, 128) * 2)
+    assert hopper._strides(bhsd, bshd) == (True, (4 * 300 * 128, 300 * 128, 128,
+                                                  300 * 4 * 128, 128, 4 * 128))
 
 
 @pytest.mark.cuda

@@ -36,10 +36,10 @@ import sass_offline
 result = {}
 for name in sys.argv[2:]:
     if name.startswith("b"):  # the backward's dK/dV ("b") and dQ ("bq") kernels, "n": not causal,
-        # "d": the dK/dV kernel that adds dQ too (deterministic=False's)
-        compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bqnd")), "bf16",
+        # "d": the dK/dV kernel that adds dQ too (deterministic=False's), "s": bshd views (STRIDED)
+        compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bqnds")), "bf16",
                                                   dq="q" in name, causal="n" not in name,
-                                                  fused_dq="d" in name)
+                                                  fused_dq="d" in name, bshd="s" in name)
     elif name.startswith("f"):  # "f{head_dim}k{keys}": layout_for's few-key layout, many tiles
         from attnscope.kernels.attention_fwd_hopper import layout_for
         head_dim, keys = map(int, name[1:].split("k"))
@@ -85,7 +85,8 @@ COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # and the Gluon backward's dK/dV ("b" + head_dim) and dQ ("bq" + head_dim) kernels at the head
 # dims they take (64 in 128-row query blocks and 128-key dQ blocks; both without the causal mask
 # at 128: "bn128", "bqn128"; and the dK/dV kernel that adds dQ by the copy engine's reduce-add,
-# deterministic=False's: "bd128")
+# deterministic=False's: "bd128"; and on bshd views, through 4-D descriptors: "bs128", "bqs128",
+# "bds128", "bs64", "bqs64")
 COMPILED_BWD_HEAD_DIMS = (128, 64)
 # and layout_for's few-key layouts ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
 # with 64-key blocks
@@ -115,6 +116,7 @@ def hopper_compile():
                           *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS),
                           *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
                           *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128", "bd128",
+                          "bs128", "bqs128", "bds128", "bs64", "bqs64",
                           *COMPILED_FEW_KEYS, *COMPILED_STRIDED, *COMPILED_ONE_BLOCK],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -142,8 +144,8 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # TMA; so does the dQ kernel ("bq" + head_dim), with dQ stored by TMA; the fused one ("bd")
     # adds its dQ tiles by the copy engine's reduce-add, which no other kernel here issues. The
     # few-key layouts ("f...") are the forward's, with their other column parts or key blocks.
-    # The strided variant ("s...") copies through 4-D [batch, heads, seq, head_dim] views, the
-    # others through views of fewer dimensions.
+    # The strided variants ("s...", and the backward's "bs...", "bqs...") copy through 4-D
+    # [batch, heads, seq, head_dim] views, the others through views of fewer dimensions.
     for head_dim, counts in hopper_compile.items():
         if not head_dim.startswith("b"):  # the forward's: the launch's BLOCK_LOOPS
             assert counts["block_loops"] == BLOCK_LOOPS[head_dim], (head_dim, counts)
@@ -152,7 +154,7 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
         assert (ptx["atomic"] > 0) == head_dim.startswith("p"), (head_dim, ptx)
         assert ptx["tma_store"] > 0, (head_dim, ptx)
         assert ptx["mbarrier"] > 0 and ptx["setmaxnreg"] > 0, (head_dim, ptx)
-        assert (ptx["tma_4d"] > 0) == head_dim.startswith("s"), (head_dim, ptx)
+        assert (ptx["tma_4d"] > 0) == ("s" in head_dim), (head_dim, ptx)
         assert (ptx["tma_reduce"] > 0) == head_dim.startswith("bd"), (head_dim, ptx)
         if "sass" not in counts:
             pytest.skip(f"PTX checked; the wheel's cuobjdump did not run here: "

@@ -45,8 +45,9 @@ CAUSAL_OFFSET; only blocks some row or key of a warpgroup sees in part take the 
 run-time branch per block, as the forward's).
 
 What they take (`supports`): sm_90, fp16/bf16, head_dim 128 (64 from MIN_QUERIES queries on,
-in 128-row query blocks and 128-key dQ blocks), q/k/v/dO/dQ/dK/dV contiguous
-[batch, heads, seq, head_dim] at 16-byte aligned addresses, no window, softcap or packed batch.
+in 128-row query blocks and 128-key dQ blocks), q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim]
+contiguous or at strides the copy engine takes (bshd views, e.g.: STRIDED, 4-D descriptors at
+each tensor's strides) at 16-byte aligned addresses, no window, softcap or packed batch.
 """
 
 import functools
@@ -56,7 +57,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from attnscope.kernels.common import LOG2E, _grouped_tile, aligned, device_properties, l2_group
+from attnscope.kernels.common import (LOG2E, _grouped_tile, aligned, device_properties, l2_group,
+                                      tma_strided_ok, tma_view_strides)
 from attnscope.kernels.gluon_compat import partition_barrier, tma_add, tma_load, tma_store
 from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
 
@@ -65,18 +67,35 @@ LOG2E_G = gl.constexpr(LOG2E)
 
 
 @gluon.jit
-def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem):
-    # The copy engine's view of a contiguous [heads, seq, HEAD_DIM] tensor in blocks of one
-    # buffer of the ring `smem`: a block past a head's end reads zeros.
+def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem, view, STRIDED: gl.constexpr):
+    # The copy engine's view of a [batch * heads, seq, HEAD_DIM] tensor in blocks of one buffer
+    # of the ring `smem`: contiguous, [batch * heads, seq, HEAD_DIM]; STRIDED (a call with a
+    # tensor that is not contiguous, e.g. bshd views; every tensor of it is seen so), [batch,
+    # heads, seq, HEAD_DIM] at `view`'s (heads, batch stride, head stride, row stride). A block
+    # past a head's end reads zeros, and a store drops its rows there, either way.
     rows: gl.constexpr = smem.shape[1]
-    return tma.make_tensor_descriptor(ptr, [n_hz, n_ctx, HEAD_DIM], [n_ctx * HEAD_DIM, HEAD_DIM, 1],
-                                      [1, rows, HEAD_DIM],
-                                      smem.index(0).reshape([1, rows, HEAD_DIM]).layout)
+    if STRIDED:
+        heads, stride_z, stride_h, stride_m = view
+        desc = tma.make_tensor_descriptor(ptr, [n_hz // heads, heads, n_ctx, HEAD_DIM],
+                                          [stride_z, stride_h, stride_m, 1],
+                                          [1, 1, rows, HEAD_DIM],
+                                          smem.index(0).reshape([1, 1, rows, HEAD_DIM]).layout)
+    else:
+        desc = tma.make_tensor_descriptor(ptr, [n_hz, n_ctx, HEAD_DIM],
+                                          [n_ctx * HEAD_DIM, HEAD_DIM, 1], [1, rows, HEAD_DIM],
+                                          smem.index(0).reshape([1, rows, HEAD_DIM]).layout)
+    return desc
 
 
 @gluon.jit
-def _load(desc, hz, row, bar, buf):
-    tma_load(desc, [hz, row, 0], bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
+def _load(desc, hz, row, bar, buf, view, STRIDED: gl.constexpr):
+    # Rows from `row` of head hz (in [batch * heads]) of _descriptor's view into buf.
+    if STRIDED:
+        heads = view[0]
+        tma_load(desc, [hz // heads, hz % heads, row, 0], bar,
+                 buf.reshape([1, 1, buf.shape[0], buf.shape[1]]))
+    else:
+        tma_load(desc, [hz, row, 0], bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
 
 
 @gluon.jit
@@ -93,8 +112,14 @@ def _program_tile(n_pairs, NUM_TILES, HEAD_GROUP, LONGEST_LAST: gl.constexpr):
 
 
 @gluon.jit
-def _store(desc, hz, row, buf):
-    tma_store(desc, [hz, row, 0], buf.reshape([1, buf.shape[0], buf.shape[1]]))
+def _store(desc, hz, row, buf, view, STRIDED: gl.constexpr):
+    # buf into rows from `row` of head hz of _descriptor's view (rows past the end dropped).
+    if STRIDED:
+        heads = view[0]
+        tma_store(desc, [hz // heads, hz % heads, row, 0],
+                  buf.reshape([1, 1, buf.shape[0], buf.shape[1]]))
+    else:
+        tma_store(desc, [hz, row, 0], buf.reshape([1, buf.shape[0], buf.shape[1]]))
 
 
 @gluon.jit
@@ -124,22 +149,24 @@ def _query_head(off_hkvz, H, GROUP, g):
 
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            BLOCK_M: gl.constexpr):
+            BLOCK_M: gl.constexpr, STRIDED: gl.constexpr):
     (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem, delta_smem) = args
+     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem, delta_smem,
+     views) = args
+    q_view, k_view, v_view, do_view, dk_view, dv_view = views
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
-    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem)
-    do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem)
-    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, HEAD_DIM, k_smem)
-    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, HEAD_DIM, v_smem)
+    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem, q_view, STRIDED)
+    do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem, do_view, STRIDED)
+    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, HEAD_DIM, k_smem, k_view, STRIDED)
+    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, HEAD_DIM, v_smem, v_view, STRIDED)
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     block_bytes: gl.constexpr = ROWS * HEAD_DIM * elem
     q_bytes: gl.constexpr = BLOCK_M * HEAD_DIM * elem
     # the program's keys, once: each consumer's 64 rows of K and of V
     mbarrier.expect(kv_ready, 4 * block_bytes)
     for wg in gl.static_range(2):
-        _load(k_desc, hz_kv, n0 + wg * ROWS, kv_ready, k_smem.index(wg))
-        _load(v_desc, hz_kv, n0 + wg * ROWS, kv_ready, v_smem.index(wg))
+        _load(k_desc, hz_kv, n0 + wg * ROWS, kv_ready, k_smem.index(wg), k_view, STRIDED)
+        _load(v_desc, hz_kv, n0 + wg * ROWS, kv_ready, v_smem.index(wg), v_view, STRIDED)
     lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL, BLOCK_M)
     it = 0
     for g in range(GROUP):
@@ -154,8 +181,10 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
             # the consumers. (The copies may land before `expect` adds their bytes: the
             # barrier's byte count goes below zero meanwhile, and its phase cannot complete
             # before the arrival.)
-            _load(q_desc, hz, m * BLOCK_M, ready.index(slot), q_smem.index(slot))
-            _load(do_desc, hz, m * BLOCK_M, ready.index(slot), do_smem.index(slot))
+            _load(q_desc, hz, m * BLOCK_M, ready.index(slot), q_smem.index(slot), q_view,
+                  STRIDED)
+            _load(do_desc, hz, m * BLOCK_M, ready.index(slot), do_smem.index(slot), do_view,
+                  STRIDED)
             _stage_stats(Lse, Delta, lse_smem.index(slot), delta_smem.index(slot), hz,
                          m * BLOCK_M, N_CTX_Q, BLOCK_M)
             mbarrier.expect(ready.index(slot), 2 * q_bytes)
@@ -177,10 +206,11 @@ def _stage_stats(Lse, Delta, lse_buf, delta_buf, hz, row0, N_CTX_Q, BLOCK_M: gl.
 
 @gluon.jit
 def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr):
+              CAUSAL: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr,
+              STRIDED: gl.constexpr):
     (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, lse_smem, delta_smem, H,
      GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES,
-     HEAD_GROUP) = args
+     HEAD_GROUP, views) = args
     if FUSED:
         ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
@@ -274,8 +304,11 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
     v_tile.store(dv.to(dtype))
     fence_async_shared()
     n_kv = n_hz // GROUP
-    _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem), hz_kv, k0, k_tile)
-    _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem), hz_kv, k0, v_tile)
+    dk_view, dv_view = views[4], views[5]
+    _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem, dk_view, STRIDED), hz_kv, k0, k_tile,
+           dk_view, STRIDED)
+    _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem, dv_view, STRIDED), hz_kv, k0, v_tile,
+           dv_view, STRIDED)
     tma.store_wait(0)
 
 
@@ -347,14 +380,19 @@ def _barriers(STAGES: gl.constexpr):
 @gluon.jit
 def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, N_CTX_Q,
                           N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
-                          HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, SMEM_LAYOUT: gl.constexpr,
-                          FUSED: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
+                          stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_km,
+                          stride_vz, stride_vh, stride_vm, stride_doz, stride_doh, stride_dom,
+                          stride_dkz, stride_dkh, stride_dkm, stride_dvz, stride_dvh, stride_dvm,
+                          STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                          CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          SMEM_LAYOUT: gl.constexpr, FUSED: gl.constexpr,
+                          DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
                           BLOCK_M: gl.constexpr, Q_LAYOUT: gl.constexpr):
     # grid: batch * K/V heads * key blocks of 2 * ROWS (_program_tile); q, dO, LSE and Delta
     # [batch * H, ...], streamed in blocks of BLOCK_M query rows. FUSED (BLOCK_M == ROWS): dQ =
     # dS K (before its scale) added into DQ as well, a zeroed fp32 [batch * H, N_CTX_Q,
-    # HEAD_DIM] (unused otherwise), by a fourth partition.
+    # HEAD_DIM] (unused otherwise), by a fourth partition. The strides (each tensor's batch,
+    # head and row strides) are read with STRIDED only (_descriptor).
     gl.static_assert(not FUSED or (BLOCK_M == ROWS and HEAD_DIM == 2 * ROWS),
                      "the fused dQ takes head_dim 128 in 64-row query blocks")
     qk_scale = qk_scale.to(gl.float32)  # (scale * log2e)
@@ -369,26 +407,30 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
     kv_ready, ready, empty = _barriers(STAGES)
     n_hz = BATCH * H
+    h_kv = H // GROUP
+    views = ((H, stride_qz, stride_qh, stride_qm), (h_kv, stride_kz, stride_kh, stride_km),
+             (h_kv, stride_vz, stride_vh, stride_vm), (H, stride_doz, stride_doh, stride_dom),
+             (h_kv, stride_dkz, stride_dkh, stride_dkm), (h_kv, stride_dvz, stride_dvh, stride_dvm))
     loads = (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP,
              N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem,
-             delta_smem)
+             delta_smem, views)
     work = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, lse_smem,
             delta_smem, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz,
-            NUM_TILES, HEAD_GROUP)
+            NUM_TILES, HEAD_GROUP, views)
     if FUSED:
         fused = _fused_buffers(dtype, DS_LAYOUT, DQ_LAYOUT)
         writes = (DQ, H, GROUP, N_CTX_Q, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
         gl.warp_specialize([
-            (_consumer, (work, fused, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M)),
-            (_consumer, (work, fused, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, BLOCK_M)),
+            (_consumer, (work, fused, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
+            (_consumer, (work, fused, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, BLOCK_M, STRIDED)),
             (_dq_writer, (writes, fused, HEAD_DIM, CAUSAL)),
         ], [4, 1, 1], [CONSUMER_REGS, 32, 32])
     else:
         gl.warp_specialize([
-            (_consumer, (work, None, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M)),
-            (_consumer, (work, None, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, BLOCK_M)),
+            (_consumer, (work, None, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
+            (_consumer, (work, None, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, BLOCK_M, STRIDED)),
         ], [4, 1], [CONSUMER_REGS, 32])
 
 
@@ -396,28 +438,31 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
 
 @gluon.jit
 def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr):
+               CAUSAL: gl.constexpr, STRIDED: gl.constexpr):
     (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP) = args
+     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, views) = args
+    q_view, k_view, v_view, do_view, dq_view = views
     hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
     m0 = m * (2 * ROWS)
     hz_kv = hz // GROUP
-    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem)
-    do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem)
-    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, HEAD_DIM, k_smem)
-    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, HEAD_DIM, v_smem)
+    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem, q_view, STRIDED)
+    do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem, do_view, STRIDED)
+    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, HEAD_DIM, k_smem, k_view, STRIDED)
+    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, HEAD_DIM, v_smem, v_view, STRIDED)
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     # the tile's rows, once: each consumer's 64 rows of Q and of dO
     mbarrier.expect(qdo_ready, 4 * ROWS * HEAD_DIM * elem)
     for wg in gl.static_range(2):
-        _load(q_desc, hz, m0 + wg * ROWS, qdo_ready, q_smem.index(wg))
-        _load(do_desc, hz, m0 + wg * ROWS, qdo_ready, do_smem.index(wg))
+        _load(q_desc, hz, m0 + wg * ROWS, qdo_ready, q_smem.index(wg), q_view, STRIDED)
+        _load(do_desc, hz, m0 + wg * ROWS, qdo_ready, do_smem.index(wg), do_view, STRIDED)
     for j in range(_key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N)):
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), 2 * BLOCK_N * HEAD_DIM * elem)
-        _load(k_desc, hz_kv, j * BLOCK_N, ready.index(slot), k_smem.index(slot))
-        _load(v_desc, hz_kv, j * BLOCK_N, ready.index(slot), v_smem.index(slot))
+        _load(k_desc, hz_kv, j * BLOCK_N, ready.index(slot), k_smem.index(slot), k_view,
+              STRIDED)
+        _load(v_desc, hz_kv, j * BLOCK_N, ready.index(slot), v_smem.index(slot), v_view,
+              STRIDED)
 
 
 @gluon.jit
@@ -432,9 +477,9 @@ def _key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, STRIDED: gl.constexpr):
     (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, DQ, Lse, Delta, H, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
+     N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP, views) = args
     hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
     m0 = m * (2 * ROWS)
     r0 = m0 + WG * ROWS  # this warpgroup's first query row
@@ -491,13 +536,18 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
     # Q buffer is no longer read: it stages dQ for the copy engine, which drops rows past the end.
     q.store((dq * sm_scale).to(dtype))
     fence_async_shared()
-    _store(_descriptor(DQ, n_hz, N_CTX_Q, HEAD_DIM, q_smem), hz, r0, q)
+    dq_view = views[4]
+    _store(_descriptor(DQ, n_hz, N_CTX_Q, HEAD_DIM, q_smem, dq_view, STRIDED), hz, r0, q,
+           dq_view, STRIDED)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K,
                         CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
+                        stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_km,
+                        stride_vz, stride_vh, stride_vm, stride_doz, stride_doh, stride_dom,
+                        stride_dqz, stride_dqh, stride_dqm, STRIDED: gl.constexpr,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                         Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
@@ -513,14 +563,18 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     qdo_ready, ready, empty = _barriers(STAGES)
     n_hz = BATCH * H
+    h_kv = H // GROUP
+    views = ((H, stride_qz, stride_qh, stride_qm), (h_kv, stride_kz, stride_kh, stride_km),
+             (h_kv, stride_vz, stride_vh, stride_vm), (H, stride_doz, stride_doh, stride_dom),
+             (H, stride_dqz, stride_dqh, stride_dqm))
     loads = (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP,
-             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
+             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, views)
     work = (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, DQ, Lse, Delta, H, N_CTX_Q,
-            N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP)
+            N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP, views)
     gl.warp_specialize([
-        (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-        (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-        (_dq_loader, (loads, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+        (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, STRIDED)),
+        (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, STRIDED)),
+        (_dq_loader, (loads, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, STRIDED)),
     ], [4, 1], [CONSUMER_REGS, 32])
 
 
@@ -551,13 +605,14 @@ def fuses_dq(head_dim):
 
 def supports(q, k, v, do, dq, dk, dv, window=(-1, -1), softcap=0.0, varlen=None):
     """True when these kernels compute the call's dQ, dK and dV: sm_90, fp16/bf16, head_dim in
-    CONFIGS (64 from MIN_QUERIES queries on), q/k/v/dO/dQ/dK/dV contiguous [batch, heads, seq,
-    head_dim] at 16-byte aligned addresses (the copy engine reads and writes them), no window,
-    softcap or packed batch."""
+    CONFIGS (64 from MIN_QUERIES queries on), q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim]
+    contiguous or at strides the copy engine takes (`tma_strided_ok`: bshd views, e.g.) at
+    16-byte aligned addresses (the copy engine reads and writes them), no window, softcap or
+    packed batch."""
     return (q.shape[-1] in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and q.shape[2] >= MIN_QUERIES.get(q.shape[-1], 0)
             and varlen is None and tuple(window) == (-1, -1) and softcap == 0
-            and all(t.dtype == q.dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+            and all(t.dtype == q.dtype and tma_strided_ok(t) and t.data_ptr() % 16 == 0
                     for t in (q, k, v, do, dq, dk, dv))
             and q.numel() > 0 and k.numel() > 0
             and device_properties(q.device).major == 9)
@@ -565,7 +620,7 @@ def supports(q, k, v, do, dq, dk, dv, window=(-1, -1), softcap=0.0, varlen=None)
 
 def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
                               causal_offset, key=None, dq_acc=None):
-    """dK and dV into dk, dv (contiguous [batch, kv_heads, kv_len, head_dim]) of a call
+    """dK and dV into dk, dv ([batch, kv_heads, kv_len, head_dim]) of a call
     `supports` accepts; lse (the forward's, natural log) and delta (the preprocess's):
     contiguous fp32 [batch, heads, q_len]. `key`: the backward's launch key (built when None).
     With dq_acc, a zeroed contiguous fp32 tensor of q's shape, the kernel also adds dS K into
@@ -583,17 +638,19 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     if fused and not fuses_dq(head_dim):
         raise ValueError(f"the fused dQ takes head_dim 128 in 64-row query blocks, not "
                          f"head_dim {head_dim} in {block_m}-row blocks")
+    strided, strides = _strides(q, k, v, do, dk, dv)
     args = (q, k, v, do, dk, dv, lse, delta, dq_acc if fused else lse, batch, heads,
             heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_tiles,
-            group)
-    kwargs = dict(HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal, CONSUMER_REGS=regs,
-                  SMEM_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)), FUSED=fused,
+            group, *strides)
+    kwargs = dict(STRIDED=strided, HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal,
+                  CONSUMER_REGS=regs, SMEM_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)),
+                  FUSED=fused,
                   DS_LAYOUT=_smem_layout(64, 64, str(q.dtype)),
                   DQ_LAYOUT=_smem_layout(64, 64, "torch.float32"), BLOCK_M=block_m,
                   Q_LAYOUT=_smem_layout(block_m, head_dim, str(q.dtype)), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:
-        key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape,
+        key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape, strides,
                aligned(q, k, v, do, dk, dv, lse, delta), causal, causal_offset, scale, fused)
     else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
         key = _dkdv_key(key, scale, fused)
@@ -621,7 +678,7 @@ def kept_launches(key, scale, fused):
 
 def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causal_offset,
                             key=None):
-    """dQ into dq (contiguous, q's shape) of a call `supports` accepts; lse and delta as
+    """dQ into dq (q's shape) of a call `supports` accepts; lse and delta as
     attention_bwd_dkdv_hopper's. `key`: the backward's launch key (built when None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -631,19 +688,28 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
     # each query head's programs stream its K/V head's K and V (shared by its GROUP heads)
     group = l2_group(q.device, batch * heads, 2 * kv_len * head_dim * q.element_size()
                      // (heads // kv_heads))
+    strided, strides = _strides(q, k, v, do, dq)
     args = (q, k, v, do, dq, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
-            causal_offset, scale * LOG2E, scale, num_tiles, group)
-    kwargs = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+            causal_offset, scale * LOG2E, scale, num_tiles, group, *strides)
+    kwargs = dict(STRIDED=strided, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
                   CONSUMER_REGS=regs, Q_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)),
                   KV_LAYOUT=_smem_layout(block_n, head_dim, str(q.dtype)), num_warps=4)
     ensure_scratch_allocator()
     if key is None:
-        key = ("gluon-dq", q.device, q.dtype, q.shape, k.shape,
+        key = ("gluon-dq", q.device, q.dtype, q.shape, k.shape, strides,
                aligned(q, k, v, do, dq, lse, delta), causal, causal_offset, scale)
     else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
         key = _dq_key(key, scale)
     return _launch_dq(key, grid, args, kwargs, per_call=7,
                       config=dict(BLOCK_N=block_n, STAGES=stages, consumer_regs=regs))
+
+
+def _strides(*tensors):
+    """(STRIDED, every tensor's batch, head and row strides, flat): the kernels view every tensor
+    through 4-D descriptors at its strides when any is not contiguous (bshd views, e.g.), else
+    through contiguous 3-D ones, which read no strides."""
+    strided = not all(t.is_contiguous() for t in tensors)
+    return strided, tuple(s for t in tensors for s in tma_view_strides(t))
 
 
 @functools.cache

@@ -33,7 +33,7 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU, Triton >=
 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from MIN_QUERIES = 2049
 queries on), tiles longer than SHORT_WORK or more of them than SMs, q/k/v [batch, heads, seq,
-head_dim] contiguous or at strides the copy engine takes (`_strided_ok`), a positive scale, and a
+head_dim] contiguous or at strides the copy engine takes (`tma_strided_ok`), a positive scale, and a
 launch that is not being traced (under torch.compile the Triton kernel runs). A head_dim that is not
 a power of two runs as two column parts of power-of-two widths (`column_parts`: 80 = 64 + 16, 96 =
 64 + 32, 192 = 128 + 64), each with its own buffers and descriptors: S is two wgmma chained on one
@@ -82,7 +82,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from attnscope.kernels.common import (LOG2E, _grouped_tile, aligned, block_width,
-                                      device_properties, head_group)
+                                      device_properties, head_group, tma_strided_ok,
+                                      tma_view_strides)
 from attnscope.kernels.gluon_compat import tma_load, tma_store
 from attnscope.kernels.launch import FORWARD_LAUNCHES, FastLaunch, ensure_scratch_allocator
 from attnscope.kernels.tile_schedule import tile_schedule
@@ -909,7 +910,7 @@ def supports(q, k, v, out, varlen=None):
     """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
     CONFIGS, non-empty q/k/v [batch, heads, seq, head_dim] at 16-byte aligned addresses, each
     contiguous or with a unit last stride and the others positive 16-byte multiples (bshd,
-    padded rows, K/V slices; `_strided_ok`: a launch with any such tensor views every tensor at
+    padded rows, K/V slices; `tma_strided_ok`: a launch with any such tensor views every tensor at
     its strides, otherwise each as [batch * heads, seq, head_dim]), and out with unit last
     stride. Any query and key length, but a dense call of short tiles (SHORT_WORK) no more than
     the SMs runs the Triton kernel (faster there). A packed batch (`varlen`, as
@@ -928,7 +929,7 @@ def supports(q, k, v, out, varlen=None):
     return (shape_ok and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and k.dtype == q.dtype and v.dtype == q.dtype and out.dtype == q.dtype
             and q.numel() > 0 and k.numel() > 0 and out.stride(-1) == 1
-            and (_strided_ok(q) and _strided_ok(k) and _strided_ok(v) if varlen is None
+            and (tma_strided_ok(q) and tma_strided_ok(k) and tma_strided_ok(v) if varlen is None
                  else _packed(q) and _packed(k) and _packed(v))
             and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
             and device_properties(q.device).major == 9
@@ -947,28 +948,6 @@ def packed_tiles_ok(batch, heads, max_q):
     the kernel's int32: (batch * heads + head) * query blocks of the longest + query block
     (_packed_tile), and the hand-out's numbers, up to the tiles plus the program count."""
     return batch * heads * -(-max_q // TILE_ROWS) < 2 ** 31 - 2 ** 16
-
-
-def _strided_ok(t):
-    # A dense [batch, heads, seq, head_dim] tensor the copy engine can read: contiguous, or at
-    # strides it takes (unit last stride, the others positive 16-byte multiples below 2^40 B)
-    if t.is_contiguous():
-        return True
-    size = t.element_size()
-    return t.stride(-1) == 1 and all(0 < s * size < 2 ** 40 and s * size % 16 == 0
-                                     for s in _view_strides(t))
-
-
-def _view_strides(t):
-    # t's batch, head and row strides for the copy engine's 4-D view: a dimension of one element
-    # has any stride in torch (it addresses nothing), so it gets the one a contiguous tensor
-    # would have, which the copy engine takes
-    batch, heads, seq, head_dim = t.shape
-    stride_z, stride_h, stride_m, _ = t.stride()
-    stride_m = head_dim if seq == 1 else stride_m
-    stride_h = stride_m * seq if heads == 1 else stride_h
-    stride_z = stride_h * heads if batch == 1 else stride_z
-    return stride_z, stride_h, stride_m
 
 
 def _packed(t):
@@ -1019,11 +998,11 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     # A dense call whose q, k or v is not contiguous, or whose out is not but the copy engine
     # can store it, views all four at their strides (STRIDED; an out it cannot address takes
     # the register stores either way)
-    out_strided = not out.is_contiguous() and _strided_ok(out) and out.data_ptr() % 16 == 0
+    out_strided = not out.is_contiguous() and tma_strided_ok(out) and out.data_ptr() % 16 == 0
     strided = varlen is None and (out_strided or not (
         q.is_contiguous() and k.is_contiguous() and v.is_contiguous()))
     # (batch, head and row strides; without STRIDED the batch and head ones of q, k, v unused)
-    view_strides = _view_strides if strided else (lambda t: t.stride()[:3])
+    view_strides = tma_view_strides if strided else (lambda t: t.stride()[:3])
     (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_km), (
         stride_vz, stride_vh, stride_vm), (stride_oz, stride_oh, stride_om) = map(
             view_strides, (q, k, v, out))

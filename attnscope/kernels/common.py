@@ -246,3 +246,25 @@ def aligned(*tensors):
     """Which tensors start at a 16-byte aligned address: Triton specializes pointer arguments
     on it, so launch keys hold it."""
     return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def tma_strided_ok(t):
+    # A dense [batch, heads, seq, head_dim] tensor the copy engine can read: contiguous, or at
+    # strides it takes (unit last stride, the others positive 16-byte multiples below 2^40 B)
+    if t.is_contiguous():
+        return True
+    size = t.element_size()
+    return t.stride(-1) == 1 and all(0 < s * size < 2 ** 40 and s * size % 16 == 0
+                                     for s in tma_view_strides(t))
+
+
+def tma_view_strides(t):
+    # t's batch, head and row strides for the copy engine's 4-D view: a dimension of one element
+    # has any stride in torch (it addresses nothing), so it gets the one a contiguous tensor
+    # would have, which the copy engine takes
+    batch, heads, seq, head_dim = t.shape
+    stride_z, stride_h, stride_m, _ = t.stride()
+    stride_m = head_dim if seq == 1 else stride_m
+    stride_h = stride_m * seq if heads == 1 else stride_h
+    stride_z = stride_h * heads if batch == 1 else stride_z
+    return stride_z, stride_h, stride_m

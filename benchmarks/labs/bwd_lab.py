@@ -62,13 +62,24 @@ def parse_shape(text):
     return values if len(values) == 5 else (*values, values[1])
 
 
-def problem(shape, seed=0):
-    """bf16 q, k, v, dO on the GPU (seeded) and the op's forward output and LSE."""
+def problem(shape, seed=0, layout="bhsd"):
+    """bf16 q, k, v, dO on the GPU (seeded) and the op's forward output and LSE; with layout
+    "bshd", [batch, heads, seq, head_dim] views of [batch, seq, heads, head_dim] tensors (what
+    the op's layout="bshd" hands its kernels)."""
     b, h, s, d, hk = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(b, n, s, d, generator=g, device="cuda", dtype=torch.bfloat16)
-               for n in (h, hk, hk))
-    do = torch.randn(b, h, s, d, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    def rand(n):
+        if layout == "bshd":
+            return torch.randn(b, s, n, d, generator=g, device="cuda",
+                               dtype=torch.bfloat16).transpose(1, 2)
+        return torch.randn(b, n, s, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (rand(n) for n in (h, hk, hk))
+    do = rand(h)
+    if layout == "bshd":  # the op's own bshd call, so that out is laid out as it would be
+        out, lse = attnscope.fused_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                             layout="bshd", return_lse=True)
+        return q, k, v, do, out.transpose(1, 2), lse
     out, lse = attnscope.fused_attention(q, k, v, return_lse=True)
     return q, k, v, do, out, lse
 
@@ -105,6 +116,11 @@ def main():
                         "64:2,240,128:128,2,240); with --triton-kernels the Triton pair runs "
                         "beside them. --nondeterministic fuses dQ only where the entry allows "
                         "it (attention_bwd_hopper.fuses_dq: head_dim 128, 64-row blocks)")
+    p.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                   help="bshd: every tensor a [batch, heads, seq, head_dim] view of a [batch, "
+                        "seq, heads, head_dim] one, as the op's layout=\"bshd\" (the "
+                        "transformers backend) passes them; the gradients are allocated alike "
+                        "(default: bhsd, contiguous)")
     rounds.add_arguments(p)
     args = p.parse_args()
     if args.gluon_config is not None:
@@ -119,7 +135,7 @@ def main():
     for shape in args.shapes:
         b, h, s, d, hk = shape
         flops = 2.5 * attention_flops(b, h, s, s, d, causal=True)
-        q, k, v, do, out, lse = problem(shape)
+        q, k, v, do, out, lse = problem(shape, layout=args.layout)
         refs = reference_grads(q, k, v, do)
         table = bwd.config_for(d)
         # (config, Triton kernels where the Gluon ones take the call, deterministic)
@@ -159,7 +175,7 @@ def main():
             errors = [(g.float() - r).abs().max().item() for g, r in zip(grads, refs)]
             timers[name] = run
             rows[name] = {"shape": shape, "impl": name, "config": config,
-                          "gluon_config": args.gluon_config,
+                          "gluon_config": args.gluon_config, "layout": args.layout,
                           "err_dq_dk_dv": errors, "regs_spills": kernels}
         if args.peers:
             rep = h // hk
