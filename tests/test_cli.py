@@ -152,7 +152,7 @@ def test_ctrl_c_keeps_finished_rows(tmp_path, monkeypatch, capsys):
     assert "incomplete run: 1 rows" in (folder / "report.html").read_text()
 
 
-def test_compare_fwd_bwd_traces_the_backward(tmp_path, monkeypatch):
+def test_compare_fwd_bwd_traces_the_backward(tmp_path, monkeypatch, capsys):
     # An implementation without an autograd graph becomes an "unsupported" row, not a crash.
     monkeypatch.setitem(IMPLEMENTATIONS, "no_grad", _fake(
         "no_grad", lambda q, k, v: lambda: (q @ k.transpose(-1, -2)).softmax(-1).detach() @ v.detach()))
@@ -169,6 +169,9 @@ def test_compare_fwd_bwd_traces_the_backward(tmp_path, monkeypatch):
     with gzip.open(naive["trace"], "rt") as f:
         names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
     assert any("Backward" in n for n in names)
+    # The table's per-call columns say a call ran the forward and its backward.
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("impl"))
+    assert header.split()[:3] == ["impl", "kernels/fwd+bwd", "GPU"]
 
 
 # --- an earlier complete run is never lost ------------------------------------------------------

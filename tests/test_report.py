@@ -488,3 +488,19 @@ def test_report_of_an_out_folder_reads_its_latest_run(cpu_run, capsys):
     out = latest.parent
     assert main(["report", str(out)]) == 0
     assert capsys.readouterr().out.strip() == f"report: {latest / report.DEFAULT_NAME}"
+
+
+def test_the_table_shortens_kernel_names_and_says_what_a_call_ran():
+    from attnscope.profile.table import NAME_CHARS, format_table, headers
+    long = ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90"
+            "FlashAttentionBackwardSm90_object_at_0")
+    row = {"impl": "fa4", "status": "ok", "kernels_per_forward": 2, "gpu_ops_per_forward": 2,
+           "tensor_cores": {"verdict": f"partial: {long}, void at::native::softmax<float>(float*)",
+                            "evidence": "counters"},
+           "cuda_time_avg_us": 1.0, "cpu_time_avg_us": 2.0, "tflops": 3.0, "pct_of_peak": 4.0,
+           "peak_memory_mb": 5.0, "max_abs_error": 1e-3, "launch_apis": ["cuLaunchKernel"]}
+    text = format_table([row], "cuda", "fwd_bwd")
+    cell = f"partial: {long[:NAME_CHARS - 3]}..., at::native::softmax (counters)"
+    assert cell in text and long not in text
+    assert text.splitlines()[0].split()[:3] == ["impl", "kernels/fwd+bwd", "GPU"]
+    assert headers()[1] == "kernels/fwd" and headers("fwd_bwd")[4] == "CUDA us/fwd+bwd"

@@ -290,13 +290,15 @@ def _run(args, run_, impls, device, case) -> int:
             print(f"attnscope compare: error: {e}", file=sys.stderr)
             status = 1
     latest = run_.complete()
-    print(format_table(results["rows"], device))
+    print(format_table(results["rows"], device, args.mode))
     for row in results["rows"]:
         if row.get("note"):
             print(f"note: {row['impl']}: {row['note']}")
     if device == "cpu":
         print(CPU_NOTE)
-    print("CUDA us/fwd is busy GPU time (sum of the forward's GPU ops); TFLOP/s divides by it. "
+    call = "a forward and its backward" if args.mode == "fwd_bwd" else "a forward"
+    print(f"Per-call columns are per {call}. CUDA us is busy GPU time (the sum of the call's GPU "
+          "ops); TFLOP/s divides by it. "
           f"Traces and tables under {folder}/<impl>/; all figures in {folder / runs.RESULTS}; "
           f"{latest} points there.")
     return status

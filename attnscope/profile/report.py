@@ -23,7 +23,8 @@ from pathlib import Path
 from attnscope.profile import artifacts, runs, source_view
 from attnscope.profile.bench_table import summary_text
 from attnscope.profile.metrics import PEAK_DTYPES
-from attnscope.profile.table import COLUMNS, CPU_NOTE, evidence_text, table_cells
+from attnscope.profile.table import CPU_NOTE, evidence_text, table_cells
+from attnscope.profile.table import headers as table_headers
 from attnscope.profile.tensor_cores import name_verdict, short_name
 from attnscope.profile.trace import TraceError, find_row_trace, forward_events, load_events
 
@@ -165,12 +166,15 @@ class _Page:
     # --- table and env ------------------------------------------------------------------------
 
     def table(self) -> str:
-        headers = [h for h, _, _ in COLUMNS]
+        mode = self.results.get("mode", "fwd")
+        headers = table_headers(mode)
         align = ['' if h in TEXT_COLUMNS else ' class="num"' for h in headers]
         head = "".join(f"<th>{_e(h)}</th>" for h in headers)
         body = "".join("<tr>" + "".join(f"<td{a}>{_e(c)}</td>" for a, c in zip(align, cells))
                        + "</tr>" for cells in table_cells(self.rows, self.device))
         notes = [UNITS]
+        if mode == "fwd_bwd":
+            notes.append(FWD_BWD_UNITS)
         if self.device == "cpu":
             notes.append(CPU_NOTE)
         env = dict(self.results.get("env") or {})
@@ -415,6 +419,9 @@ UNITS = ("Units: times in microseconds per forward (CUDA us/fwd: busy GPU time, 
          "= CUDA high-water mark in MiB; max abs err against a float64 reference. Tensor Cores: "
          "the forward's verdict (yes / no / partial: which kernels) and its evidence tiers "
          "(counters > sass/ptx > name).")
+FWD_BWD_UNITS = ("This run's mode is fwd_bwd: a call is a forward and its backward "
+                 "(torch.autograd.grad), so the per-call columns read /fwd+bwd, their kernels, "
+                 "time and FLOPs included; the Tensor Cores verdict covers both.")
 PERFETTO = ("To explore a trace: open <a href=\"https://ui.perfetto.dev\">ui.perfetto.dev</a>, "
             "choose <b>Open trace file</b> and pick the .json.gz (no need to unzip it). Click a "
             "kernel on the GPU track: its args show <code>attnscope tensor cores</code> and "

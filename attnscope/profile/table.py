@@ -36,9 +36,25 @@ def fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
 
+NAME_CHARS = 32  # a kernel name in the table's verdict cell; results.json keeps the whole name
+
+
+def _short(kernel_name: str) -> str:
+    name = tc.short_name(kernel_name)
+    return name if len(name) <= NAME_CHARS else name[:NAME_CHARS - 3] + "..."
+
+
 def _verdict_cell(summary):
     # Rows from before the column existed have no summary; ncu's merge writes the same shape.
-    return f"{summary['verdict']} ({summary['evidence']})" if summary else "-"
+    # "partial: <kernels>" names each kernel shortened (library kernels' names run to 200
+    # characters and would widen every row).
+    if not summary:
+        return "-"
+    verdict = summary["verdict"]
+    if verdict.startswith("partial: "):
+        verdict = "partial: " + ", ".join(
+            _short(n) for n in verdict.removeprefix("partial: ").split(", "))
+    return f"{verdict} ({summary['evidence']})"
 
 
 # (header, value of an "ok" row, GPU-only?). GPU-only columns read "n/a" on a CPU run.
@@ -67,13 +83,20 @@ def _cell(row, header, value, gpu_only, device):
     return value(row) if row["status"] == "ok" else "-"
 
 
+def headers(mode: str = "fwd") -> list[str]:
+    """The column headers. Per-call columns say what a call ran: a forward ("/fwd"), or under
+    `--mode fwd_bwd` a forward and its backward ("/fwd+bwd")."""
+    unit = "fwd+bwd" if mode == "fwd_bwd" else "fwd"
+    return [header.replace("/fwd", f"/{unit}") for header, _, _ in COLUMNS]
+
+
 def table_cells(rows, device) -> list[list[str]]:
     """The comparison table as text cells, one list per row (no header)."""
     return [[_cell(r, *column, device) for column in COLUMNS] for r in rows]
 
 
-def format_table(rows, device) -> str:
-    cells = [[header for header, _, _ in COLUMNS]] + table_cells(rows, device)
+def format_table(rows, device, mode: str = "fwd") -> str:
+    cells = [headers(mode)] + table_cells(rows, device)
     # Every column but the last (status, free text) is padded; numbers right-aligned.
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS) - 1)]
     lines = ["  ".join([line[0].ljust(widths[0])] + [c.rjust(w) for c, w in
