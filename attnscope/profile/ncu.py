@@ -8,7 +8,9 @@ and replayed. `--mode fwd` (compare's default) profiles forwards inside a push/p
 --mode fwd_bwd` profiles them, inside a start/end range ("<RANGE>", the whole process's): the
 backward's kernels are launched by autograd's device thread, outside the calling thread's
 push/pop stack. The CSV goes to <out>/ncu/<impl>.csv; per-kernel verdicts are merged into
-<out>/results.json when `compare` wrote one there (in the same mode).
+<out>/results.json when `compare` wrote one there (in the same mode). `--stalls` adds a second
+run per implementation under PC sampling (stalls.py): the report, its source page, and per
+kernel the warp states and hottest SASS instructions, merged into results.json as `stalls`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from attnscope.profile import runs
+from attnscope.profile import runs, stalls
 from attnscope.profile import tensor_cores as tc
 from attnscope.profile.capture import MODES, profiled_call
 from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, SHAPES, WARMUP_CALLS, make_inputs
@@ -60,6 +62,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: attnscope-out)")
     parser.add_argument("--ncu", default=None, metavar="PATH", help="the ncu executable "
                         "(default: `ncu` on PATH, else /usr/local/cuda/bin/ncu)")
+    parser.add_argument("--stalls", action="store_true", help="also sample where each kernel's "
+                        "warps wait: a second ncu run per implementation (WarpStateStats and "
+                        "SourceCounters sections) gives, per kernel, each warp state's share of "
+                        "the samples and the SASS instructions that hold the most; printed, "
+                        "merged into results.json as each kernel's `stalls`, the source page "
+                        "in ncu/<impl>.stalls.csv and the report in ncu/<impl>.stalls.ncu-rep "
+                        "(for the Nsight Compute GUI). attnscope/profile/stalls.py says how to "
+                        "read it")
+    parser.add_argument("--stall-lines", type=int, default=8, metavar="N",
+                        help="instructions listed per kernel under --stalls (default: 8)")
     parser.add_argument("--target", default=None, help=argparse.SUPPRESS)  # child process mode
 
 
@@ -75,10 +87,25 @@ def ncu_command(ncu: str, log_file: Path, child: list[str], mode: str = "fwd") -
     # base by default). --page raw + --print-units base: one row per launch, unscaled numbers.
     # The range: a push/pop one ("/" at its end) for forwards, a start/end one for forward and
     # backward (run_target).
-    nvtx_range = f"{RANGE}/" if mode == "fwd" else RANGE
     return [ncu, "--clock-control", "none", "--csv", "--page", "raw", "--print-units", "base",
-            "--nvtx", "--nvtx-include", nvtx_range, "--metrics", ",".join(tc.COUNTER_METRICS),
+            *_nvtx(mode), "--metrics", ",".join(tc.COUNTER_METRICS),
             "--log-file", str(log_file), *child]
+
+
+def _nvtx(mode: str) -> list[str]:
+    return ["--nvtx", "--nvtx-include", f"{RANGE}/" if mode == "fwd" else RANGE]
+
+
+def stalls_command(ncu: str, report: Path, child: list[str], mode: str = "fwd") -> list[str]:
+    # PC sampling (SourceCounters) into a report file (`-o`, `-f` to replace an older one); its
+    # source page is exported afterwards (source_page_command).
+    return [ncu, "--clock-control", "none", *_nvtx(mode), "--section", "WarpStateStats",
+            "--section", "SourceCounters", "--import-source", "no", "-f", "-o", str(report),
+            *child]
+
+
+def source_page_command(ncu: str, report: Path) -> list[str]:
+    return [ncu, "-i", str(report), "--page", "source", "--csv", "--print-source", "sass"]
 
 
 def child_args(args: argparse.Namespace, impl: str, mode: str = "fwd") -> list[str]:
@@ -129,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.stall_lines < 1:
+        print("error: --stall-lines must be at least 1", file=sys.stderr)
+        return 2
     out = runs.resolve(args.out)  # the same run `report` reads
     results = out / runs.RESULTS
     mode, why = run_mode(args.mode, results)
@@ -173,11 +203,63 @@ def run(args: argparse.Namespace) -> int:
                   f"{tc.short_name(name)}", file=sys.stderr)
         if results.exists():  # after each implementation: a run cut short keeps what it measured
             merge_into_results(results, {impl.name: verdicts[impl.name]}, {impl.name: launches})
+        if args.stalls:
+            summaries = profile_stalls(ncu, out / "ncu", impl.name,
+                                       child_args(args, impl.name, mode), mode, args.stall_lines)
+            if summaries and results.exists():
+                merge_stalls_into_results(results, impl.name, summaries)
     if results.exists() and verdicts:
         print(f"merged counter verdicts of {len(verdicts)} implementation(s) into {results}",
               file=sys.stderr)
     print(f"ncu CSVs in {out / 'ncu'}", file=sys.stderr)
     return 0 if verdicts else 1
+
+
+def profile_stalls(ncu: str, folder: Path, name: str, child: list[str], mode: str,
+                   top: int) -> dict[str, dict]:
+    """`--stalls` for one implementation: its calls under PC sampling into
+    <folder>/<name>.stalls.ncu-rep, the report's source page into <name>.stalls.csv, and
+    stalls.summarize's figures per kernel (printed; {} with a line saying why on failure)."""
+    written = folder / f"{name}.stalls.ncu-rep"  # named with ncu's extension: none is added
+    written.unlink(missing_ok=True)  # an older run's must not pass for this one's
+    proc = subprocess.run(stalls_command(ncu, written, child, mode), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 or not written.exists():
+        print(f"    stalls: failed (exit {proc.returncode}): {_diagnosis(proc.stdout)}",
+              file=sys.stderr)
+        return {}
+    page = subprocess.run(source_page_command(ncu, written), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    (folder / f"{name}.stalls.csv").write_text(page.stdout)
+    try:
+        summaries = stalls.summarize(stalls.parse_source_page(page.stdout), top)
+    except ValueError as e:
+        print(f"    stalls: no source page from {written} (exit {page.returncode}): "
+              f"{_last_error(page.stdout) or e}", file=sys.stderr)
+        return {}
+    for kernel, summary in summaries.items():
+        for line in stalls.format_summary(tc.short_name(kernel), summary):
+            print(line, file=sys.stderr)
+    return summaries
+
+
+def merge_stalls_into_results(path: Path, impl: str, summaries: dict[str, dict]) -> None:
+    """Attach `--stalls` figures to the kernels of `impl`'s results.json row, matched by name as
+    match_kernels matches counters (no launch order: the source page has no launch IDs). Each
+    gets `stalls` with `ncu_kernel` and `matched_by`."""
+    data = json.loads(path.read_text())
+    rows = data.get("rows", []) if isinstance(data, dict) else data
+    for row in rows:
+        if row.get("impl") != impl or not row.get("kernels"):
+            continue
+        matches = match_kernels({k["name"]: k.get("per_forward") for k in row["kernels"]},
+                                {n: s["profiles"] for n, s in summaries.items()})
+        for kernel in row["kernels"]:
+            if kernel["name"] in matches:
+                ncu_name, how = matches[kernel["name"]]
+                kernel["stalls"] = {**summaries[ncu_name], "ncu_kernel": ncu_name,
+                                    "matched_by": how}
+    runs.write_json(path, data, indent=2)
 
 
 def _launches(text: str) -> list[dict]:
