@@ -504,3 +504,11 @@ def test_the_table_shortens_kernel_names_and_says_what_a_call_ran():
     assert cell in text and long not in text
     assert text.splitlines()[0].split()[:3] == ["impl", "kernels/fwd+bwd", "GPU"]
     assert headers()[1] == "kernels/fwd" and headers("fwd_bwd")[4] == "CUDA us/fwd+bwd"
+    # A kernel in an anonymous namespace is named by its function, its template arguments gone
+    # (the verdict lists short names, so no name of it splits at ", ").
+    kernels = [{"name": "void (anonymous namespace)::softmax_warp_forward<c10::BFloat16, float, "
+                        "10>(float*, int)", "tensor_cores": {"verdict": "yes", "evidence": "name"}},
+               {"name": "void at::native::elementwise_kernel<128, 4>(int)",
+                "tensor_cores": {"verdict": "no", "evidence": "name"}}]
+    summary = tc.forward_summary(kernels)
+    assert summary["verdict"] == "partial: softmax_warp_forward"

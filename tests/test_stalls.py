@@ -125,8 +125,13 @@ def test_ncu_stalls_runs_a_second_profile_and_merges_each_kernels_stalls(tmp_pat
     (kernel,) = rows["fused"]["kernels"]
     assert kernel["tensor_cores"]["evidence"] == "counters"
     assert kernel["stalls"]["samples"] == 296367 and len(kernel["stalls"]["top"]) == 3
-    assert (kernel["stalls"]["ncu_kernel"], kernel["stalls"]["matched_by"]) == ("_attn_fwd",
-                                                                                "name")
+    assert (kernel["stalls"]["ncu_kernel"], kernel["stalls"]["matched_by"]) == (
+        "_attn_fwd", "the counters' match")
+    # A later run replaces the figures, and a kernel no summary matches loses the old ones.
+    assert ncu.merge_stalls_into_results(path, "fused", {"other_kernel": kernel["stalls"]}) == [
+        "other_kernel"]
+    (kernel,) = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}["fused"]["kernels"]
+    assert "stalls" not in kernel
 
 
 def test_ncu_stalls_failure_is_one_line_and_keeps_the_counters(tmp_path, monkeypatch, capsys):
@@ -148,8 +153,49 @@ def test_ncu_stalls_failure_is_one_line_and_keeps_the_counters(tmp_path, monkeyp
         return subprocess.CompletedProcess(command, 1, stdout="==ERROR== ERR_NVGPUCTRPERM")
 
     monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
-    assert ncu.run(_ncu_args("--out", str(tmp_path), "--impl", "fused", "--stalls")) == 0
-    assert "stalls: failed (exit 1): no permission for GPU counters" in capsys.readouterr().err
+    older = [tmp_path / "ncu" / f"fused.stalls.{ext}" for ext in ("ncu-rep", "csv")]
+    for f in older:  # an earlier run's files must not pass for this run's
+        f.parent.mkdir(exist_ok=True)
+        f.write_text("older")
+    assert ncu.run(_ncu_args("--out", str(tmp_path), "--impl", "fused", "--stalls")) == 1
+    err = capsys.readouterr().err
+    assert "stalls: failed (exit 1): no permission for GPU counters" in err
+    assert "--stalls gave nothing for 1 implementation(s)" in err
+    assert not any(f.exists() for f in older)
     (kernel,) = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}["fused"]["kernels"]
     assert kernel["tensor_cores"]["evidence"] == "counters" and "stalls" not in kernel
     assert ncu.run(_ncu_args("--out", str(tmp_path), "--stall-lines", "0")) == 2
+
+
+def test_ncu_stalls_without_a_source_page_and_in_fwd_bwd(tmp_path, monkeypatch, capsys):
+    """The report is written but `ncu -i` prints no page: one line, no stalls. Under --mode
+    fwd_bwd the sampling run takes the start/end range, as the counters' run does."""
+    from attnscope.attention import registry
+    from attnscope.profile import ncu
+    from test_tensor_cores import NCU, _compare_output, _ncu_args
+
+    _compare_output(tmp_path)
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(registry.IMPLEMENTATIONS, "fused", dataclasses.replace(
+        registry.IMPLEMENTATIONS["fused"], available=lambda device: (True, "")))
+    commands = []
+
+    def fake_ncu(command, **kwargs):
+        commands.append(command)
+        if "--log-file" in command:
+            Path(command[command.index("--log-file") + 1]).write_text(
+                (NCU / "fused.csv").read_text())
+        elif "-o" in command:
+            Path(command[command.index("-o") + 1]).write_bytes(b"report")
+        else:
+            return subprocess.CompletedProcess(command, 1, stdout="==ERROR== unknown option")
+        return subprocess.CompletedProcess(command, 0, stdout="")
+
+    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+    assert ncu.run(_ncu_args("--out", str(tmp_path / "fwd_bwd"), "--impl", "fused", "--stalls",
+                             "--mode", "fwd_bwd")) == 1
+    assert "stalls: no source page from" in capsys.readouterr().err
+    sampling = commands[1]
+    assert sampling[sampling.index("--nvtx-include") + 1] == ncu.RANGE  # start/end
+    assert sampling[sampling.index("--mode") + 1] == "fwd_bwd"

@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     verdicts: dict[str, dict[str, dict]] = {}
+    stalls_failed = 0  # implementations whose --stalls run gave nothing
     for i, impl in enumerate(impls, 1):
         ok, reason = impl.available(torch.device("cuda"))
         if not ok:
@@ -206,13 +207,20 @@ def run(args: argparse.Namespace) -> int:
         if args.stalls:
             summaries = profile_stalls(ncu, out / "ncu", impl.name,
                                        child_args(args, impl.name, mode), mode, args.stall_lines)
+            stalls_failed += not summaries
             if summaries and results.exists():
-                merge_stalls_into_results(results, impl.name, summaries)
+                for name in merge_stalls_into_results(results, impl.name, summaries):
+                    print(f"    stalls of {tc.display_name(name)}: no kernel of {impl.name}'s "
+                          f"row in {results} matched it; they are in the printout and the CSV",
+                          file=sys.stderr)
     if results.exists() and verdicts:
         print(f"merged counter verdicts of {len(verdicts)} implementation(s) into {results}",
               file=sys.stderr)
     print(f"ncu CSVs in {out / 'ncu'}", file=sys.stderr)
-    return 0 if verdicts else 1
+    if stalls_failed:
+        print(f"--stalls gave nothing for {stalls_failed} implementation(s) (their lines above "
+              "say why)", file=sys.stderr)
+    return 0 if verdicts and not stalls_failed else 1
 
 
 def profile_stalls(ncu: str, folder: Path, name: str, child: list[str], mode: str,
@@ -221,7 +229,9 @@ def profile_stalls(ncu: str, folder: Path, name: str, child: list[str], mode: st
     <folder>/<name>.stalls.ncu-rep, the report's source page into <name>.stalls.csv, and
     stalls.summarize's figures per kernel (printed; {} with a line saying why on failure)."""
     written = folder / f"{name}.stalls.ncu-rep"  # named with ncu's extension: none is added
-    written.unlink(missing_ok=True)  # an older run's must not pass for this one's
+    page_csv = folder / f"{name}.stalls.csv"
+    for older in (written, page_csv):  # an older run's must not pass for this one's
+        older.unlink(missing_ok=True)
     proc = subprocess.run(stalls_command(ncu, written, child, mode), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not written.exists():
@@ -230,7 +240,7 @@ def profile_stalls(ncu: str, folder: Path, name: str, child: list[str], mode: st
         return {}
     page = subprocess.run(source_page_command(ncu, written), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-    (folder / f"{name}.stalls.csv").write_text(page.stdout)
+    page_csv.write_text(page.stdout)
     try:
         summaries = stalls.summarize(stalls.parse_source_page(page.stdout), top)
     except ValueError as e:
@@ -238,28 +248,40 @@ def profile_stalls(ncu: str, folder: Path, name: str, child: list[str], mode: st
               f"{_last_error(page.stdout) or e}", file=sys.stderr)
         return {}
     for kernel, summary in summaries.items():
-        for line in stalls.format_summary(tc.short_name(kernel), summary):
+        for line in stalls.format_summary(tc.display_name(kernel), summary):
             print(line, file=sys.stderr)
     return summaries
 
 
-def merge_stalls_into_results(path: Path, impl: str, summaries: dict[str, dict]) -> None:
-    """Attach `--stalls` figures to the kernels of `impl`'s results.json row, matched by name as
-    match_kernels matches counters (no launch order: the source page has no launch IDs). Each
-    gets `stalls` with `ncu_kernel` and `matched_by`."""
+def merge_stalls_into_results(path: Path, impl: str, summaries: dict[str, dict]) -> list[str]:
+    """Attach `--stalls` figures to the kernels of `impl`'s results.json row (an earlier run's
+    `stalls` dropped first). A kernel takes the summary of the ncu kernel its counters were
+    matched to (launch order or name, merge_into_results), else one matched by name as
+    match_kernels matches counters (the source page has no launch IDs). Each gets `stalls` with
+    `ncu_kernel` and `matched_by`. Returns the profiled kernels no row kernel took."""
     data = json.loads(path.read_text())
     rows = data.get("rows", []) if isinstance(data, dict) else data
+    taken: set[str] = set()
     for row in rows:
         if row.get("impl") != impl or not row.get("kernels"):
             continue
+        for kernel in row["kernels"]:
+            kernel.pop("stalls", None)
         matches = match_kernels({k["name"]: k.get("per_forward") for k in row["kernels"]},
                                 {n: s["profiles"] for n, s in summaries.items()})
         for kernel in row["kernels"]:
-            if kernel["name"] in matches:
+            counted = (kernel.get("tensor_cores") or {}).get("ncu_kernel")
+            if counted in summaries:
+                ncu_name, how = counted, "the counters' match"
+            elif kernel["name"] in matches:
                 ncu_name, how = matches[kernel["name"]]
-                kernel["stalls"] = {**summaries[ncu_name], "ncu_kernel": ncu_name,
-                                    "matched_by": how}
+            else:
+                continue
+            kernel["stalls"] = {**summaries[ncu_name], "ncu_kernel": ncu_name,
+                                "matched_by": how}
+            taken.add(ncu_name)
     runs.write_json(path, data, indent=2)
+    return [name for name in summaries if name not in taken]
 
 
 def _launches(text: str) -> list[dict]:

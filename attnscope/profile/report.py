@@ -25,7 +25,7 @@ from attnscope.profile.bench_table import summary_text
 from attnscope.profile.metrics import PEAK_DTYPES
 from attnscope.profile.table import CPU_NOTE, evidence_text, table_cells
 from attnscope.profile.table import headers as table_headers
-from attnscope.profile.tensor_cores import name_verdict, short_name
+from attnscope.profile.tensor_cores import display_name, name_verdict
 from attnscope.profile.trace import TraceError, find_row_trace, forward_events, load_events
 
 HELP = ("HTML report from a compare folder: table, charts, per-forward timelines, the fused "
@@ -293,7 +293,7 @@ class _Page:
             cls = f'tc-{verdict["verdict"]}' if verdict else "tc-copy"
             body.append(
                 f'<tr><td>{number}</td><td title="{_e(op["name"])}"><code>'
-                f'{_e(_display_name(op["name"]))}</code></td>'
+                f'{_e(display_name(op["name"]))}</code></td>'
                 f'<td class="num">{op["ts"] - t0:.1f}</td>'
                 f'<td class="num">{op.get("dur", 0):.1f}</td>'
                 f'<td class="{cls}">{_e(verdict["verdict"]) if verdict else "-"}</td>'
@@ -408,17 +408,12 @@ class _Page:
         return _section("traces", "Traces", body)
 
 
-def _display_name(kernel_name: str) -> str:
-    # short_name stops at the first '(', which an anonymous namespace puts mid-name.
-    return short_name(kernel_name.replace("(anonymous namespace)::", ""))
-
-
-UNITS = ("Units: times in microseconds per forward (CUDA us/fwd: busy GPU time, the sum of the "
-         "forward's GPU op durations; CPU us/fwd: the record_function range on the CPU); TFLOP/s "
-         "= causal attention FLOPs / CUDA time; % peak of the measured bf16 matmul peak; peak MB "
-         "= CUDA high-water mark in MiB; max abs err against a float64 reference. Tensor Cores: "
-         "the forward's verdict (yes / no / partial: which kernels) and its evidence tiers "
-         "(counters > sass/ptx > name).")
+UNITS = ("Units: times in microseconds per call, a forward unless the run's mode is fwd_bwd "
+         "(CUDA us: busy GPU time, the sum of the call's GPU op durations; CPU us: the "
+         "record_function range on the CPU); TFLOP/s = causal attention FLOPs / CUDA time; % "
+         "peak of the measured bf16 matmul peak; peak MB = CUDA high-water mark in MiB; max abs "
+         "err against a float64 reference. Tensor Cores: the call's verdict (yes / no / partial: "
+         "which kernels) and its evidence tiers (counters > sass/ptx > name).")
 FWD_BWD_UNITS = ("This run's mode is fwd_bwd: a call is a forward and its backward "
                  "(torch.autograd.grad), so the per-call columns read /fwd+bwd, their kernels, "
                  "time and FLOPs included; the Tensor Cores verdict covers both.")

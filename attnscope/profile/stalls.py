@@ -102,14 +102,14 @@ def summarize(blocks: list[dict], top: int = 8) -> dict[str, dict]:
         total = sum(r["samples"] for r in rows)
         by_reason: dict[str, int] = {}
         for r in rows:
+            # The page has no column for some states (on the H200's ncu none for gmma, a warp
+            # waiting on its wgmma): an instruction's samples past its named ones are "other".
+            r["reasons"][OTHER] = r["samples"] - sum(r["reasons"].values())
             for reason, n in r["reasons"].items():
                 by_reason[reason] = by_reason.get(reason, 0) + n
 
         def share(n):
             return n / total if total else 0.0
-        # The page has no column for some states (on the H200's ncu none for gmma, a warp
-        # waiting on its wgmma): their samples are the rest of the total.
-        by_reason[OTHER] = total - sum(by_reason.values())
         hot = sorted(rows, key=lambda r: -r["samples"])[:top]
         out[name] = {
             "profiles": kernel["profiles"], "samples": total,
@@ -118,7 +118,7 @@ def summarize(blocks: list[dict], top: int = 8) -> dict[str, dict]:
             "top": [{"sass": r["sass"], "share": share(r["samples"]), "executed": r["executed"],
                      "reasons": {k: share(v) for k, v in
                                  sorted(r["reasons"].items(), key=lambda kv: -kv[1])[:2]
-                                 if share(v) >= 0.001}}
+                                 if v > 0 and share(v) >= 0.001}}
                     for r in hot if r["samples"]]}
     return out
 

@@ -40,7 +40,7 @@ NAME_CHARS = 32  # a kernel name in the table's verdict cell; results.json keeps
 
 
 def _short(kernel_name: str) -> str:
-    name = tc.short_name(kernel_name)
+    name = tc.display_name(kernel_name)
     return name if len(name) <= NAME_CHARS else name[:NAME_CHARS - 3] + "..."
 
 

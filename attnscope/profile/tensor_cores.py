@@ -396,6 +396,13 @@ def short_name(kernel_name: str) -> str:
     return re.split(r"[<(]", name, maxsplit=1)[0].strip() or kernel_name
 
 
+def display_name(kernel_name: str) -> str:
+    """short_name of the kernel with an anonymous namespace (Kineto's `(anonymous
+    namespace)::`, ncu's `<unnamed>::`) dropped first: its brackets would end the short name
+    before it starts, leaving the whole name, template arguments and all."""
+    return short_name(re.sub(r"\(anonymous namespace\)::|<unnamed>::", "", kernel_name))
+
+
 def forward_summary(kernels: list[dict]) -> dict:
     """One forward's verdict from its kernels ([{"name", "tensor_cores": verdict}]):
     "yes" (all kernels), "no" (none), "partial: <kernels that do>", or "unknown" when no kernel
@@ -403,7 +410,7 @@ def forward_summary(kernels: list[dict]) -> dict:
     summary is only as strong as the weakest of them."""
     verdicts = [(k["name"], k.get("tensor_cores") or name_verdict(k["name"])) for k in kernels]
     tiers = sorted({v["evidence"] for _, v in verdicts}, key=lambda t: -TIER_STRENGTH[t])
-    yes = [short_name(n) for n, v in verdicts if v["verdict"] == YES]
+    yes = [display_name(n) for n, v in verdicts if v["verdict"] == YES]
     if not verdicts:
         verdict = UNKNOWN
     elif len(yes) == len(verdicts):
