@@ -512,3 +512,25 @@ def test_the_table_shortens_kernel_names_and_says_what_a_call_ran():
                 "tensor_cores": {"verdict": "no", "evidence": "name"}}]
     summary = tc.forward_summary(kernels)
     assert summary["verdict"] == "partial: softmax_warp_forward"
+
+
+def test_report_shows_where_warps_waited_after_ncu_stalls(gpu_folder):
+    """A kernel that `ncu --stalls` summed up gets a warp-states cell in its forward's op table;
+    the other kernels of that table a "-"; a table without any keeps its columns."""
+    from attnscope.profile import stalls
+
+    out, _, _ = gpu_folder
+    page = gzip.open(Path(__file__).parent / "data" / "h200_stalls" /
+                     "fused_nondeterministic.stalls.csv.gz", "rt").read()
+    (summary,) = stalls.summarize(stalls.parse_source_page(page)).values()
+    results = json.loads((out / "results.json").read_text())
+    for row in results["rows"]:
+        if row["impl"] == "fused":
+            row["kernels"][0]["stalls"] = summary
+    (out / "results.json").write_text(json.dumps(results))
+    assert main(["report", str(out)]) == 0
+    page = _Html((out / "report.html").read_text())
+    timelines = page.text["timelines"]
+    assert ("296,367 samples: barrier 28.5%, long_sb 28.3%, wait 9.9%; hottest: NOP 16.5% "
+            "(executed 8,192; barrier)") in timelines
+    assert timelines.count("warp states (ncu --stalls)") == 1  # the fused table only

@@ -25,6 +25,7 @@ from attnscope.profile.bench_table import summary_text
 from attnscope.profile.metrics import PEAK_DTYPES
 from attnscope.profile.table import CPU_NOTE, evidence_text, table_cells
 from attnscope.profile.table import headers as table_headers
+from attnscope.profile.stalls import one_line as stalls_text
 from attnscope.profile.tensor_cores import display_name, name_verdict
 from attnscope.profile.trace import TraceError, find_row_trace, forward_events, load_events
 
@@ -279,25 +280,31 @@ class _Page:
                  f"{sum(1 for op in ops if op['_cat'] == 'kernel')} kernels, "
                  f"{len(ops) - sum(1 for op in ops if op['_cat'] == 'kernel')} other GPU ops")
         image = _img(charts.timeline(forward, numbered, title), f"timeline of {row['impl']}")
+        stalls = {name: k["stalls"] for name, k in by_name.items() if k.get("stalls")}
         return heading + _note(row.get("description", "")) + image + self._op_table(
-            forward, table)
+            forward, table, stalls)
 
-    def _op_table(self, forward, numbered) -> str:
+    def _op_table(self, forward, numbered, stalls=None) -> str:
+        """The forward's GPU ops; with `ncu --stalls` figures ({kernel name: stalls}), a column
+        of where each kernel's warps waited."""
         if not numbered:
             return ""
         t0 = forward["range"]["ts"]
         head = ("<tr><th>#</th><th>GPU op</th><th>start us</th><th>duration us</th>"
-                "<th>Tensor Cores</th><th>how we know</th></tr>")
+                "<th>Tensor Cores</th><th>how we know</th>"
+                + ("<th>warp states (ncu --stalls)</th>" if stalls else "") + "</tr>")
         body = []
         for number, op, verdict in numbered:
             cls = f'tc-{verdict["verdict"]}' if verdict else "tc-copy"
+            waits = f"<td>{_e(stalls_text(stalls[op['name']]))}</td>" if op["name"] in (
+                stalls or {}) else ("<td>-</td>" if stalls else "")
             body.append(
                 f'<tr><td>{number}</td><td title="{_e(op["name"])}"><code>'
                 f'{_e(display_name(op["name"]))}</code></td>'
                 f'<td class="num">{op["ts"] - t0:.1f}</td>'
                 f'<td class="num">{op.get("dur", 0):.1f}</td>'
                 f'<td class="{cls}">{_e(verdict["verdict"]) if verdict else "-"}</td>'
-                f'<td>{_e(evidence_text(verdict)) if verdict else "copy/set"}</td></tr>')
+                f'<td>{_e(evidence_text(verdict)) if verdict else "copy/set"}</td>{waits}</tr>')
         return f'<table class="ops">{head}{"".join(body)}</table>'
 
     # --- fused kernel ---------------------------------------------------------------------------

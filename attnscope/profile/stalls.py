@@ -134,3 +134,16 @@ def format_summary(name: str, summary: dict, reasons: int = 6) -> list[str]:
         lines.append(f"      {100 * hot['share']:5.1f}%  {hot['sass'][:56]:<56}  "
                      f"executed {hot['executed']:,}  ({why})")
     return lines
+
+
+def one_line(summary: dict, states: int = 3) -> str:
+    """A kernel's summary in one line, for the report's op tables: its largest states and its
+    hottest instruction with how often it executed."""
+    text = f"{summary['samples']:,} samples: " + ", ".join(
+        f"{k} {100 * v:.1f}%" for k, v in list(summary["by_reason"].items())[:states])
+    if summary["top"]:
+        hot = summary["top"][0]
+        why = ", ".join(hot["reasons"])
+        text += (f"; hottest: {hot['sass'][:40]} {100 * hot['share']:.1f}% (executed "
+                 f"{hot['executed']:,}{'; ' + why if why else ''})")
+    return text
