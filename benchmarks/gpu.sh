@@ -29,9 +29,15 @@
 #            (default 2), into lab_after.jsonl; with BEFORE_TREE, interleaved: this tree, the
 #            before tree (into lab_before.jsonl), this tree again, then the Gluon rows' ratios
 #            (mean of this tree's two runs / before's)
+#   bwdlab   `benchmarks/labs/bwd_lab.py` (the backward's launches timed, gradients checked) at
+#            BWDLAB_SHAPES (B,H,S,D[,KV] ...) with BWDLAB_ARGS (e.g. --nondeterministic),
+#            LAB_REPEAT rounds, into bwdlab_after.jsonl; with BEFORE_TREE, the trees in turn
+#            twice (this, before, this, before; before's into bwdlab_before.jsonl), then every
+#            row's ratio (mean of this tree's runs / mean of before's)
 # Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_SHAPES, BENCH_MODES, BENCH_IMPLS (forward
 # peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; COMPARE_ARGS,
-# NCU_ARGS; LAB_SHAPES, LAB_REPEAT; STEP_TIMEOUT (seconds per command, default 280).
+# NCU_ARGS; LAB_SHAPES, LAB_REPEAT; BWDLAB_SHAPES, BWDLAB_ARGS; STEP_TIMEOUT (seconds per
+# command, default 280).
 set -uo pipefail
 # The scripts under benchmarks/ import this tree's attnscope even where `pip install -e` cannot
 # build (no network for an isolated build): the repository root goes on the path.
@@ -153,6 +159,43 @@ step_lab() {
   return $rc
 }
 
+step_bwdlab() {
+  local rc=0 out side tree
+  [ -n "${BWDLAB_SHAPES:-}" ] || { echo "bwdlab: set BWDLAB_SHAPES (B,H,S,D[,KV] ...)"; return 2; }
+  out=$(cd "$OUT" && pwd)
+  rm -f "$out/bwdlab_after.jsonl" "$out/bwdlab_before.jsonl"
+  for side in after ${BEFORE_TREE:+before after before}; do
+    tree=$PWD
+    [ "$side" = after ] || tree=$(cd "$BEFORE_TREE" && pwd)
+    echo "-- $side: $tree"
+    # shellcheck disable=SC2086  # the shapes and arguments are separate words
+    (cd "$tree/benchmarks/labs" && PYTHONPATH=$tree timeout "$STEP_TIMEOUT" python bwd_lab.py \
+      ${BWDLAB_ARGS:-} --repeat "${LAB_REPEAT:-2}" --shapes $BWDLAB_SHAPES \
+      --out "$out/bwdlab_$side.jsonl") || rc=$?
+  done
+  [ -z "${BEFORE_TREE:-}" ] || bwdlab_ratios "$out/bwdlab_before.jsonl" "$out/bwdlab_after.jsonl" \
+    || rc=$?
+  return $rc
+}
+
+bwdlab_ratios() {  # BEFORE.jsonl AFTER.jsonl: every (shape, row) of bwd_lab, mean after / before
+  python - "$1" "$2" <<'PY'
+import json, statistics, sys
+before, after = ([json.loads(line) for line in open(p)] for p in sys.argv[1:])
+def key(row):
+    return tuple(row["shape"]), row["impl"]
+for k in dict.fromkeys(key(r) for r in after):
+    a = [r["ms"] for r in after if key(r) == k]
+    b = [r["ms"] for r in before if key(r) == k]
+    if not b:
+        print(f"{k[1]} {list(k[0])}: no run of the before tree")
+        continue
+    ratio = statistics.mean(a) / statistics.mean(b)
+    print(f"{k[1]} {list(k[0])}: after {' '.join(f'{t:.4f}' for t in a)} ms, before "
+          f"{' '.join(f'{t:.4f}' for t in b)} ms, ratio {ratio:.3f}")
+PY
+}
+
 # the lines of a step's log that say how it went, for the summary
 highlights() {
   case $1 in
@@ -161,6 +204,7 @@ highlights() {
     bench) grep -E "^\s*(fused|sdpa_cudnn) |geometric|ratio" "$OUT/bench.log" ;;
     host) grep -E "^(head_dim|decode)|public op|autograd|sdpa" "$OUT/host.log" ;;
     lab) grep -E "ratio" "$OUT/lab.log" ;;
+    bwdlab) grep -E "ratio" "$OUT/bwdlab.log" ;;
     *) tail -3 "$OUT/$1.log" ;;
   esac
 }
@@ -168,7 +212,7 @@ highlights() {
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 for step in "$@"; do
   if ! declare -F "step_$step" > /dev/null; then
-    echo "gpu.sh: unknown step '$step' (setup, test, bench, compare, ncu, host, lab)" >&2
+    echo "gpu.sh: unknown step '$step' (setup, test, bench, compare, ncu, host, lab, bwdlab)" >&2
     exit 2
   fi
 done
