@@ -232,6 +232,8 @@ def profile_stalls(ncu: str, folder: Path, name: str, child: list[str], mode: st
     page_csv = folder / f"{name}.stalls.csv"
     for older in (written, page_csv):  # an older run's must not pass for this one's
         older.unlink(missing_ok=True)
+    print(f"    {name}: sampling warp states under ncu (--stalls) ...", file=sys.stderr,
+          flush=True)
     proc = subprocess.run(stalls_command(ncu, written, child, mode), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0 or not written.exists():
