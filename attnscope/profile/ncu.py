@@ -100,8 +100,7 @@ def stalls_command(ncu: str, report: Path, child: list[str], mode: str = "fwd") 
     # PC sampling (SourceCounters) into a report file (`-o`, `-f` to replace an older one); its
     # source page is exported afterwards (source_page_command).
     return [ncu, "--clock-control", "none", *_nvtx(mode), "--section", "WarpStateStats",
-            "--section", "SourceCounters", "--import-source", "no", "-f", "-o", str(report),
-            *child]
+            "--section", "SourceCounters", "-f", "-o", str(report), *child]
 
 
 def source_page_command(ncu: str, report: Path) -> list[str]:
