@@ -123,10 +123,14 @@ def summarize(blocks: list[dict], top: int = 8) -> dict[str, dict]:
     return out
 
 
+def _states(summary: dict, count: int) -> str:
+    """The `count` largest states of a summary with their shares: "barrier 28.5%, ..."."""
+    return ", ".join(f"{k} {100 * v:.1f}%" for k, v in list(summary["by_reason"].items())[:count])
+
+
 def format_summary(name: str, summary: dict, reasons: int = 6) -> list[str]:
     """Console lines for one kernel's summary."""
-    states = ", ".join(f"{k} {100 * v:.1f}%" for k, v in list(summary["by_reason"].items())
-                       [:reasons])
+    states = _states(summary, reasons)
     lines = [f"    stalls of {name}: {summary['samples']:,} samples in {summary['profiles']} "
              f"profiled launch(es): {states or 'none'}"]
     for hot in summary["top"]:
@@ -139,8 +143,7 @@ def format_summary(name: str, summary: dict, reasons: int = 6) -> list[str]:
 def one_line(summary: dict, states: int = 3) -> str:
     """A kernel's summary in one line, for the report's op tables: its largest states and its
     hottest instruction with how often it executed."""
-    text = f"{summary['samples']:,} samples: " + ", ".join(
-        f"{k} {100 * v:.1f}%" for k, v in list(summary["by_reason"].items())[:states])
+    text = f"{summary['samples']:,} samples: " + _states(summary, states)
     if summary["top"]:
         hot = summary["top"][0]
         why = ", ".join(hot["reasons"])
