@@ -6,6 +6,7 @@ import dataclasses
 import gzip
 import json
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -81,38 +82,58 @@ def test_text_without_a_source_page_is_refused():
         stalls.parse_source_page('==ERROR== something\n"ID","Kernel Name"\n"1","k"')
 
 
-def test_ncu_stalls_runs_a_second_profile_and_merges_each_kernels_stalls(tmp_path, monkeypatch,
+@pytest.fixture
+def faked_ncu(tmp_path, monkeypatch):
+    """The ncu subcommand on a compare run's results.json in tmp_path, `fused` available, ncu
+    faked: every command is recorded in `commands`; the counters' run writes the recorded CSV,
+    every other command gets what the test's `answer(command)` returns."""
+    from attnscope.attention import registry
+    from attnscope.profile import ncu
+    from test_tensor_cores import NCU, _compare_output, _ncu_args
+
+    env = types.SimpleNamespace(ncu=ncu, args=_ncu_args, path=_compare_output(tmp_path),
+                                commands=[], answer=None)
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(registry.IMPLEMENTATIONS, "fused", dataclasses.replace(
+        registry.IMPLEMENTATIONS["fused"], available=lambda device: (True, "")))
+
+    def fake_ncu(command, **kwargs):
+        env.commands.append(command)
+        if "--log-file" in command:  # the counters
+            Path(command[command.index("--log-file") + 1]).write_text(
+                (NCU / "fused.csv").read_text())
+            return subprocess.CompletedProcess(command, 0, stdout="")
+        return env.answer(command)
+
+    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+    return env
+
+
+def _sampled(command):
+    """The PC-sampling run, faked: it writes its report."""
+    Path(command[command.index("-o") + 1]).write_bytes(b"report")
+    return subprocess.CompletedProcess(command, 0, stdout="==PROF== Report: ...")
+
+
+def test_ncu_stalls_runs_a_second_profile_and_merges_each_kernels_stalls(tmp_path, faked_ncu,
                                                                           capsys):
     """--stalls: after the counters, a PC-sampling run into ncu/<impl>.stalls.ncu-rep, its source
     page exported into <impl>.stalls.csv, and the summary printed and attached to the kernel of
     the compare run's row (ncu faked: the recorded counters, and a real source page renamed to
     the seed run's fused kernel)."""
-    from attnscope.attention import registry
-    from attnscope.profile import ncu
-    from test_tensor_cores import NCU, _compare_output, _ncu_args
-
-    path = _compare_output(tmp_path)
-    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(registry.IMPLEMENTATIONS, "fused", dataclasses.replace(
-        registry.IMPLEMENTATIONS["fused"], available=lambda device: (True, "")))
+    ncu, path, commands = faked_ncu.ncu, faked_ncu.path, faked_ncu.commands
     page = _page("fused_nondeterministic").replace('"_attn_bwd_dkdv_hopper"', '"_attn_fwd"')
-    commands = []
 
-    def fake_ncu(command, **kwargs):
-        commands.append(command)
-        if "--log-file" in command:  # the counters
-            Path(command[command.index("--log-file") + 1]).write_text(
-                (NCU / "fused.csv").read_text())
-            return subprocess.CompletedProcess(command, 0, stdout="")
-        if "-o" in command:  # the PC-sampling run
-            Path(command[command.index("-o") + 1]).write_bytes(b"report")
-            return subprocess.CompletedProcess(command, 0, stdout="==PROF== Report: ...")
+    def answer(command):
+        if "-o" in command:
+            return _sampled(command)
         assert command[command.index("-i") + 1].endswith("fused.stalls.ncu-rep")
         return subprocess.CompletedProcess(command, 0, stdout=page)
 
-    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
-    args = _ncu_args("--out", str(tmp_path), "--impl", "fused", "--stalls", "--stall-lines", "3")
+    faked_ncu.answer = answer
+    args = faked_ncu.args("--out", str(tmp_path), "--impl", "fused", "--stalls",
+                          "--stall-lines", "3")
     assert ncu.run(args) == 0
     sampling = commands[1]
     assert sampling[sampling.index("--nvtx-include") + 1] == ncu.RANGE + "/"  # fwd: push/pop
@@ -134,68 +155,34 @@ def test_ncu_stalls_runs_a_second_profile_and_merges_each_kernels_stalls(tmp_pat
     assert "stalls" not in kernel
 
 
-def test_ncu_stalls_failure_is_one_line_and_keeps_the_counters(tmp_path, monkeypatch, capsys):
-    from attnscope.attention import registry
-    from attnscope.profile import ncu
-    from test_tensor_cores import NCU, _compare_output, _ncu_args
-
-    path = _compare_output(tmp_path)
-    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(registry.IMPLEMENTATIONS, "fused", dataclasses.replace(
-        registry.IMPLEMENTATIONS["fused"], available=lambda device: (True, "")))
-
-    def fake_ncu(command, **kwargs):
-        if "--log-file" in command:
-            Path(command[command.index("--log-file") + 1]).write_text(
-                (NCU / "fused.csv").read_text())
-            return subprocess.CompletedProcess(command, 0, stdout="")
-        return subprocess.CompletedProcess(command, 1, stdout="==ERROR== ERR_NVGPUCTRPERM")
-
-    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+def test_ncu_stalls_failure_is_one_line_and_keeps_the_counters(tmp_path, faked_ncu, capsys):
+    ncu = faked_ncu.ncu
+    faked_ncu.answer = lambda command: subprocess.CompletedProcess(
+        command, 1, stdout="==ERROR== ERR_NVGPUCTRPERM")
     older = [tmp_path / "ncu" / f"fused.stalls.{ext}" for ext in ("ncu-rep", "csv")]
     for f in older:  # an earlier run's files must not pass for this run's
         f.parent.mkdir(exist_ok=True)
         f.write_text("older")
-    assert ncu.run(_ncu_args("--out", str(tmp_path), "--impl", "fused", "--stalls")) == 1
+    assert ncu.run(faked_ncu.args("--out", str(tmp_path), "--impl", "fused", "--stalls")) == 1
     err = capsys.readouterr().err
     assert "stalls: failed (exit 1): no permission for GPU counters" in err
     assert "--stalls gave nothing for 1 implementation(s)" in err
     assert not any(f.exists() for f in older)
-    (kernel,) = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}["fused"]["kernels"]
+    rows = {r["impl"]: r for r in json.loads(faked_ncu.path.read_text())["rows"]}
+    (kernel,) = rows["fused"]["kernels"]
     assert kernel["tensor_cores"]["evidence"] == "counters" and "stalls" not in kernel
-    assert ncu.run(_ncu_args("--out", str(tmp_path), "--stall-lines", "0")) == 2
+    assert ncu.run(faked_ncu.args("--out", str(tmp_path), "--stall-lines", "0")) == 2
 
 
-def test_ncu_stalls_without_a_source_page_and_in_fwd_bwd(tmp_path, monkeypatch, capsys):
+def test_ncu_stalls_without_a_source_page_and_in_fwd_bwd(tmp_path, faked_ncu, capsys):
     """The report is written but `ncu -i` prints no page: one line, no stalls. Under --mode
     fwd_bwd the sampling run takes the start/end range, as the counters' run does."""
-    from attnscope.attention import registry
-    from attnscope.profile import ncu
-    from test_tensor_cores import NCU, _compare_output, _ncu_args
-
-    _compare_output(tmp_path)
-    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(registry.IMPLEMENTATIONS, "fused", dataclasses.replace(
-        registry.IMPLEMENTATIONS["fused"], available=lambda device: (True, "")))
-    commands = []
-
-    def fake_ncu(command, **kwargs):
-        commands.append(command)
-        if "--log-file" in command:
-            Path(command[command.index("--log-file") + 1]).write_text(
-                (NCU / "fused.csv").read_text())
-        elif "-o" in command:
-            Path(command[command.index("-o") + 1]).write_bytes(b"report")
-        else:
-            return subprocess.CompletedProcess(command, 1, stdout="==ERROR== unknown option")
-        return subprocess.CompletedProcess(command, 0, stdout="")
-
-    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
-    assert ncu.run(_ncu_args("--out", str(tmp_path / "fwd_bwd"), "--impl", "fused", "--stalls",
-                             "--mode", "fwd_bwd")) == 1
+    ncu = faked_ncu.ncu
+    faked_ncu.answer = lambda command: _sampled(command) if "-o" in command else (
+        subprocess.CompletedProcess(command, 1, stdout="==ERROR== unknown option"))
+    assert ncu.run(faked_ncu.args("--out", str(tmp_path / "fwd_bwd"), "--impl", "fused",
+                                  "--stalls", "--mode", "fwd_bwd")) == 1
     assert "stalls: no source page from" in capsys.readouterr().err
-    sampling = commands[1]
+    sampling = faked_ncu.commands[1]
     assert sampling[sampling.index("--nvtx-include") + 1] == ncu.RANGE  # start/end
     assert sampling[sampling.index("--mode") + 1] == "fwd_bwd"
