@@ -142,39 +142,41 @@ for b in before:
 PY
 }
 
-step_lab() {
-  local rc=0 out side
-  [ -n "${LAB_SHAPES:-}" ] || { echo "lab: set LAB_SHAPES (B,H,S,D[,KV] ...)"; return 2; }
+labs_in_turn() {  # NAME "SIDES" SCRIPT ARGS...: benchmarks/labs/SCRIPT ARGS in this tree
+  # ("after") and BEFORE_TREE ("before") in the order SIDES, each side's JSON lines into
+  # $OUT/NAME_SIDE.jsonl (both files emptied first)
+  local name=$1 sides=$2 script=$3 rc=0 out side tree
+  shift 3
   out=$(cd "$OUT" && pwd)
-  rm -f "$out/lab_after.jsonl" "$out/lab_before.jsonl"
-  for side in after ${BEFORE_TREE:+before after}; do
-    local tree=$PWD
+  rm -f "$out/${name}_after.jsonl" "$out/${name}_before.jsonl"
+  for side in $sides; do
+    tree=$PWD
     [ "$side" = after ] || tree=$(cd "$BEFORE_TREE" && pwd)
     echo "-- $side: $tree"
-    # shellcheck disable=SC2086  # the shapes are separate arguments
-    (cd "$tree/benchmarks/labs" && PYTHONPATH=$tree timeout "$STEP_TIMEOUT" python hopper_lab.py \
-      --time --repeat "${LAB_REPEAT:-2}" --shapes $LAB_SHAPES --out "$out/lab_$side.jsonl") || rc=$?
+    (cd "$tree/benchmarks/labs" && PYTHONPATH=$tree timeout "$STEP_TIMEOUT" python "$script" "$@" \
+      --out "$out/${name}_$side.jsonl") || rc=$?
   done
-  [ -z "${BEFORE_TREE:-}" ] || lab_ratios "$out/lab_before.jsonl" "$out/lab_after.jsonl" || rc=$?
+  return $rc
+}
+
+step_lab() {
+  local rc=0
+  [ -n "${LAB_SHAPES:-}" ] || { echo "lab: set LAB_SHAPES (B,H,S,D[,KV] ...)"; return 2; }
+  # shellcheck disable=SC2086  # the shapes are separate arguments
+  labs_in_turn lab "after ${BEFORE_TREE:+before after}" hopper_lab.py --time \
+    --repeat "${LAB_REPEAT:-2}" --shapes $LAB_SHAPES || rc=$?
+  [ -z "${BEFORE_TREE:-}" ] || lab_ratios "$OUT/lab_before.jsonl" "$OUT/lab_after.jsonl" || rc=$?
   return $rc
 }
 
 step_bwdlab() {
-  local rc=0 out side tree
+  local rc=0
   [ -n "${BWDLAB_SHAPES:-}" ] || { echo "bwdlab: set BWDLAB_SHAPES (B,H,S,D[,KV] ...)"; return 2; }
-  out=$(cd "$OUT" && pwd)
-  rm -f "$out/bwdlab_after.jsonl" "$out/bwdlab_before.jsonl"
-  for side in after ${BEFORE_TREE:+before after before}; do
-    tree=$PWD
-    [ "$side" = after ] || tree=$(cd "$BEFORE_TREE" && pwd)
-    echo "-- $side: $tree"
-    # shellcheck disable=SC2086  # the shapes and arguments are separate words
-    (cd "$tree/benchmarks/labs" && PYTHONPATH=$tree timeout "$STEP_TIMEOUT" python bwd_lab.py \
-      ${BWDLAB_ARGS:-} --repeat "${LAB_REPEAT:-2}" --shapes $BWDLAB_SHAPES \
-      --out "$out/bwdlab_$side.jsonl") || rc=$?
-  done
-  [ -z "${BEFORE_TREE:-}" ] || bwdlab_ratios "$out/bwdlab_before.jsonl" "$out/bwdlab_after.jsonl" \
-    || rc=$?
+  # shellcheck disable=SC2086  # the shapes and arguments are separate words
+  labs_in_turn bwdlab "after ${BEFORE_TREE:+before after before}" bwd_lab.py ${BWDLAB_ARGS:-} \
+    --repeat "${LAB_REPEAT:-2}" --shapes $BWDLAB_SHAPES || rc=$?
+  [ -z "${BEFORE_TREE:-}" ] || bwdlab_ratios "$OUT/bwdlab_before.jsonl" \
+    "$OUT/bwdlab_after.jsonl" || rc=$?
   return $rc
 }
 
