@@ -296,8 +296,8 @@ def _run(args, run_, impls, device, case) -> int:
             print(f"note: {row['impl']}: {row['note']}")
     if device == "cpu":
         print(CPU_NOTE)
-    call = "a forward and its backward" if args.mode == "fwd_bwd" else "a forward"
-    print(f"Per-call columns are per {call}. CUDA us is busy GPU time (the sum of the call's GPU "
+    call = "forward and its backward" if args.mode == "fwd_bwd" else "forward"
+    print(f"Per-call columns count one {call}. CUDA us is busy GPU time (the sum of the call's GPU "
           "ops); TFLOP/s divides by it. "
           f"Traces and tables under {folder}/<impl>/; all figures in {folder / runs.RESULTS}; "
           f"{latest} points there.")
