@@ -242,12 +242,20 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                                   is_async=True)
             dp_tok = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)
+            # Each query's LSE and Delta come from shared memory (the loader's, _stage_stats)
+            # along the columns. Read after S^T's wait, the LSE load queues behind the products'
+            # operand reads and P's first FFMA waits on it: FUSED reads it before (1.9-2.3 %
+            # less time at head_dim 128, notes/lab/bwd_lse_early_h200.txt). The split kernel
+            # reads it after: before, it took 0-1.3 % more, and with 128-query blocks (head_dim
+            # 64, 32 values a thread) it spilled. Delta is read where it is used, so it is not
+            # held through the products.
+            if FUSED:
+                lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            # S^T alone: P's exponentials run while dP^T's product does. Each query's LSE and
-            # Delta come from shared memory (the loader's, _stage_stats) along the columns,
-            # read where they are used, so they are not held through the products.
+            # S^T alone: P's exponentials run while dP^T's product does.
             s_t = warpgroup_mma_wait(1, deps=[s_tok])
-            lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+            if not FUSED:
+                lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
             # key j counts for query i when j <= i + CAUSAL_OFFSET: every query of the block
             # sees every key of this warpgroup from m * BLOCK_M + CAUSAL_OFFSET >= k0 + ROWS - 1 on
