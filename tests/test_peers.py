@@ -341,6 +341,18 @@ def test_peer_kernel_fingerprints(name, verdict, family):
     assert (got["verdict"], got["evidence"], got["family"]) == (verdict, "name", family)
 
 
+def test_cute_dsl_kernels_are_shown_by_their_class():
+    # Tables and console lines name FA4's kernels by class (results.json keeps the whole name);
+    # the backward's is the name an H200 run's ncu printed (2026-12-03)
+    h200 = ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_"
+            "at__tensor0000o11101213_tensor0000o11101213_tensor0000o11101213_tensor0000o1110121")
+    assert tc.display_name(h200) == "FlashAttentionBackwardSm90"
+    assert tc.display_name("kernel_cutlass_kernel_flash_attncuteflash_bwd_postprocessFlash"
+                           "AttentionBackwardPostprocess" + FA4_ARGS) == (
+        "FlashAttentionBackwardPostprocess")
+    assert tc.display_name("kernel_cutlass_kernel_no_class") == "kernel_cutlass_kernel_no_class"
+
+
 # --- GPU: the real libraries, and captures by the driver -------------------------------------
 
 def _require(name):

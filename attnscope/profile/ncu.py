@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             figures = v["metrics"]
             print(f"    {v['verdict']:>7}  matrix inst {figures.get('matrix_instructions', '?')}"
                   f"  tensor pipe {figures.get(tc.TENSOR_PIPE_PCT, '?')}%  "
-                  f"{tc.short_name(name)}", file=sys.stderr)
+                  f"{tc.display_name(name)}", file=sys.stderr)
         if results.exists():  # after each implementation: a run cut short keeps what it measured
             merge_into_results(results, {impl.name: verdicts[impl.name]}, {impl.name: launches})
         if args.stalls:
