@@ -244,11 +244,10 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                                    is_async=True)
             # Each query's LSE and Delta come from shared memory (the loader's, _stage_stats)
             # along the columns. Read after S^T's wait, the LSE load queues behind the products'
-            # operand reads and P's first FFMA waits on it: FUSED reads it before (1.9-2.3 %
-            # less time at head_dim 128, notes/lab/bwd_lse_early_h200.txt). The split kernel
-            # reads it after: before, it took 0-1.3 % more, and with 128-query blocks (head_dim
-            # 64, 32 values a thread) it spilled. Delta is read where it is used, so it is not
-            # held through the products.
+            # operand reads and P's first FFMA waits on it: FUSED reads it before (-1.9 % and
+            # -2.4 % at head_dim 128, notes/lab/bwd_lse_early_h200.txt). The split kernel reads
+            # it after the wait: read early, it took 0.5 % and 1.2 % more. Delta is read where
+            # it is used, so it is not held through the products.
             if FUSED:
                 lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))

@@ -398,7 +398,8 @@ def short_name(kernel_name: str) -> str:
 
 # A CuTe DSL kernel's name (FA4's): kernel_cutlass_kernel_<module path without dots, lower
 # case><class>_object_at_<argument layouts>, 150-400 characters
-_CUTE_DSL_NAME = re.compile(r"kernel_cutlass_kernel_[a-z0-9_]*?([A-Z][A-Za-z0-9]*)_object_at_")
+_CUTE_DSL_NAME = re.compile(
+    r"kernel_cutlass_kernel_(?:(?!tensor)[a-z0-9_])*?([A-Z][A-Za-z0-9]*)_object_at_")
 
 
 def display_name(kernel_name: str) -> str:
@@ -406,7 +407,7 @@ def display_name(kernel_name: str) -> str:
     `FlashAttentionBackwardSm90`); else short_name of the name with an anonymous namespace
     (Kineto's `(anonymous namespace)::`, ncu's `<unnamed>::`) dropped first: its brackets would
     end the short name before it starts, leaving the whole name, template arguments and all.
-    results.json keeps the whole name."""
+    results.json's kernels keep the whole name; its "partial: ..." verdicts list these."""
     cute = _CUTE_DSL_NAME.match(kernel_name)
     if cute:
         return cute.group(1)
