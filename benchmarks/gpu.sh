@@ -34,6 +34,9 @@
 #            LAB_REPEAT rounds, into bwdlab_after.jsonl; with BEFORE_TREE, the trees in turn
 #            twice (this, before, this, before; before's into bwdlab_before.jsonl), then every
 #            row's ratio (mean of this tree's runs / mean of before's)
+#            lab and bwdlab take several BEFORE_TREE folders (space-separated, e.g. main's tree
+#            and a variant's): each runs where "before" does above, in the order given, into
+#            NAME_before_<folder name>.jsonl, and the ratios are this tree's against each
 # Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_SHAPES, BENCH_MODES, BENCH_IMPLS (forward
 # peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; COMPARE_ARGS,
 # NCU_ARGS; LAB_SHAPES, LAB_REPEAT; BWDLAB_SHAPES, BWDLAB_ARGS; STEP_TIMEOUT (seconds per
@@ -88,6 +91,8 @@ step_bench() {
   [ -z "${BENCH_SHAPES:-}" ] || shapes=(--shape $BENCH_SHAPES)
   for mode in ${BENCH_MODES:-fwd bwd fwd_bwd}; do
     impls=$BENCH_IMPLS; [ "$mode" = fwd ] || impls=$BENCH_BWD_IMPLS
+    [ "$(side_file x)" = before ] \
+      || { echo "bench: BEFORE_TREE is one folder here (lab and bwdlab take several)"; return 2; }
     if [ -n "${BEFORE_TREE:-}" ]; then  # python -m imports the current folder's attnscope
       # shellcheck disable=SC2086  # the implementation names are separate arguments
       (cd "$BEFORE_TREE" && timeout "$STEP_TIMEOUT" python -m attnscope.profile bench \
@@ -142,19 +147,41 @@ for b in before:
 PY
 }
 
-labs_in_turn() {  # NAME "SIDES" SCRIPT ARGS...: benchmarks/labs/SCRIPT ARGS in this tree
-  # ("after") and BEFORE_TREE ("before") in the order SIDES, each side's JSON lines into
-  # $OUT/NAME_SIDE.jsonl (both files emptied first)
-  local name=$1 sides=$2 script=$3 rc=0 out side tree
+side_file() {  # TREE: an earlier tree's name in the lab files: "before" where BEFORE_TREE is one
+  # folder, "before_<folder name>" where it lists several
+  # shellcheck disable=SC2206  # the trees are separate words
+  local trees=(${BEFORE_TREE:-})
+  if [ ${#trees[@]} -gt 1 ]; then echo "before_$(basename "$1")"; else echo before; fi
+}
+
+labs_in_turn() {  # NAME "SIDES" SCRIPT ARGS...: benchmarks/labs/SCRIPT ARGS in the trees SIDES
+  # lists, in turn ("after": this tree; else a folder of BEFORE_TREE), each tree's JSON lines
+  # into $OUT/NAME_after.jsonl or NAME_<side_file>.jsonl (the step's files emptied first)
+  local name=$1 sides=$2 script=$3 rc=0 out side tree file
   shift 3
   out=$(cd "$OUT" && pwd)
-  rm -f "$out/${name}_after.jsonl" "$out/${name}_before.jsonl"
+  rm -f "$out/${name}_after.jsonl" "$out/${name}"_before*.jsonl
   for side in $sides; do
-    tree=$PWD
-    [ "$side" = after ] || tree=$(cd "$BEFORE_TREE" && pwd)
-    echo "-- $side: $tree"
+    tree=$PWD file=after
+    if [ "$side" != after ]; then
+      tree=$(cd "$side" && pwd) || { rc=2; continue; }
+      file=$(side_file "$side")
+    fi
+    echo "-- $file: $tree"
     (cd "$tree/benchmarks/labs" && PYTHONPATH=$tree timeout "$STEP_TIMEOUT" python "$script" "$@" \
-      --out "$out/${name}_$side.jsonl") || rc=$?
+      --out "$out/${name}_$file.jsonl") || rc=$?
+  done
+  return $rc
+}
+
+each_before() {  # NAME RATIOS: the function RATIOS (BEFORE.jsonl AFTER.jsonl) against each tree
+  # of BEFORE_TREE
+  local name=$1 ratios=$2 rc=0 tree before
+  for tree in $BEFORE_TREE; do
+    echo "-- this tree against $tree"
+    before=$OUT/${name}_$(side_file "$tree").jsonl
+    [ -s "$before" ] || { echo "no run of $tree to compare with"; rc=1; continue; }
+    "$ratios" "$before" "$OUT/${name}_after.jsonl" || rc=$?
   done
   return $rc
 }
@@ -163,9 +190,9 @@ step_lab() {
   local rc=0
   [ -n "${LAB_SHAPES:-}" ] || { echo "lab: set LAB_SHAPES (B,H,S,D[,KV] ...)"; return 2; }
   # shellcheck disable=SC2086  # the shapes are separate arguments
-  labs_in_turn lab "after ${BEFORE_TREE:+before after}" hopper_lab.py --time \
+  labs_in_turn lab "after ${BEFORE_TREE:+$BEFORE_TREE after}" hopper_lab.py --time \
     --repeat "${LAB_REPEAT:-2}" --shapes $LAB_SHAPES || rc=$?
-  [ -z "${BEFORE_TREE:-}" ] || lab_ratios "$OUT/lab_before.jsonl" "$OUT/lab_after.jsonl" || rc=$?
+  [ -z "${BEFORE_TREE:-}" ] || each_before lab lab_ratios || rc=$?
   return $rc
 }
 
@@ -173,10 +200,9 @@ step_bwdlab() {
   local rc=0
   [ -n "${BWDLAB_SHAPES:-}" ] || { echo "bwdlab: set BWDLAB_SHAPES (B,H,S,D[,KV] ...)"; return 2; }
   # shellcheck disable=SC2086  # the shapes and arguments are separate words
-  labs_in_turn bwdlab "after ${BEFORE_TREE:+before after before}" bwd_lab.py ${BWDLAB_ARGS:-} \
-    --repeat "${LAB_REPEAT:-2}" --shapes $BWDLAB_SHAPES || rc=$?
-  [ -z "${BEFORE_TREE:-}" ] || bwdlab_ratios "$OUT/bwdlab_before.jsonl" \
-    "$OUT/bwdlab_after.jsonl" || rc=$?
+  labs_in_turn bwdlab "after ${BEFORE_TREE:+$BEFORE_TREE after $BEFORE_TREE}" bwd_lab.py \
+    ${BWDLAB_ARGS:-} --repeat "${LAB_REPEAT:-2}" --shapes $BWDLAB_SHAPES || rc=$?
+  [ -z "${BEFORE_TREE:-}" ] || each_before bwdlab bwdlab_ratios || rc=$?
   return $rc
 }
 
@@ -205,8 +231,8 @@ highlights() {
     test) grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/test.log" ;;
     bench) grep -E "^\s*(fused|sdpa_cudnn) |geometric|ratio" "$OUT/bench.log" ;;
     host) grep -E "^(head_dim|decode)|public op|autograd|sdpa" "$OUT/host.log" ;;
-    lab) grep -E "ratio" "$OUT/lab.log" ;;
-    bwdlab) grep -E "ratio" "$OUT/bwdlab.log" ;;
+    lab) grep -E "ratio|against|no run" "$OUT/lab.log" ;;
+    bwdlab) grep -E "ratio|against|no run" "$OUT/bwdlab.log" ;;
     *) tail -3 "$OUT/$1.log" ;;
   esac
 }
