@@ -89,10 +89,10 @@ step_bench() {
   shapes=(--sweep "$BENCH_SWEEP")
   # shellcheck disable=SC2206  # the shapes are separate arguments
   [ -z "${BENCH_SHAPES:-}" ] || shapes=(--shape $BENCH_SHAPES)
+  [ "$(before_count)" -le 1 ] \
+    || { echo "bench: BEFORE_TREE is one folder here (lab and bwdlab take several)"; return 2; }
   for mode in ${BENCH_MODES:-fwd bwd fwd_bwd}; do
     impls=$BENCH_IMPLS; [ "$mode" = fwd ] || impls=$BENCH_BWD_IMPLS
-    [ "$(side_file x)" = before ] \
-      || { echo "bench: BEFORE_TREE is one folder here (lab and bwdlab take several)"; return 2; }
     if [ -n "${BEFORE_TREE:-}" ]; then  # python -m imports the current folder's attnscope
       # shellcheck disable=SC2086  # the implementation names are separate arguments
       (cd "$BEFORE_TREE" && timeout "$STEP_TIMEOUT" python -m attnscope.profile bench \
@@ -147,11 +147,15 @@ for b in before:
 PY
 }
 
-side_file() {  # TREE: an earlier tree's name in the lab files: "before" where BEFORE_TREE is one
-  # folder, "before_<folder name>" where it lists several
+before_count() {  # how many folders BEFORE_TREE lists
   # shellcheck disable=SC2206  # the trees are separate words
   local trees=(${BEFORE_TREE:-})
-  if [ ${#trees[@]} -gt 1 ]; then echo "before_$(basename "$1")"; else echo before; fi
+  echo ${#trees[@]}
+}
+
+side_file() {  # TREE: an earlier tree's name in the lab files: "before" where BEFORE_TREE is one
+  # folder, "before_<folder name>" where it lists several
+  if [ "$(before_count)" -gt 1 ]; then echo "before_$(basename "$1")"; else echo before; fi
 }
 
 labs_in_turn() {  # NAME "SIDES" SCRIPT ARGS...: benchmarks/labs/SCRIPT ARGS in the trees SIDES
