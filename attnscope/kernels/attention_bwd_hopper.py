@@ -88,14 +88,24 @@ def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem, view, STRIDED: g
 
 
 @gluon.jit
-def _load(desc, hz, row, bar, buf, view, STRIDED: gl.constexpr):
-    # Rows from `row` of head hz (in [batch * heads]) of _descriptor's view into buf.
+def _box(hz, row, buf, view, STRIDED: gl.constexpr):
+    # _descriptor's coordinates of the rows from `row` of head hz (in [batch * heads]), and buf
+    # shaped as its box
     if STRIDED:
         heads = view[0]
-        tma_load(desc, [hz // heads, hz % heads, row, 0], bar,
-                 buf.reshape([1, 1, buf.shape[0], buf.shape[1]]))
+        coords = [hz // heads, hz % heads, row, 0]
+        box = buf.reshape([1, 1, buf.shape[0], buf.shape[1]])
     else:
-        tma_load(desc, [hz, row, 0], bar, buf.reshape([1, buf.shape[0], buf.shape[1]]))
+        coords = [hz, row, 0]
+        box = buf.reshape([1, buf.shape[0], buf.shape[1]])
+    return coords, box
+
+
+@gluon.jit
+def _load(desc, hz, row, bar, buf, view, STRIDED: gl.constexpr):
+    # Rows from `row` of head hz (in [batch * heads]) of _descriptor's view into buf.
+    coords, box = _box(hz, row, buf, view, STRIDED)
+    tma_load(desc, coords, bar, box)
 
 
 @gluon.jit
@@ -114,12 +124,8 @@ def _program_tile(n_pairs, NUM_TILES, HEAD_GROUP, LONGEST_LAST: gl.constexpr):
 @gluon.jit
 def _store(desc, hz, row, buf, view, STRIDED: gl.constexpr):
     # buf into rows from `row` of head hz of _descriptor's view (rows past the end dropped).
-    if STRIDED:
-        heads = view[0]
-        tma_store(desc, [hz // heads, hz % heads, row, 0],
-                  buf.reshape([1, 1, buf.shape[0], buf.shape[1]]))
-    else:
-        tma_store(desc, [hz, row, 0], buf.reshape([1, buf.shape[0], buf.shape[1]]))
+    coords, box = _box(hz, row, buf, view, STRIDED)
+    tma_store(desc, coords, box)
 
 
 @gluon.jit
