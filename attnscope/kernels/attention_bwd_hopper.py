@@ -23,7 +23,10 @@ dK/dV (`_attn_bwd_dkdv_hopper`):
   S^T = K Q^T and dP^T = V dO^T from shared memory, then P^T = exp2(S^T * scale * log2e - LSE *
   log2e) and dS^T = P^T * (dP^T - Delta) in registers, and dV += P^T dO, dK += dS^T Q with P^T
   and dS^T as the wgmma's register operand. dK and dV are staged in the warpgroup's own K and V
-  buffers once its loop is done and stored by the copy engine, which drops rows past the end.
+  buffers once its loop is done and stored by the copy engine, which drops rows past the end;
+  the loader issues those stores once both warpgroups have staged (the "staged" mbarrier),
+  having made their descriptors while the consumers finished (FUSED: each warpgroup stores its
+  own).
 
 With FUSED (attention_bwd's deterministic=False, attention_bwd.fused_dq's calls) the dK/dV
 kernel computes dQ too, and no dQ kernel runs: each consumer stages its dS^T in shared memory,
@@ -155,10 +158,10 @@ def _query_head(off_hkvz, H, GROUP, g):
 
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            BLOCK_M: gl.constexpr, STRIDED: gl.constexpr):
+            FUSED: gl.constexpr, BLOCK_M: gl.constexpr, STRIDED: gl.constexpr):
     (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem, delta_smem,
-     views) = args
+     views, DK, DV, staged) = args
     q_view, k_view, v_view, do_view, dk_view, dv_view = views
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
     q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem, q_view, STRIDED)
@@ -195,6 +198,29 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
                          m * BLOCK_M, N_CTX_Q, BLOCK_M)
             mbarrier.expect(ready.index(slot), 2 * q_bytes)
             it += 1
+    if not FUSED:
+        n_kv = n_hz // GROUP
+        _store_staged(DK, DV, k_smem, v_smem, n_kv, N_CTX_K, hz_kv, n0, staged, dk_view, dv_view,
+                      HEAD_DIM, STRIDED)
+
+
+@gluon.jit
+def _store_staged(A, B, a_smem, b_smem, n_hz, n_ctx, hz, row0, staged, a_view, b_view,
+                  HEAD_DIM: gl.constexpr, STRIDED: gl.constexpr):
+    # The loader, done loading: both consumers' gradient tiles (each warpgroup's rows of A in
+    # a_smem.index(wg), of B in b_smem.index(wg); B None for one tensor), staged once
+    # `staged` completes, stored by the copy engine from row row0 of head hz (rows past the end
+    # dropped). Its descriptors are made while the consumers finish (each is written to global
+    # memory and fenced: made by the consumers, they delayed the program's end).
+    a_desc = _descriptor(A, n_hz, n_ctx, HEAD_DIM, a_smem, a_view, STRIDED)
+    if B is not None:
+        b_desc = _descriptor(B, n_hz, n_ctx, HEAD_DIM, b_smem, b_view, STRIDED)
+    mbarrier.wait(staged, 0)
+    for wg in gl.static_range(2):
+        _store(a_desc, hz, row0 + wg * ROWS, a_smem.index(wg), a_view, STRIDED)
+        if B is not None:
+            _store(b_desc, hz, row0 + wg * ROWS, b_smem.index(wg), b_view, STRIDED)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -214,8 +240,8 @@ def _stage_stats(Lse, Delta, lse_buf, delta_buf, hz, row0, N_CTX_Q, BLOCK_M: gl.
 def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr,
               STRIDED: gl.constexpr):
-    (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, lse_smem, delta_smem, H,
-     GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES,
+    (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, staged, DK, DV, lse_smem,
+     delta_smem, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES,
      HEAD_GROUP, views) = args
     if FUSED:
         ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
@@ -312,17 +338,22 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
         mbarrier.wait(kv_done, 0)
     # dS was taken w.r.t. the scaled scores: the chain rule puts the scale on dK. This warpgroup's
     # K and V tiles are no longer read (its last wgmma has retired): they stage dK and dV for
-    # the copy engine, which drops the rows past the keys' end.
+    # the copy engine, which drops the rows past the keys' end: stored by the loader in the split
+    # kernel (_store_staged), by this warpgroup in the fused one (the loader's stores measured
+    # 4-6 % slower there: notes/lab/bwd_loader_stores_h200.txt).
     k_tile.store((dk * sm_scale).to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
-    n_kv = n_hz // GROUP
-    dk_view, dv_view = views[4], views[5]
-    _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem, dk_view, STRIDED), hz_kv, k0, k_tile,
-           dk_view, STRIDED)
-    _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem, dv_view, STRIDED), hz_kv, k0, v_tile,
-           dv_view, STRIDED)
-    tma.store_wait(0)
+    if FUSED:
+        n_kv = n_hz // GROUP
+        dk_view, dv_view = views[4], views[5]
+        _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem, dk_view, STRIDED), hz_kv, k0,
+               k_tile, dk_view, STRIDED)
+        _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem, dv_view, STRIDED), hz_kv, k0,
+               v_tile, dv_view, STRIDED)
+        tma.store_wait(0)
+    else:
+        mbarrier.arrive(staged)
 
 
 @gluon.jit
@@ -376,18 +407,21 @@ def _fused_buffers(dtype: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.c
 @gluon.jit
 def _barriers(STAGES: gl.constexpr):
     # Both kernels' mbarriers: one for the tiles a program loads once (the copy engine's
-    # bytes), and per stage of the streamed ring "ready" (the copy engine's bytes) and "empty"
-    # (one arrival per consumer warpgroup); initialised and fenced.
+    # bytes), per stage of the streamed ring "ready" (the copy engine's bytes) and "empty"
+    # (one arrival per consumer warpgroup), and "staged" (both consumers' gradients staged in
+    # shared memory for the loader to store; unused by the fused kernel); initialised and fenced.
     layout: gl.constexpr = mbarrier.MBarrierLayout()
     once = gl.allocate_shared_memory(gl.int64, [1], layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], layout)
+    staged = gl.allocate_shared_memory(gl.int64, [1], layout)
     mbarrier.init(once, count=1)
+    mbarrier.init(staged, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     fence_async_shared()
-    return once, ready, empty
+    return once, ready, empty, staged
 
 
 @gluon.jit
@@ -418,7 +452,7 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
     stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stat_layout)
-    kv_ready, ready, empty = _barriers(STAGES)
+    kv_ready, ready, empty, staged = _barriers(STAGES)
     n_hz = BATCH * H
     h_kv = H // GROUP
     views = ((H, stride_qz, stride_qh, stride_qm), (h_kv, stride_kz, stride_kh, stride_km),
@@ -426,8 +460,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
              (h_kv, stride_dkz, stride_dkh, stride_dkm), (h_kv, stride_dvz, stride_dvh, stride_dvm))
     loads = (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP,
              N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem,
-             delta_smem, views)
-    work = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, DK, DV, lse_smem,
+             delta_smem, views, DK, DV, staged)
+    work = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, staged, DK, DV, lse_smem,
             delta_smem, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz,
             NUM_TILES, HEAD_GROUP, views)
     if FUSED:
@@ -436,14 +470,14 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
         gl.warp_specialize([
             (_consumer, (work, fused, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
             (_consumer, (work, fused, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, BLOCK_M, STRIDED)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
             (_dq_writer, (writes, fused, HEAD_DIM, CAUSAL)),
         ], [4, 1, 1], [CONSUMER_REGS, 32, 32])
     else:
         gl.warp_specialize([
             (_consumer, (work, None, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
             (_consumer, (work, None, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, BLOCK_M, STRIDED)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
         ], [4, 1], [CONSUMER_REGS, 32])
 
 
@@ -453,7 +487,7 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
 def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                CAUSAL: gl.constexpr, STRIDED: gl.constexpr):
     (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, views) = args
+     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, views, DQ, staged) = args
     q_view, k_view, v_view, do_view, dq_view = views
     hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
     m0 = m * (2 * ROWS)
@@ -476,6 +510,8 @@ def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.c
               STRIDED)
         _load(v_desc, hz_kv, j * BLOCK_N, ready.index(slot), v_smem.index(slot), v_view,
               STRIDED)
+    _store_staged(DQ, None, q_smem, q_smem, n_hz, N_CTX_Q, hz, m0, staged, views[4], views[4],
+                  HEAD_DIM, STRIDED)
 
 
 @gluon.jit
@@ -491,7 +527,7 @@ def _key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.co
 @gluon.jit
 def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, STRIDED: gl.constexpr):
-    (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, DQ, Lse, Delta, H, N_CTX_Q,
+    (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, staged, Lse, Delta, H, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP, views) = args
     hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
     m0 = m * (2 * ROWS)
@@ -546,13 +582,10 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
         dq = warpgroup_mma_wait(0, deps=[dq])
         mbarrier.arrive(empty.index(slot))
     # dS was taken w.r.t. the scaled scores: the chain rule puts the scale on dQ. This warpgroup's
-    # Q buffer is no longer read: it stages dQ for the copy engine, which drops rows past the end.
+    # Q buffer is no longer read: it stages dQ for the loader's store (_store_staged).
     q.store((dq * sm_scale).to(dtype))
     fence_async_shared()
-    dq_view = views[4]
-    _store(_descriptor(DQ, n_hz, N_CTX_Q, HEAD_DIM, q_smem, dq_view, STRIDED), hz, r0, q,
-           dq_view, STRIDED)
-    tma.store_wait(0)
+    mbarrier.arrive(staged)
 
 
 @gluon.jit
@@ -574,16 +607,16 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
     do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    qdo_ready, ready, empty = _barriers(STAGES)
+    qdo_ready, ready, empty, staged = _barriers(STAGES)
     n_hz = BATCH * H
     h_kv = H // GROUP
     views = ((H, stride_qz, stride_qh, stride_qm), (h_kv, stride_kz, stride_kh, stride_km),
              (h_kv, stride_vz, stride_vh, stride_vm), (H, stride_doz, stride_doh, stride_dom),
              (H, stride_dqz, stride_dqh, stride_dqm))
     loads = (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP,
-             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, views)
-    work = (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, DQ, Lse, Delta, H, N_CTX_Q,
-            N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP, views)
+             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, views, DQ, staged)
+    work = (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, staged, Lse, Delta, H,
+            N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP, views)
     gl.warp_specialize([
         (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, STRIDED)),
         (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, STRIDED)),
