@@ -597,3 +597,55 @@ def test_bwd_mode_runs_without_donated_buffers_and_restores_them(monkeypatch):
     for mode in ("bwd", "fwd_bwd"):
         bench.run(_parse("--sweep", "cpu", "--mode", mode))
     assert seen == [False, before] and functorch_config.donated_buffer == before
+
+
+def _warning(q, k, v):
+    # A peer that warns on every call, as some JIT-compiled ones do on every compile.
+    import warnings
+
+    def call():
+        warnings.warn("argument aux_data cannot be converted\nsecond line", UserWarning)
+        return attention_reference(q, k, v, dtype=q.dtype)
+    return call
+
+
+def _warning_refusal(q, k, v):
+    import warnings
+    warnings.warn("Memory efficient kernel not used because: head_dim", UserWarning)
+    raise NotImplementedError("no kernel for this call")
+
+
+def test_warnings_are_kept_in_the_row_not_printed(fakes, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(registry.IMPLEMENTATIONS, "peer_warns", _impl("peer_warns", _warning))
+    monkeypatch.setitem(registry.IMPLEMENTATIONS, "peer_refuses",
+                        _impl("peer_refuses", _warning_refusal))
+    out = tmp_path / "bench.json"
+    argv = ("--sweep", "cpu", "--impl", "peer_warns", "peer_refuses", "fused", "--json", str(out))
+    assert bench.run(_parse(*argv, *FAST)) == 0
+    doc = json.loads(out.read_text())
+    assert "warnings" in doc
+    for row in doc["rows"]:
+        if row["impl"] == "peer_warns":  # every timed call warned: one entry, its first line
+            assert row["status"] == "ok"
+            assert row["warnings"] == ["UserWarning: argument aux_data cannot be converted"]
+        elif row["impl"] == "peer_refuses":
+            assert row["status"] == "unsupported"
+            assert row["warnings"] == ["UserWarning: Memory efficient kernel not used because: "
+                                       "head_dim"]
+        else:
+            assert row["warnings"] == []
+    printed = capsys.readouterr()
+    assert "aux_data" not in printed.err  # not printed: the ok rows count theirs
+    assert "(1 warning kept in the row)" in printed.err
+    assert "warned: UserWarning: Memory efficient kernel not used" in printed.err
+    n = len(sweeps.SWEEPS["cpu"])
+    assert (f"note: peer_warns warned on {n} rows (the JSON rows' \"warnings\" keep each): "
+            "UserWarning: argument aux_data cannot be converted") in printed.out
+
+
+def test_progress_line_reads_rows_without_warnings():
+    # rows of a file written before the field (a resumed run prints them)
+    row = {"shape": [1, 2, 16, 16], "status": "ok", "median_ms": 1.0, "tflops": 1.0,
+           "error": None, "first_call_ms": 2.0, "scenario": "prefill", "kv_len": 16,
+           "kv_heads": 2, "impl": "fused"}
+    assert "warning" not in bench_table.progress_line(1, 1, row)

@@ -20,9 +20,13 @@ sequences), whose module also decides what each entry can express, how it is ask
 reference and FLOPs of each case.
 
 A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
-and the sweep goes on. The JSON file is rewritten after every row, so Ctrl-C keeps what finished,
-and `--resume` continues such a file: the same command times only the rows it lacks (a long
-sweep can run in parts, e.g. on a machine with a time limit per job).
+and the sweep goes on. The Python warnings an entry raises while it is prepared, run and timed
+are kept in its row (`warnings`: each distinct one's category and first line) instead of printed,
+so a peer that warns on every compile does not bury the progress lines; a row that could not be
+timed prints its first, which often names the check that refused the call. The JSON file is
+rewritten after every row, so Ctrl-C keeps what finished, and `--resume` continues such a file:
+the same command times only the rows it lacks (a long sweep can run in parts, e.g. on a machine
+with a time limit per job).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +53,7 @@ from attnscope.profile.memory import (SCORE_BYTES, SCORE_MEMORY_FRACTION, free_m
                                       score_memory_skip)
 from attnscope.profile.metrics import REF_MEMORY_FRACTION, pct_of_peak, tflops
 from attnscope.profile.sweeps import SWEEPS, Case, resolve_sweep
-from attnscope.profile.bench_table import format_table, progress_line, summary_line
+from attnscope.profile.bench_table import format_table, progress_line, summary_line, warned
 from attnscope.profile.timing import DEFAULT_L2_BYTES, input_sets, median_ms, sync, timing_block
 
 HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
@@ -168,12 +173,31 @@ def _row(ctx: _Context, case: Case, name: str) -> dict:
             "causal": ctx.causal, "mode": ctx.mode, "impl": name, "status": "ok", "reason": "",
             "median_ms": None, "tflops": None, "pct_of_peak": None, "ratio_to_best_peer": None,
             "error": None, "error_compared": None, "first_call_ms": None, "input_sets": None,
+            "warnings": [],
             # Versions on every row, so rows copied out of their file still say what ran them.
             "torch": ctx.env.get("torch"), "triton": ctx.env.get("triton")}
 
 
 def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -> dict:
-    """Time one implementation at one shape; never raises except for KeyboardInterrupt."""
+    """Time one implementation at one shape; never raises except for KeyboardInterrupt. The
+    warnings raised meanwhile go into the row's `warnings`, each distinct one once."""
+    seen: dict[str, None] = {}
+
+    def keep(message, category, *_):
+        first = str(message).strip().splitlines()
+        seen.setdefault(f"{category.__name__}: {first[0] if first else ''}"[:MAX_WARNING], None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # every distinct one, not only its first in the process
+        warnings.showwarning = keep
+        row = _bench_one(ctx, case, impl, inputs, reference, free_bytes)
+    row["warnings"] = list(seen)
+    return row
+
+
+MAX_WARNING = 300  # characters of a warning kept in a row
+
+
+def _bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -> dict:
     row = _row(ctx, case, impl.name)
     ok, why = ctx.available[impl.name]
     if not ok:
@@ -446,6 +470,8 @@ def _header(env: dict, sweep: str, cases, device: torch.device, l2_bytes: int | 
         "error": "max abs difference of the forward output against attention_reference in "
         "float64 on the same inputs (input set 0), in every mode; error_compared says which "
         "batch*heads and query rows",
+        "warnings": "each row's distinct Python warnings (category: first line) raised while "
+        "its entry was prepared, run and timed; kept here, not printed",
         "skip_rule": f"entries that materialize the scores skipped when B*H*q_len*kv_len*"
         f"{SCORE_BYTES} (packed sequences: H*total^2*{SCORE_BYTES}) "
         f"bytes > {SCORE_MEMORY_FRACTION:.0%} of free memory",
@@ -577,6 +603,9 @@ def _run(args) -> int:
     print(format_table(final, time_label))
     for name, text in dict.fromkeys((r["impl"], r["note"]) for r in final if r["note"]):
         print(f"note: {name}: {text}")
+    for name, (n, first) in warned(final).items():
+        print(f"note: {name} warned on {n} row{'s' if n > 1 else ''} (the JSON rows' "
+              f"\"warnings\" keep each): {first}")
     for name, s in geomean_ratios(final).items():
         print(summary_line(name, s))
     if device.type == "cpu":
