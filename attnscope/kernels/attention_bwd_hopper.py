@@ -510,7 +510,7 @@ def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.c
               STRIDED)
         _load(v_desc, hz_kv, j * BLOCK_N, ready.index(slot), v_smem.index(slot), v_view,
               STRIDED)
-    _store_staged(DQ, None, q_smem, q_smem, n_hz, N_CTX_Q, hz, m0, staged, views[4], views[4],
+    _store_staged(DQ, None, q_smem, q_smem, n_hz, N_CTX_Q, hz, m0, staged, dq_view, dq_view,
                   HEAD_DIM, STRIDED)
 
 
@@ -526,9 +526,9 @@ def _key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, STRIDED: gl.constexpr):
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, staged, Lse, Delta, H, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP, views) = args
+     N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
     hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
     m0 = m * (2 * ROWS)
     r0 = m0 + WG * ROWS  # this warpgroup's first query row
@@ -616,10 +616,10 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
     loads = (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP,
              N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, views, DQ, staged)
     work = (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, staged, Lse, Delta, H,
-            N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP, views)
+            N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP)
     gl.warp_specialize([
-        (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, STRIDED)),
-        (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, STRIDED)),
+        (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+        (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
         (_dq_loader, (loads, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, STRIDED)),
     ], [4, 1], [CONSUMER_REGS, 32])
 
