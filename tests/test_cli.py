@@ -111,6 +111,41 @@ def test_failing_implementations_become_rows(tmp_path, monkeypatch):
     assert rows["naive"]["status"] == "ok"  # the run went on after every failure
 
 
+def _warns(q, k, v):
+    import warnings
+
+    def call():
+        warnings.warn("argument aux_data cannot be converted\nsecond line", UserWarning)
+        return q * 2
+    return call
+
+
+def _warns_then_refuses(q, k, v):
+    import warnings
+    warnings.warn("Flash attention kernel not used because: head_dim", UserWarning)
+    raise NotImplementedError("no kernel for this call")
+
+
+def test_compare_keeps_warnings_in_rows(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(IMPLEMENTATIONS, "warns", _fake("warns", _warns))
+    monkeypatch.setitem(IMPLEMENTATIONS, "refuses", _fake("refuses", _warns_then_refuses))
+    out = tmp_path / "out"
+    assert main([*TINY, "--impl", "warns", "refuses", "naive", "--out", str(out)]) == 0
+    rows = {r["impl"]: r for r in _results(out)["rows"]}
+    assert rows["warns"]["status"] == "ok"  # every profiled call warned: kept once
+    assert rows["warns"]["warnings"] == ["UserWarning: argument aux_data cannot be converted"]
+    assert rows["refuses"]["status"] == "unsupported"
+    assert rows["refuses"]["warnings"] == [
+        "UserWarning: Flash attention kernel not used because: head_dim"]
+    assert rows["naive"]["warnings"] == []
+    printed = capsys.readouterr()
+    assert "aux_data" not in printed.err  # the progress line counts it
+    assert "[1/3] warns: ok  (1 warning kept in the row)" in printed.err
+    assert "warned: UserWarning: Flash attention kernel not used" in printed.err
+    assert ("note: warns warned on 1 row (results.json's rows' \"warnings\" keep each): "
+            "UserWarning: argument aux_data cannot be converted") in printed.out
+
+
 def test_unknown_implementation_lists_valid_names(tmp_path, capsys):
     assert main([*TINY, "--impl", "naive", "flash3", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -21,9 +21,7 @@ reference and FLOPs of each case.
 
 A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
 and the sweep goes on. The Python warnings an entry raises while it is prepared, run and timed
-are kept in its row (`warnings`: each distinct one's category and first line) instead of printed,
-so a peer that warns on every compile does not bury the progress lines; a row that could not be
-timed prints its first, which often names the check that refused the call. The JSON file is
+are kept in its row (`warnings`, warned.py) instead of printed. The JSON file is
 rewritten after every row, so Ctrl-C keeps what finished, and `--resume` continues such a file:
 the same command times only the rows it lacks (a long sweep can run in parts, e.g. on a machine
 with a time limit per job).
@@ -40,20 +38,19 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from attnscope.attention import registry
-from attnscope.profile import runs, scenarios, sweeps
+from attnscope.profile import runs, scenarios, sweeps, warned
 from attnscope.profile.env import collect_env
 from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, resolve_device, resolve_impls
 from attnscope.profile.memory import (SCORE_BYTES, SCORE_MEMORY_FRACTION, free_memory,
                                       score_memory_skip)
 from attnscope.profile.metrics import REF_MEMORY_FRACTION, pct_of_peak, tflops
 from attnscope.profile.sweeps import SWEEPS, Case, resolve_sweep
-from attnscope.profile.bench_table import format_table, progress_line, summary_line, warned
+from attnscope.profile.bench_table import format_table, progress_line, summary_line
 from attnscope.profile.timing import DEFAULT_L2_BYTES, input_sets, median_ms, sync, timing_block
 
 HELP = ("timing sweep over shapes: median time, TFLOP/s, ratio to the fastest peer, error against "
@@ -180,21 +177,10 @@ def _row(ctx: _Context, case: Case, name: str) -> dict:
 
 def bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -> dict:
     """Time one implementation at one shape; never raises except for KeyboardInterrupt. The
-    warnings raised meanwhile go into the row's `warnings`, each distinct one once."""
-    seen: dict[str, None] = {}
-
-    def keep(message, category, *_):
-        first = str(message).strip().splitlines()
-        seen.setdefault(f"{category.__name__}: {first[0] if first else ''}"[:MAX_WARNING], None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")  # every distinct one, not only its first in the process
-        warnings.showwarning = keep
+    warnings raised meanwhile go into the row's `warnings` (warned.py), each distinct one once."""
+    with warned.kept_warnings() as kept:
         row = _bench_one(ctx, case, impl, inputs, reference, free_bytes)
-    row["warnings"] = list(seen)
-    return row
-
-
-MAX_WARNING = 300  # characters of a warning kept in a row
+    return {**row, "warnings": kept}
 
 
 def _bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -> dict:
@@ -603,9 +589,8 @@ def _run(args) -> int:
     print(format_table(final, time_label))
     for name, text in dict.fromkeys((r["impl"], r["note"]) for r in final if r["note"]):
         print(f"note: {name}: {text}")
-    for name, (n, first) in warned(final).items():
-        print(f"note: {name} warned on {n} row{'s' if n > 1 else ''} (the JSON rows' "
-              f"\"warnings\" keep each): {first}")
+    for line in warned.notes(final, 'the JSON rows\' "warnings"'):
+        print(line)
     for name, s in geomean_ratios(final).items():
         print(summary_line(name, s))
     if device.type == "cpu":

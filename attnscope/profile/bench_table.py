@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from attnscope.profile import warned
 from attnscope.profile.table import fmt
 
 
@@ -12,11 +13,7 @@ def progress_line(i: int, total: int, row: dict) -> str:
                 f"err {fmt(row['error'], '.2e')}  first call {row['first_call_ms']:.1f} ms")
     else:
         what = f"{row['status']}: {row['reason']}"
-    said = row.get("warnings") or []  # rows of files written before the field have none
-    if said and row["status"] == "ok":
-        what += f"  ({len(said)} warning{'s' if len(said) > 1 else ''} kept in the row)"
-    elif said:
-        what += f"; warned: {said[0]}" + (f" (+{len(said) - 1} more)" if len(said) > 1 else "")
+    what += warned.progress_suffix(row)
     return (f"[{i}/{total}] {row['scenario']} {shape} keys {row['kv_len']} kv{row['kv_heads']} "
             f"{row['impl']}: {what}")
 
@@ -55,13 +52,3 @@ def summary_line(name: str, s: dict) -> str:
     """bench's last lines: summary_text after the name of the implementation it is of."""
     return f"{name}: geometric mean ratio to the best peer {summary_text(s)}"
 
-
-def warned(rows: list[dict]) -> dict[str, tuple[int, str]]:
-    """{implementation: (rows whose run raised warnings, the first of them)}."""
-    out: dict[str, tuple[int, str]] = {}
-    for row in rows:
-        said = row.get("warnings") or []
-        if said:
-            n, first = out.get(row["impl"], (0, said[0]))
-            out[row["impl"]] = (n + 1, first)
-    return out

@@ -11,6 +11,7 @@ the profiled steps, inputs included, as the scripts print it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,14 +94,18 @@ def capture(impl, q, k, v, out_dir, mode="fwd", packing=None, paging=None) -> Ca
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities, on_trace_ready=on_trace_ready,
-                     schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1)) as prof:
-            for _ in range(WAIT + WARMUP + ACTIVE):
-                with record_function(impl.name):
-                    step()
-                if cuda:
-                    # Outside the range: each step's kernels finish before the next step starts.
-                    torch.cuda.synchronize()
-                prof.step()
+        with warnings.catch_warnings():
+            # torch's note that a scheduled profiler reports only its last cycle: this one has one
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")
+            with profile(activities=activities, on_trace_ready=on_trace_ready,
+                         schedule=schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE,
+                                           repeat=1)) as prof:
+                for _ in range(WAIT + WARMUP + ACTIVE):
+                    with record_function(impl.name):
+                        step()
+                    if cuda:
+                        # Outside the range: each step's kernels finish before the next starts.
+                        torch.cuda.synchronize()
+                    prof.step()
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
     return Capture(output=output, trace=trace, table=table, peak_memory_mb=peak)

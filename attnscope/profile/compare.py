@@ -29,7 +29,7 @@ import torch
 
 from attnscope.attention import attention_reference
 from attnscope.attention.reference import attention_reference_varlen
-from attnscope.profile import artifacts, compiled, report, runs, scenarios
+from attnscope.profile import artifacts, compiled, report, runs, scenarios, warned
 from attnscope.profile import tensor_cores as tc
 from attnscope.profile.capture import MODES, capture
 from attnscope.profile.env import collect_env
@@ -265,12 +265,15 @@ def _run(args, run_, impls, device, case) -> int:
     try:
         for i, impl in enumerate(impls, 1):
             _progress(f"[{i}/{len(impls)}] {impl.name} ...")
-            row = profile_one(impl, inputs, case, reference, folder, device, dtype_name,
-                              results["env"], args.mode)
+            with warned.kept_warnings() as kept:
+                row = profile_one(impl, inputs, case, reference, folder, device, dtype_name,
+                                  results["env"], args.mode)
+            row["warnings"] = kept
             results["rows"].append(row)
             write_results(folder, results)
             _progress(f"[{i}/{len(impls)}] {impl.name}: {row['status']}"
-                      + (f" ({row['reason']})" if row["status"] != "ok" else ""))
+                      + (f" ({row['reason']})" if row["status"] != "ok" else "")
+                      + warned.progress_suffix(row))
             gc.collect()  # drop this implementation's buffers before the next one's peak memory
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -294,6 +297,8 @@ def _run(args, run_, impls, device, case) -> int:
     for row in results["rows"]:
         if row.get("note"):
             print(f"note: {row['impl']}: {row['note']}")
+    for line in warned.notes(results["rows"], f"{runs.RESULTS}'s rows' \"warnings\""):
+        print(line)
     if device == "cpu":
         print(CPU_NOTE)
     call = "forward and its backward" if args.mode == "fwd_bwd" else "forward"

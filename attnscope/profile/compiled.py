@@ -9,6 +9,7 @@ them all and judges each by its SASS (or PTX) with tensor_cores.triton_kernel_ve
 from __future__ import annotations
 
 import gc
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,11 +47,15 @@ def compiled_triton_kernels(jit_functions=None) -> dict[str, list]:
         except ImportError:
             return {}
         kernels = []
-        for o in gc.get_objects():
-            if _is_instance(o, CompiledKernel):
-                kernels.append(o)
-            elif _is_static_launcher(o):
-                kernels.append(_from_triton_cache(o))
+        with warnings.catch_warnings():
+            # Looking at every live object touches deprecated ones, whose warnings (torch's
+            # `reduce_op`) say nothing about the run: not kept, not printed.
+            warnings.simplefilter("ignore")
+            for o in gc.get_objects():
+                if _is_instance(o, CompiledKernel):
+                    kernels.append(o)
+                elif _is_static_launcher(o):
+                    kernels.append(_from_triton_cache(o))
         kernels = [k for k in kernels if k is not None]
     by_name: dict[str, list] = {}
     for kernel in kernels:
