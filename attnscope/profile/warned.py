@@ -25,7 +25,9 @@ def kept_warnings():
         if text not in kept:
             kept.append(text)
     with warnings.catch_warnings():
-        warnings.simplefilter("always")  # every distinct one, not only its first in the process
+        # The filters in force still decide what is shown (DeprecationWarning stays hidden
+        # outside __main__, -W flags hold); entering resets which were already shown, so each
+        # row gets its own.
         warnings.showwarning = keep
         yield kept
 
