@@ -51,4 +51,3 @@ def summary_text(s: dict) -> str:
 def summary_line(name: str, s: dict) -> str:
     """bench's last lines: summary_text after the name of the implementation it is of."""
     return f"{name}: geometric mean ratio to the best peer {summary_text(s)}"
-
