@@ -21,10 +21,10 @@ reference and FLOPs of each case.
 
 A row that cannot be timed says why (status unavailable, unsupported, skipped, oom or failed)
 and the sweep goes on. The Python warnings an entry raises while it is prepared, run and timed
-are kept in its row (`warnings`, warned.py) instead of printed. The JSON file is
-rewritten after every row, so Ctrl-C keeps what finished, and `--resume` continues such a file:
-the same command times only the rows it lacks (a long sweep can run in parts, e.g. on a machine
-with a time limit per job).
+are kept in its row (`warnings`, warned.py) instead of printed. The JSON file is rewritten after
+every row, so Ctrl-C keeps what finished, and `--resume` continues such a file: the same command
+times only the rows it lacks (a long sweep can run in parts, e.g. on a machine with a time limit
+per job).
 """
 
 from __future__ import annotations
