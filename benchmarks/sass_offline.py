@@ -113,14 +113,15 @@ def _offline_driver():
 
 
 def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd=False,
-                  keys=1024):
+                  keys=1024, window=(-1, -1), softcap=0.0):
     """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
     (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
     a warm-up compile (_offline_driver). `varlen`: the packed-sequence (VARLEN) kernel, as
     fused_attention_varlen launches it; `parts`: column parts (D0, D1) instead of layout_for's
     (a dense call of 1024 keys: column_parts'); `bshd`: a dense call of [batch, seq, heads,
     head_dim] tensors, which the kernel views at their strides (STRIDED); `keys`: a dense call's
-    query and key length (at most one K/V block: no block loop where block_loops says so)."""
+    query and key length (at most one K/V block: no block loop where block_loops says so);
+    `window` and `softcap`: a causal call's, as fused_attention takes them."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_fwd_hopper as module
@@ -139,6 +140,7 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
         cu = torch.tensor([0, 300, 1024], dtype=torch.int32)
         return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(4, 1024),
                                            causal=True, scale=head_dim ** -0.5, causal_offset=0,
+                                           window=window, softcap=softcap,
                                            varlen=(cu, cu, 724, 724), config=config,
                                            parts=parts)
     if bshd:
@@ -147,7 +149,8 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
         q = torch.empty(2, 4, keys, head_dim, dtype=torch_dtype)
     return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, keys),
                                        causal=True, scale=head_dim ** -0.5, causal_offset=0,
-                                       config=config, parts=parts)
+                                       window=window, softcap=softcap, config=config,
+                                       parts=parts)
 
 
 def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=False,
@@ -309,6 +312,11 @@ def main():
                    help="with --gluon: a dense call of this many queries and keys (default 1024; "
                         "e.g. 128, one K/V block a tile: no block loop where block_loops says "
                         "so)")
+    p.add_argument("--window", default=None,
+                   help="with --gluon: a sliding window LEFT,RIGHT (fused_attention's window; "
+                        "the call is causal, so RIGHT is 0), e.g. 256,0")
+    p.add_argument("--softcap", type=float, default=0.0,
+                   help="with --gluon: a softcap (logits softcap * tanh(s / softcap)), e.g. 50")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
@@ -326,6 +334,12 @@ def main():
         p.error("--keys goes with --gluon, without --varlen")
     if args.keys is not None and args.keys < 1:
         p.error(f"--keys must be positive, got {args.keys}")
+    if (args.window or args.softcap) and not args.gluon:
+        p.error("--window and --softcap go with --gluon")
+    if args.window and not re.fullmatch(r"-?\d+,-?\d+", args.window):
+        p.error(f"--window takes LEFT,RIGHT (e.g. 256,0), got {args.window!r}")
+    if args.softcap < 0:
+        p.error(f"--softcap must be positive (0: none), got {args.softcap}")
     if args.parts and not re.fullmatch(r"\d+,\d+", args.parts):
         p.error(f"--parts takes D0,D1 (e.g. 128,0), got {args.parts!r}")
     if args.fused_dq and not args.gluon_bwd:
@@ -363,8 +377,9 @@ def main():
         if config and len(config) != 3:
             p.error("--gluon --config takes BLOCK_N,STAGES,REGS")
         parts = args.parts and tuple(int(x) for x in args.parts.split(","))
+        window = tuple(int(x) for x in args.window.split(",")) if args.window else (-1, -1)
         compiled = compile_gluon(args.head_dim, config, args.dtype, args.varlen, parts,
-                                 args.bshd, args.keys or 1024)
+                                 args.bshd, args.keys or 1024, window, args.softcap)
     else:
         config = tuple(int(x) for x in (args.config or "128,64,8,3").split(","))
         if len(config) != 4:

@@ -113,6 +113,44 @@ def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, m
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
+WINDOW_CASES = [
+    # (batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale): a
+    # window's left edge inside a K/V block and on a block edge, narrower than a consumer's 64
+    # rows (no block every row sees), of one key, wider than the keys; the K/V blocks left of a
+    # tile's window skipped; rows that see no key; a two-sided window and a right edge alone on
+    # non-causal calls; softcaps that saturate (scale 1.0) and that do not, alone and with a
+    # window; the persistent loop over more tiles than SMs
+    (1, 4, 2, 1000, 1000, True, "top_left", (300, -1), 0.0, None),
+    (2, 2, 2, 700, 1500, True, "bottom_right", (256, -1), 0.0, None),
+    (1, 2, 2, 500, 500, True, "top_left", (37, -1), 0.0, None),
+    (1, 2, 2, 333, 333, True, "top_left", (0, -1), 0.0, None),
+    (1, 2, 2, 300, 300, True, "top_left", (5000, -1), 0.0, None),
+    (1, 2, 1, 640, 300, False, "top_left", (100, 50), 0.0, None),
+    (1, 2, 2, 333, 1000, False, "bottom_right", (-1, 77), 0.0, None),
+    (1, 4, 2, 1000, 1000, True, "top_left", (-1, -1), 5.0, 1.0),
+    (1, 2, 2, 300, 1000, False, "bottom_right", (-1, -1), 30.0, None),
+    (1, 4, 2, 1000, 1200, True, "bottom_right", (400, -1), 5.0, 1.0),
+    (3, 16, 16, 2048, 2048, True, "top_left", (700, -1), 50.0, None),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("shape", WINDOW_CASES)
+def test_hopper_kernel_window_and_softcap(shape, head_dim, dtype, floor, lse_tol, monkeypatch):
+    # (head_dim 64 at any length too: the routing gives it this kernel from MIN_QUERIES on)
+    monkeypatch.setattr(dispatch._hopper(), "MIN_QUERIES", {})
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), scale or head_dim ** -0.5,
+                                       window, softcap)
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment, window=window,
+          softcap=softcap, scale=scale)
+    assert dispatch.launched_forward_kernels()[0]["name"] == "_attn_fwd_hopper"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("causal", [True, False])
@@ -368,6 +406,18 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
                                (100, 0, (64, 2, 240))):
         with pytest.raises(ValueError, match="loops must be"):
             call(seq, 96, loops=loops, config=config)
+    # a window's left edge masks blocks at a tile's start: one loop where two would run, none
+    # still where a tile holds one block; a window or a softcap is its own launch
+    assert call(1024, 96, window=(300, -1)) == (1, 1)
+    assert call(128, 96, window=(300, -1)) == (0, 0)
+    assert call(1024, 96, softcap=30.0) == (2, 2)
+    with pytest.raises(ValueError, match="windowed"):
+        call(1024, 96, window=(300, -1), loops=2)
+    call(1024, 128)
+    plain = keys[-1]
+    call(1024, 128, window=(300, -1))
+    call(1024, 128, softcap=30.0)
+    assert len({plain, keys[-2], keys[-1]}) == 3
     packed = _as_batched(torch.empty(600, 4, 96, dtype=torch.bfloat16), 2)  # the op's view
     cu = torch.tensor([0, 100, 600], dtype=torch.int32)
     kw = dict(causal=True, scale=0.1, causal_offset=0, varlen=(cu, cu, 500, 500))

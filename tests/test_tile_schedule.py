@@ -21,18 +21,21 @@ def fresh_schedules():
 
 
 def _reference_schedule(n_hz, num_m, group, programs, rows, block_n, kv_len, causal, offset,
-                        overhead):
+                        overhead, left=None):
     # tile_schedule's contract written out independently: _grouped_tile's order (groups of
     # `group` heads, the last one smaller; last query tile first), a tile's cost = its K/V
-    # blocks (those its last row sees) + overhead, each tile to the program whose work ends first
-    # (lowest program on ties). Returns each program's tiles and the busiest one's cost.
+    # blocks (from the one holding the first key its first row sees under a window whose left
+    # edge is at row + left, to the one holding the last key its last row sees) + overhead, each
+    # tile to the program whose work ends first (lowest program on ties). Returns each
+    # program's tiles and the busiest one's cost.
     ends, runs = [0] * programs, [[] for _ in range(programs)]
     for t in range(n_hz * num_m):
         heads = min(group, n_hz - t // (group * num_m) * group)
         m = num_m - 1 - t % (group * num_m) // heads
         hi = min(max(m * rows + rows + offset, 0), kv_len) if causal else kv_len
+        lo = 0 if left is None else min(max(m * rows + left, 0), kv_len) // block_n
         p = min(range(programs), key=lambda i: (ends[i], i))
-        ends[p] += -(-hi // block_n) + overhead
+        ends[p] += max(-(-hi // block_n) - lo, 0) + overhead
         runs[p].append(t)
     return runs, max(ends)
 
@@ -68,6 +71,25 @@ def test_tile_schedule(case, monkeypatch):
     assert _runs(tile_schedule.tile_schedule(CPU, *case)) == expected
 
 
+WINDOW_CASES = [
+    # SCHEDULE_CASES' arguments and a window's left offset (common.visibility's: the causal
+    # offset minus the window's left size)
+    (16, 8, 8, 13, 128, 128, 1024, True, 0, -300),    # tiles of about three blocks
+    (6, 5, 2, 4, 128, 64, 640, True, 0, -64),         # the edge on a block boundary
+    (6, 5, 2, 4, 128, 64, 640, True, -300, -310),     # rows that see no key
+    (6, 5, 3, 7, 128, 128, 640, True, 100, -1000),    # wider than the keys: causal costs
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_tile_schedule_under_a_window(case):
+    # a window's tiles cost the blocks from its left edge on; the table is its own
+    table = tile_schedule.tile_schedule(CPU, *case)
+    assert _runs(table) == _reference_schedule(*case[:-1], tile_schedule.TILE_OVERHEAD,
+                                               left=case[-1])[0]
+    assert tile_schedule.tile_schedule(CPU, *case[:-1]) is not table
+
+
 def test_tile_schedule_balances_the_short_head_dim_128_row():
     # (8,16,1024,128) on 132 programs: by the cost model the busiest program carries 17 % more
     # than the mean under round-robin, 3 % under list scheduling (with the overhead of 1)
@@ -99,3 +121,9 @@ def test_the_cost_model_counts_key_blocks_and_the_overhead():
     # tile (first in the order) sees 4 blocks, the first 2, each plus the overhead
     costs = tile_schedule.tile_costs(1, 2, 1, 128, 64, 256, True, 0)
     assert costs == [4 + tile_schedule.TILE_OVERHEAD, 2 + tile_schedule.TILE_OVERHEAD]
+    # a window's left offset of -100: the last tile's first row (128) sees keys from 28 on, so
+    # from block 0 on; of -40, from 88 on, block 1 on; the first tile's first row from 0 on
+    costs = tile_schedule.tile_costs(1, 2, 1, 128, 64, 256, True, 0, left_offset=-100)
+    assert costs == [4 + tile_schedule.TILE_OVERHEAD, 2 + tile_schedule.TILE_OVERHEAD]
+    costs = tile_schedule.tile_costs(1, 2, 1, 128, 64, 256, True, 0, left_offset=-40)
+    assert costs == [3 + tile_schedule.TILE_OVERHEAD, 2 + tile_schedule.TILE_OVERHEAD]

@@ -54,6 +54,13 @@ multiples). At head_dim 256, where buffers of their own do not fit in shared mem
 staged in the consumer's Q buffer (O_IN_Q), which takes the next tile's Q once the store has read
 it.
 
+Sliding windows and softcaps as the Triton kernel takes them (HAS_WINDOW, SOFTCAP; without them
+the kernel compiles to the code it had): a window's right edge is the causal bound moved right, its
+left edge skips the K/V blocks left of a tile's first row's window (the loader never loads them)
+and masks, like the diagonal, the blocks some row of a consumer sees in part; windowed calls take
+one block loop (`block_loops`' second loop would run a left edge's blocks unmasked). A softcap
+turns the scores into softcap * tanh(scale * s / softcap) before the max, tanh through one exp2.
+
 Packed batches (fused_attention_varlen, VARLEN) at head_dim 64 (from MIN_QUERIES queries a sequence
 on average), 80, 96, 128, 192 and 256 (PACKED_HEAD_DIMS): the packed [total, heads, head_dim]
 tensors, whose rows may be any 16-byte multiple apart (slices of a fused QKV projection), are seen
@@ -81,9 +88,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-from attnscope.kernels.common import (LOG2E, _grouped_tile, aligned, block_width,
-                                      device_properties, head_group, tma_strided_ok,
-                                      tma_view_strides)
+from attnscope.kernels.common import (_grouped_tile, aligned, block_width, device_properties,
+                                      head_group, score_scales, tma_strided_ok, tma_view_strides,
+                                      visibility)
 from attnscope.kernels.gluon_compat import tma_load, tma_store
 from attnscope.kernels.launch import FORWARD_LAUNCHES, FastLaunch, ensure_scratch_allocator
 from attnscope.kernels.tile_schedule import tile_schedule
@@ -99,13 +106,16 @@ LOADER_REGS = gl.constexpr(32)
 
 @gluon.jit
 def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-          CAUSAL: gl.constexpr, VARLEN: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr):
-    # Tile t of the launch: (batch * head, first query row, number of K/V blocks), in the Triton
-    # kernel's order (heads in groups that share L2, last query block first within a group),
-    # and its sequence: first query and key rows in the tensors, query and key lengths, causal
-    # offset. A packed batch (VARLEN) reads its sequence's bounds from the cumulative lengths,
-    # aligned bottom-right; its tile numbers name only tiles that hold queries (_packed_tile).
+          LEFT_OFFSET, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # Tile t of the launch: (batch * head, first query row, first K/V block, number of K/V
+    # blocks), in the Triton kernel's order (heads in groups that share L2, last query block
+    # first within a group), and its sequence: first query and key rows in the tensors, query
+    # and key lengths, causal offset and (HAS_WINDOW) the window's left offset (row i sees keys
+    # from i + left on). The K/V blocks run from the one holding the first key the tile's first
+    # row sees: those left of a window are skipped. A packed batch (VARLEN) reads its sequence's
+    # bounds from the cumulative lengths, aligned bottom-right; its tile numbers name only tiles
+    # that hold queries (_packed_tile).
     # Which program runs which tiles: the host's schedule (tile_schedule), or for a packed
     # batch the device's hand-out (_loader).
     if VARLEN:  # the hand-out's tile numbers (_packed_tile)
@@ -123,17 +133,25 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
         k_start = gl.load(CuK + b)
         k_len = gl.maximum(gl.load(CuK + b + 1) - k_start, 0)
         offset = CAUSAL_OFFSET + k_len - q_len
+        left = LEFT_OFFSET + k_len - q_len
     else:
         q_start = 0
         q_len = N_CTX_Q
         k_start = 0
         k_len = N_CTX_K
         offset = CAUSAL_OFFSET
+        left = LEFT_OFFSET
     if CAUSAL:  # keys the tile's last row sees
         hi = gl.maximum(gl.minimum(first_row + BLOCK_M + offset, k_len), 0)
     else:
         hi = k_len
-    return off_hz, first_row, gl.cdiv(hi, BLOCK_N), q_start, q_len, k_start, k_len, offset
+    if HAS_WINDOW:  # (no block counts below zero: a window right of every key visits none)
+        lo = gl.minimum(gl.maximum(first_row + left, 0), k_len) // BLOCK_N
+        n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N) - lo, 0)
+    else:
+        lo = 0
+        n_blocks = gl.cdiv(hi, BLOCK_N)
+    return (off_hz, first_row, lo, n_blocks, q_start, q_len, k_start, k_len, offset, left)
 
 
 @gluon.jit
@@ -334,13 +352,14 @@ def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_rea
 
 
 @gluon.jit
-def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+            BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr, D1: gl.constexpr, VARLEN: gl.constexpr,
             STRIDED: gl.constexpr, O_IN_Q: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
      k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, CuQ, CuK, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm, stride_qz, stride_qh, stride_kz,
-     stride_kh, stride_vz, stride_vh, ids, ids_ready, ids_empty, Counter) = args
+     N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm, stride_qz, stride_qh,
+     stride_kz, stride_kh, stride_vz, stride_vh, ids, ids_ready, ids_empty, Counter) = args
     # The copy engine's descriptors, made here on the device once per program (_descriptor).
     # (Host-made descriptors cost ~50 us of Triton's launch per call.) A split head_dim has a
     # second set for its columns from D0 on.
@@ -370,9 +389,9 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
         r, 0, 0, 0, 0, sched, Counter, ids, ids_ready, ids_empty, n_tiles, batch, H, num_m,
         head_group, CuQ, True, VARLEN, True)
     while more:
-        off_hz, first_row, n_blocks, q_start, q_len, k_start, k_len, offset = _tile(
-            t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
-            VARLEN, NUM_WG * ROWS, BLOCK_N)
+        off_hz, first_row, lo, n_blocks, q_start, q_len, k_start, k_len, offset, left = _tile(
+            t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
+            LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, NUM_WG * ROWS, BLOCK_N)
         batch_of, q_head = _view_head(off_hz, H, VARLEN, STRIDED)
         if VARLEN or STRIDED:  # heads within a packed row or a batch
             kv_head = q_head // GROUP
@@ -393,7 +412,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
                             q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
-            row = k_start + j * BLOCK_N
+            row = k_start + (lo + j) * BLOCK_N
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), kv_bytes)
             _load_parts(k_desc, k_desc1, batch_of, kv_head, row, k_ready.index(slot),
@@ -415,51 +434,69 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.cons
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, rows, start_n, N_CTX_K, CAUSAL_OFFSET, qk_scale,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+             HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
     # One block of the online softmax: p = exp2(s * qk_scale - m) with the new running max m,
     # alpha rescales what was accumulated under the old max. Scale and max subtraction fold
-    # into one FMA per score.
+    # into one FMA per score. vis: the keys, the causal offset, the window's left offset (row i
+    # sees keys from i + left on), the first block past the window's edge for every row (unused
+    # here), qk_scale and softcap_log2 (common.score_scales). SOFTCAP: the logits are softcap *
+    # tanh(scale * s / softcap) in log2 units, tanh through one exp2 (common._tanh_exp2's form).
+    N_CTX_K, CAUSAL_OFFSET, left, _first_full, qk_scale, softcap_log2 = vis
+    if SOFTCAP:
+        s = (1.0 - 2.0 / (gl.exp2(s * qk_scale) + 1.0)) * softcap_log2
+        scale = 1.0
+    else:
+        scale = qk_scale
     if MASKED:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         ok = gl.expand_dims(cols < N_CTX_K, 0)
         if CAUSAL:
             ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + CAUSAL_OFFSET, 1))
+        if HAS_WINDOW:
+            ok = ok & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + left, 1))
         s = gl.where(ok, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
     if MASKED:  # a row that has seen no key yet keeps m == -inf; subtract 0 instead of -inf
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    p = gl.exp2(s * scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, l_i, m_new
 
 
 @gluon.jit
-def _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K, CAUSAL_OFFSET, qk_scale,
-                   CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    # Blocks every row of this warpgroup sees in full run without mask arithmetic.
-    if j < full_blocks:
-        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, N_CTX_K, CAUSAL_OFFSET,
-                                      qk_scale, False, CAUSAL, BLOCK_N)
+def _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL: gl.constexpr,
+                   HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
+    # Blocks every row of this warpgroup sees in full run without mask arithmetic: K/V block j
+    # (of the sequence) is one where j < full_blocks and, under a window, j >= vis's first_full.
+    if HAS_WINDOW:
+        full = (j < full_blocks) & (j >= vis[3])
     else:
-        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, N_CTX_K, CAUSAL_OFFSET,
-                                      qk_scale, True, CAUSAL, BLOCK_N)
+        full = j < full_blocks
+    if full:
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, vis, False, CAUSAL,
+                                      HAS_WINDOW, SOFTCAP, BLOCK_N)
+    else:
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, vis, True, CAUSAL,
+                                      HAS_WINDOW, SOFTCAP, BLOCK_N)
     return p, alpha, l_i, m_i
 
 
 @gluon.jit
-def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, N_CTX_K,
-                CAUSAL_OFFSET, qk_scale, WG: gl.constexpr, STAGES: gl.constexpr,
-                MASKED: gl.constexpr, CAUSAL: gl.constexpr, SPLIT: gl.constexpr):
-    # The consumer's K/V block g (its j-th of the tile, j >= 1): S_j = Q K_j^T and O += P_{j-1}
-    # V_{j-1} issued as asynchronous wgmma in this warpgroup's turn, block j's softmax while the
-    # P V product runs, then O rescaled. With a split head_dim (SPLIT) each product is two wgmma,
-    # one per column part. MASKED: whether the block is masked (True, False), or None: masked
-    # from block full_blocks on, chosen at run time. ring: the consumer's Q buffers, the K/V
-    # ring's buffers and barriers, the ping-pong's turn barriers.
+def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, vis,
+                WG: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+                SPLIT: gl.constexpr):
+    # The consumer's K/V block g (block j of the sequence, past the tile's first): S_j = Q K_j^T
+    # and O += P_{j-1} V_{j-1} issued as asynchronous wgmma in this warpgroup's turn, block j's
+    # softmax while the P V product runs, then O rescaled. With a split head_dim (SPLIT) each
+    # product is two wgmma, one per column part. MASKED: whether the block is masked (True,
+    # False), or None: chosen at run time (_block_softmax). vis: what its rows see (_softmax).
+    # ring: the consumer's Q buffers, the K/V ring's buffers and barriers, the ping-pong's turn
+    # barriers.
     q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     slot = g % STAGES
     prev = (g - 1) % STAGES
@@ -485,11 +522,11 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
         s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
     mbarrier.arrive(k_empty.index(slot))
     if MASKED is None:
-        p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, j, full_blocks, N_CTX_K,
-                                            CAUSAL_OFFSET, qk_scale, CAUSAL, s.shape[1])
+        p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL,
+                                            HAS_WINDOW, SOFTCAP, s.shape[1])
     else:
-        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * s.shape[1], N_CTX_K, CAUSAL_OFFSET,
-                                      qk_scale, MASKED, CAUSAL, s.shape[1])
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * s.shape[1], vis, MASKED, CAUSAL,
+                                      HAS_WINDOW, SOFTCAP, s.shape[1])
     if SPLIT:
         acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
         alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
@@ -573,7 +610,8 @@ def _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz,
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, TMA_STORE: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+              SOFTCAP: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
               O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
@@ -581,8 +619,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
     (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
      k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
-     n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, ids,
-     ids_ready, ids_empty) = args
+     n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
+     softcap_log2, ids, ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -621,17 +659,24 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         r, 0, 0, 0, 0, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0, H, num_m, head_group,
         CuQ, True, VARLEN, False)
     while more:
-        off_hz, first_row, n_blocks, q_start, q_len, k_start, k_len, offset = _tile(
-            t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, CAUSAL,
-            VARLEN, NUM_WG * ROWS, BLOCK_N)
+        off_hz, first_row, lo, n_blocks, q_start, q_len, k_start, k_len, offset, left = _tile(
+            t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
+            LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, NUM_WG * ROWS, BLOCK_N)
         m0 = first_row + WG * ROWS
         rows = m0 + gl.arange(0, ROWS, layout=row_layout)
-        # K blocks [0, full_blocks) are fully visible to every row of this warpgroup
+        # K blocks [first_full, full_blocks) are fully visible to every row of this warpgroup:
+        # left of full_blocks for its first row, and (HAS_WINDOW) right of the window's left
+        # edge for its last
         if CAUSAL:
             full_hi = gl.maximum(gl.minimum(m0 + offset + 1, k_len), 0)
         else:
             full_hi = k_len
         full_blocks = full_hi // BLOCK_N
+        if HAS_WINDOW:
+            first_full = gl.cdiv(gl.maximum(m0 + ROWS - 1 + left, 0), BLOCK_N)
+        else:
+            first_full = 0
+        vis = (k_len, offset, left, first_full, qk_scale, softcap_log2)
 
         m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([ROWS], gl.float32, row_layout)
@@ -655,30 +700,32 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
             s = warpgroup_mma_wait(0, deps=[s_tok])
             mbarrier.arrive(k_empty.index(it % STAGES))
-            p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, 0, full_blocks, k_len,
-                                                offset, qk_scale, CAUSAL, BLOCK_N)
+            p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
+                                                HAS_WINDOW, SOFTCAP, BLOCK_N)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         # The blocks past the first, as BLOCK_LOOPS says (the launch's rule, `block_loops`):
         # none (every tile holds one K/V block), one loop choosing each block's mask at run
         # time, or two loops: the blocks every row of this warpgroup sees in full, then those it
         # sees in part (the causal diagonal, the keys' end), so the first loop holds no mask
-        # arithmetic and no column indices in its registers.
+        # arithmetic and no column indices in its registers. (A window's left edge masks
+        # blocks at a tile's start: windowed calls take one loop.)
+        gl.static_assert(not (HAS_WINDOW and BLOCK_LOOPS == 2))
         if BLOCK_LOOPS == 1:
             for j in range(1, n_blocks):
                 acc, acc1, p_op, l_i, m_i = _next_block(
-                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
-                    offset, qk_scale, WG, STAGES, None, CAUSAL, SPLIT)
+                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
+                    vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
         elif BLOCK_LOOPS == 2:
             full_end = gl.maximum(gl.minimum(full_blocks, n_blocks), 1)
             for j in range(1, full_end):
                 acc, acc1, p_op, l_i, m_i = _next_block(
-                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
-                    offset, qk_scale, WG, STAGES, False, CAUSAL, SPLIT)
+                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, vis,
+                    WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
             for j in range(full_end, n_blocks):
                 acc, acc1, p_op, l_i, m_i = _next_block(
-                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, k_len,
-                    offset, qk_scale, WG, STAGES, True, CAUSAL, SPLIT)
+                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, vis,
+                    WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
         # Q is no longer read: the loader may bring in the next tile's while this one ends
         # (O_IN_Q: once the output staged in Q's buffer has left, below)
         if not O_IN_Q:
@@ -736,11 +783,12 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, stride_km, stride_vm,
                      stride_oz, stride_oh, stride_om, stride_qz, stride_qh, stride_kz, stride_kh,
                      stride_vz, stride_vh,
-                     BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, HEAD_GROUP,
-                     SCHED_STRIDE, NUM_M,
+                     BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
+                     softcap_log2, HEAD_GROUP, SCHED_STRIDE, NUM_M,
                      HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                     CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
                      TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
                      O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr):
@@ -753,6 +801,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     # A packed batch's programs take tiles as they go instead (_loader), counted by Counter
     # (one int32, zero at the launch).
     qk_scale = qk_scale.to(gl.float32)
+    softcap_log2 = softcap_log2.to(gl.float32)
     sched = Sched + gl.program_id(0) * SCHED_STRIDE  # not read by a packed batch's programs
     n_hz = BATCH * H
     num_m = NUM_M
@@ -813,20 +862,21 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
               q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
               stride_om, sched, n_hz, num_m, HEAD_GROUP, H, CuQ, CuK, N_CTX_Q, N_CTX_K,
-              CAUSAL_OFFSET, qk_scale, ids, ids_ready, ids_empty)
+              CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, ids, ids_ready, ids_empty)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty,
              k_ready, k_empty, v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP, CuQ,
-             CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, stride_qm, stride_km, stride_vm, stride_qz,
-             stride_qh, stride_kz, stride_kh, stride_vz, stride_vh, ids, ids_ready, ids_empty,
-             Counter)
+             CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm,
+             stride_qz, stride_qh, stride_kz, stride_kh, stride_vz, stride_vh, ids, ids_ready,
+             ids_empty, Counter)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
     gl.warp_specialize([
-        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN,
-                     STRIDED, O_IN_Q, BLOCK_LOOPS)),
-        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, TMA_STORE, BLOCK_D1, VARLEN,
-                     STRIDED, O_IN_Q, BLOCK_LOOPS)),
-        (_loader, (loads, HEAD_DIM, CAUSAL, BLOCK_N, STAGES, BLOCK_D1, VARLEN, STRIDED, O_IN_Q)),
+        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
+                     TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
+                     TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+        (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
+                   STRIDED, O_IN_Q)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -959,16 +1009,17 @@ def _packed(t):
             and stride_m * t.element_size() % 16 == 0)
 
 
-def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, varlen=None,
-                         config=None, parts=None, loops=None, key=None):
+def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1, -1),
+                         softcap=0.0, varlen=None, config=None, parts=None, loops=None, key=None):
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
-    attention_fwd.attention_fwd_triton's (`varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k) for a packed batch, q/k/v/out its [batch, heads, total, head_dim] views, lse
-    [heads, total_q]): `config` a tuple named by CONFIG_FIELDS and `parts` the column parts
-    (D0, D1) instead of layout_for's (the lab; a dense call's parts may pad, D0 + D1 >= head_dim,
-    a packed batch's must be head_dim exactly), `loops` the kernel's BLOCK_LOOPS instead of
-    block_loops' (the lab; 0 only for a dense call of at most one K/V block a tile), `key` the
-    dispatch's launch key for this call (built here when None)."""
+    attention_fwd.attention_fwd_triton's (`window` and `softcap` as fused_attention's; `varlen`:
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for a packed batch, q/k/v/out its
+    [batch, heads, total, head_dim] views, lse [heads, total_q]): `config` a tuple named by
+    CONFIG_FIELDS and `parts` the column parts (D0, D1) instead of layout_for's (the lab; a dense
+    call's parts may pad, D0 + D1 >= head_dim, a packed batch's must be head_dim exactly),
+    `loops` the kernel's BLOCK_LOOPS instead of block_loops' (the lab; 0 only for a dense call of
+    at most one K/V block a tile; not 2 with a window), `key` the dispatch's launch key for this
+    call (built here when None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is not None and len(config) != len(CONFIG_FIELDS):
@@ -978,6 +1029,10 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
                          f"may be 0), covering head_dim {head_dim}{' exactly' if varlen else ''}, "
                          f"got {parts!r}")
     dtype = str(q.dtype)
+    # what each row sees (a window's right edge is the causal bound moved right) and the scores'
+    # scales, as the Triton kernel takes them
+    bounded, offset, has_window, left_offset = visibility(causal, causal_offset, window)
+    qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
     num_m = -(-max_q // TILE_ROWS)
     tiles = batch * heads * num_m
@@ -990,7 +1045,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
     if varlen is None:
         sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], TILE_ROWS, block_n,
-                              kv_len, causal, causal_offset)
+                              kv_len, bounded, offset, left_offset if has_window else None)
         sched_width, counter = sched.shape[1], None
     else:  # tiles handed out on the device (_loader), counted from zero at every launch
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -1009,8 +1064,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     args = (q, k, v, out, lse, cu_q, cu_k, counter, sched, stride_qm, stride_km, stride_vm,
             stride_oz, stride_oh, stride_om, stride_qz, stride_qh, stride_kz, stride_kh,
             stride_vz, stride_vh,
-            batch, heads, heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E,
-            group, sched_width, num_m)
+            batch, heads, heads // kv_heads, q_len, kv_len, offset, left_offset, qk_scale,
+            softcap_log2, group, sched_width, num_m)
     # Output blocks by TMA store where the copy engine can address out (contiguous, or at its
     # strides for STRIDED): 0.1004 against 0.1088 ms with register stores at (8,16,1024,128)
     # (notes/forward.md, "TMA, both directions"). They are staged in buffers of their own where
@@ -1022,6 +1077,11 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     d0, d1 = parts
     if loops is None:
         loops = block_loops(d0, d1, block_n, None if varlen else kv_len)
+        if has_window and loops == 2:  # a window's left edge masks blocks at a tile's start,
+            loops = 1  # which the unmasked loop would take
+    elif has_window and loops == 2:
+        raise ValueError("loops=2 cannot run a windowed call (its left edge masks the blocks "
+                         "the first loop takes unmasked): use 1")
     elif loops not in (1, 2) and not (loops == 0 and varlen is None and kv_len <= block_n):
         # (no loop where a tile holds more blocks would leave the loader's ring unread: a hang)
         raise ValueError(f"loops must be 1 or 2, or 0 for a dense call of at most one {block_n}"
@@ -1036,7 +1096,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
                       and out.data_ptr() % 16 == 0)
     staging_fits = smem + NUM_WG.value * tile_bytes <= SHARED_MEMORY_BYTES
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_N=block_n, STAGES=stages,
-                  CAUSAL=causal, CONSUMER_REGS=regs,
+                  CAUSAL=bounded, HAS_WINDOW=has_window, SOFTCAP=has_softcap, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, d0, dtype),
                   KV_LAYOUT=_smem_layout(block_n, d0, dtype),
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
@@ -1047,7 +1107,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, var
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, q.stride(), k.stride(),
                v.stride(), out.stride(), aligned(out, lse), stored_by_copy, sched_width,
-               causal, causal_offset, scale, grid, config, parts, loops)
+               causal, causal_offset, scale, window, softcap, grid, config, parts, loops)
         if varlen is not None:
             key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
     launch = _launch if varlen is None else _launch_packed

@@ -49,10 +49,11 @@ def _hopper():
 def uses_hopper_kernel(q, k, v, out, scale, window=(-1, -1), softcap=0.0, varlen=None):
     """True when an eager forward of these tensors runs the Gluon Hopper kernel
     (attention_fwd_hopper.py) instead of the Triton one: an sm_90 GPU, a Triton whose Gluon has
-    what that kernel uses (gluon_compat), a positive scale (that kernel masks before scaling),
-    no sliding window and no softcap (it has neither) and the inputs it takes (its `supports`,
-    packed sequences included: `varlen` as attention_fwd's)."""
-    if (not q.is_cuda or is_interpreted() or not scale > 0 or window != (-1, -1) or softcap
+    what that kernel uses (gluon_compat), a positive scale (that kernel masks before scaling)
+    and the inputs it takes (its `supports`, packed sequences included: `varlen` as
+    attention_fwd's); sliding windows and softcaps too (`window` and `softcap` as
+    attention_fwd's), which the kernel takes as the Triton one does."""
+    if (not q.is_cuda or is_interpreted() or not scale > 0
             or device_properties(q.device).major != 9):
         return False
     hopper = _hopper()
@@ -63,8 +64,8 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1
                   softcap=0.0, varlen=None, wrap=None, kept=False):
     """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
-    `window`, `softcap` and `varlen` (packed sequences) as attention_fwd.attention_fwd_triton's:
-    windowed and softcapped calls run the Triton kernel. `wrap` lets the custom op pass
+    `window`, `softcap` and `varlen` (packed sequences) as attention_fwd.attention_fwd_triton's.
+    `wrap` lets the custom op pass
     torch.library.wrap_triton so torch.compile sees the launch (always the Triton kernel).
     Returns what the launch returns (the compiled kernel, when called eagerly); with kept=True
     (an eager call) the launch kept under the call's key instead (launch._Bound: called with the
@@ -90,8 +91,8 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1
                        (q, k, v, out, lse, *varlen[:2]))
     elif uses_hopper_kernel(q, k, v, out, scale, window, softcap, varlen):
         result = _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
-                                                causal_offset=causal_offset, varlen=varlen,
-                                                key=key)
+                                                causal_offset=causal_offset, window=window,
+                                                softcap=softcap, varlen=varlen, key=key)
     else:
         result = triton_fwd.attention_fwd_triton(q, k, v, out, lse, causal=causal, scale=scale,
                                                  causal_offset=causal_offset, window=window,

@@ -24,14 +24,16 @@ _schedules = {}  # tile_schedule's tables by launch shape
 
 
 def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
-                  causal, causal_offset):
+                  causal, causal_offset, left_offset=None):
     """Which tiles each persistent program runs: an int32 tensor on `device`, one row per
     program holding its tile count, then its tile numbers (in the launch's tile order, common.
     _grouped_tile) in the order it runs them.
 
     List scheduling with a cost model: tiles go in the launch's order (which keeps the heads
     that share L2 together in time), each to the program whose assigned work ends first; a tile
-    costs its K/V blocks plus TILE_OVERHEAD blocks (`tile_costs`). Launches of more than
+    costs its K/V blocks plus TILE_OVERHEAD blocks (`tile_costs`; with `left_offset`, a sliding
+    window's left edge as common.visibility gives it, the blocks left of the edge do not
+    count). Launches of more than
     SCHEDULE_MAX_TILES tiles hand the tiles out round-robin instead, each round in the opposite
     direction (by the same cost model that leaves the busiest program 17 % above the mean at
     (8,16,1024,128); list scheduling measured 0.0949 against 0.1006 ms there and 1.0099 against
@@ -46,7 +48,7 @@ def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_
         key = (device, tiles, n_programs)
     else:
         key = (device, n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
-               causal_offset)
+               causal_offset, left_offset)
     table = _schedules.get(key)
     if table is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -55,7 +57,7 @@ def tile_schedule(device, n_hz, num_m, head_group, n_programs, tile_rows, block_
                 "during CUDA-graph capture; its tile schedule is copied to the GPU on first use. "
                 "Call the op once with these shapes before capturing (a warm-up run).")
         rows = (_list_schedule(n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len,
-                               causal, causal_offset) if tiles <= SCHEDULE_MAX_TILES
+                               causal, causal_offset, left_offset) if tiles <= SCHEDULE_MAX_TILES
                 else _round_robin(tiles, n_programs))
         width = 1 + max(len(run) for run in rows)
         host = torch.tensor([[len(run)] + run + [0] * (width - 1 - len(run)) for run in rows],
@@ -71,19 +73,27 @@ def forget_schedules():
     _schedules.clear()
 
 
-def tile_costs(n_hz, num_m, head_group, tile_rows, block_n, kv_len, causal, causal_offset):
-    """The schedule's cost model: each tile's K/V blocks plus TILE_OVERHEAD, in launch order."""
+def tile_costs(n_hz, num_m, head_group, tile_rows, block_n, kv_len, causal, causal_offset,
+               left_offset=None):
+    """The schedule's cost model: each tile's K/V blocks plus TILE_OVERHEAD, in launch order: the
+    blocks from the one holding the first key its first row sees (a window's left edge; 0 where
+    left_offset is None) to the one holding the last key its last row sees."""
     t = torch.arange(n_hz * num_m)
     group_tiles = head_group * num_m
     heads = (n_hz - t // group_tiles * head_group).clamp(max=head_group)
     first_row = (num_m - 1 - t % group_tiles // heads) * tile_rows  # _grouped_tile's query block
     hi = (first_row + tile_rows + causal_offset).clamp(0, kv_len) if causal else kv_len
-    return ((torch.as_tensor(hi) + block_n - 1) // block_n + TILE_OVERHEAD).expand(len(t)).tolist()
+    blocks = (torch.as_tensor(hi) + block_n - 1) // block_n
+    if left_offset is not None:  # (the kernel's _tile: no block counts below zero)
+        lo = (first_row + left_offset).clamp(0, kv_len) // block_n
+        blocks = (blocks - lo).clamp(min=0)
+    return (blocks + TILE_OVERHEAD).expand(len(t)).tolist()
 
 
 def _list_schedule(n_hz, num_m, head_group, n_programs, tile_rows, block_n, kv_len, causal,
-                   causal_offset):
-    cost = tile_costs(n_hz, num_m, head_group, tile_rows, block_n, kv_len, causal, causal_offset)
+                   causal_offset, left_offset):
+    cost = tile_costs(n_hz, num_m, head_group, tile_rows, block_n, kv_len, causal, causal_offset,
+                      left_offset)
     ends = [(0, p) for p in range(n_programs)]  # (when its work ends, program), a heap
     runs = [[] for _ in range(n_programs)]
     for tile, c in enumerate(cost):

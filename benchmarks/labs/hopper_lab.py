@@ -6,8 +6,8 @@ Two parts, each optional (--loops varies both):
   --time:  median times (triton.testing.do_bench, L2 flushed) of the Gluon kernel under each
            --configs entry (its CONFIG_FIELDS: BLOCK_N,STAGES,consumer registers) and its
            table's (layout_for's), each with layout_for's column parts and with each --parts
-           entry, the Triton kernel (its table's config) and cuDNN, in --repeat interleaved
-           rounds; JSON lines to --out.
+           entry, the Triton kernel (its table's config) and cuDNN (not under --window or
+           --softcap, which it lacks), in --repeat interleaved rounds; JSON lines to --out.
   --loops N ...: the kernel's BLOCK_LOOPS forced (0 none, 1 one loop, 2 two loops; block_loops
            says which the launch picks): --check runs block_loops' choice, then each (0 only on
            cases of one K/V block a tile); --time adds the table's config with each.
@@ -178,17 +178,30 @@ def check_varlen(lengths, shapes, loops=None):
     return worst if checked else float("nan")
 
 
-def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loops=()):
+def _window_flops(b, h, s, d, left):
+    # matmul FLOPs of a causal call of s queries and keys under a window (left, -1): query i
+    # sees min(i, left) + 1 keys
+    seen = min(s, left + 1)
+    pairs = seen * (seen + 1) / 2 + (s - seen) * (left + 1)
+    return 4.0 * b * h * pairs * d
+
+
+def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loops=(),
+                window=(-1, -1), softcap=0.0):
     rows = []
+    vis = dict(window=window, softcap=softcap)
+    tag = (f" window{window}" if window != (-1, -1) else "") + (
+        f" softcap{softcap:g}" if softcap else "")
     for b, h, s, d, hkv in shapes:
         q, k, v = _inputs(b, h, hkv, s, s, d, torch.bfloat16, layout)
-        flops = attention_flops(b, h, s, s, d, causal=True)
+        flops = (attention_flops(b, h, s, s, d, causal=True) if window[0] < 0
+                 else _window_flops(b, h, s, d, window[0]))
         out = torch.empty_like(q)  # (in q's layout)
         lse = torch.empty(b, h, s, device="cuda")
         cands = {f"gluon{c}" + (f" parts{p}" if p else ""): (
             lambda c=c, p=p: hop.attention_fwd_hopper(
                 q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c,
-                parts=p))
+                parts=p, **vis))
             for c in configs if c is not None or d in hop.CONFIGS for p in (None, *parts)}
         for n in loops if d in hop.CONFIGS else ():  # the table's config, BLOCK_LOOPS forced
             if n == 0 and not _one_block(None, d, s):
@@ -196,23 +209,24 @@ def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loop
                       flush=True)
                 continue
             cands[f"gluon loops{n}"] = lambda n=n: hop.attention_fwd_hopper(
-                q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, loops=n)
+                q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, loops=n, **vis)
         def triton_kernel():  # its launch, directly: the op would take the Gluon kernel
             return fwd.attention_fwd_triton(q, k, v, out, lse, causal=True, scale=d ** -0.5,
-                                            causal_offset=0)
+                                            causal_offset=0, **vis)
         cands["triton"] = triton_kernel
         if layout == "bshd":  # the table's Gluon kernel on contiguous copies: what strides cost
             qc, kc, vc, oc = (t.contiguous() for t in (q, k, v, out))
             cands["gluon-contiguous"] = lambda: hop.attention_fwd_hopper(
-                qc, kc, vc, oc, lse, causal=True, scale=d ** -0.5, causal_offset=0)
+                qc, kc, vc, oc, lse, causal=True, scale=d ** -0.5, causal_offset=0, **vis)
         kr, vr = (k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1))
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
-        cands["cudnn"] = cudnn
-        rows += _time(cands, repeat, flops, f"{b},{h},{s},{d} kv{hkv}", shape=[b, h, s, d],
-                      kv_heads=hkv)
+        if not tag:
+            cands["cudnn"] = cudnn
+        rows += _time(cands, repeat, flops, f"{b},{h},{s},{d} kv{hkv}{tag}", shape=[b, h, s, d],
+                      kv_heads=hkv, window=list(window), softcap=softcap)
     _append(rows, out_path)
 
 
@@ -291,6 +305,12 @@ def main(argv=None):
                    help="bshd: q, k, v (and out) as views of [batch, seq, heads, head_dim] "
                         "tensors, which the Gluon kernel reads at their strides; --time then "
                         "also times its table's config on contiguous copies")
+    p.add_argument("--window", default=None,
+                   help="with --time, dense calls: a sliding window LEFT,-1 (fused_attention's; "
+                        "the calls are causal), e.g. 4096,-1")
+    p.add_argument("--softcap", type=float, default=0.0,
+                   help="with --time, dense calls: a softcap (logits softcap * tanh(s / "
+                        "softcap)), e.g. 50")
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--varlen", default=None,
@@ -313,6 +333,12 @@ def main(argv=None):
     for pp in a.parts:
         if not re.fullmatch(r"\d+,\d+", pp):
             p.error(f"--parts takes D0,D1 (e.g. 128,0), got {pp!r}")
+    if (a.window or a.softcap) and (a.varlen or not a.time):
+        p.error("--window and --softcap go with --time, on dense calls")
+    if a.window and not re.fullmatch(r"\d+,-1", a.window):
+        p.error(f"--window takes LEFT,-1 (a causal call's window), got {a.window!r}")
+    if a.softcap < 0:
+        p.error(f"--softcap must be positive (0: none), got {a.softcap}")
     if a.varlen and 0 in a.loops:
         p.error("--loops 0 takes no packed batch (its tiles may hold many K/V blocks)")
     if a.varlen and not re.fullmatch(r"\d+(,\d+)*", a.varlen):
@@ -343,7 +369,8 @@ def main(argv=None):
         else:
             time_shapes(shapes, configs, a.repeat, a.out,
                         [tuple(int(x) for x in pp.split(",")) for pp in a.parts], a.layout,
-                        a.loops)
+                        a.loops, tuple(int(x) for x in a.window.split(",")) if a.window
+                        else (-1, -1), a.softcap)
     return 0
 
 
