@@ -1,11 +1,13 @@
 """Lab of the sliding window and the softcap (notes/serving.md): the op's time with each window
-and softcap asked for, against the same call without either, one shape at a time.
+and softcap asked for, against the same call without either, one shape at a time; with --peers,
+FlashAttention-4's time for the same call where it is installed (its window_size and softcap),
+and the largest difference between its output and the op's.
 
 For kernel work, not the benchmark of record. On a GPU only (do_bench median, bf16); the shape is
 q [batch, heads, seq, head_dim] with k/v of kv_heads heads, causal.
 
     PYTHONPATH=. python benchmarks/labs/window_lab.py --shape 1,32,8,8192,128 \
-        --windows 1023 4095 --softcaps 50
+        --windows 1023 4095 --softcaps 50 [--both] [--peers]
 """
 import argparse
 
@@ -13,6 +15,7 @@ import torch
 import triton
 
 from attnscope import fused_attention
+from attnscope.attention.flash_attn import FA4
 
 
 def main():
@@ -23,6 +26,10 @@ def main():
                    help="left window sizes to time (the right side is 0: causal)")
     p.add_argument("--softcaps", nargs="*", type=float, default=[50.0],
                    help="softcap values to time (each without a window)")
+    p.add_argument("--both", action="store_true",
+                   help="also each window with each softcap (Gemma 2's local layers)")
+    p.add_argument("--peers", action="store_true",
+                   help="also FlashAttention-4 (flash_attn.cute) on each call, where installed")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -36,10 +43,26 @@ def main():
     calls = [("no window", {})]
     calls += [(f"window ({w}, -1)", {"window": (w, -1)}) for w in args.windows]
     calls += [(f"softcap {c:g}", {"softcap": c}) for c in args.softcaps]
+    if args.both:
+        calls += [(f"window ({w}, -1) softcap {c:g}", {"window": (w, -1), "softcap": c})
+                  for w in args.windows for c in args.softcaps]
+    fa4_ok, why = FA4.available(q.device) if args.peers else (False, "")
+    if args.peers and not fa4_ok:
+        print(f"FlashAttention-4 not timed: {why}")
     for label, kwargs in calls:
         ms = triton.testing.do_bench(lambda: fused_attention(q, k, v, **kwargs),
                                      return_mode="median")
-        print(f"{label:>20}: {ms:.4f} ms")
+        line = f"{label:>28}: {ms:.4f} ms"
+        if fa4_ok:  # its window_size is (left, right) with the causal right side 0
+            options = dict(softcap=kwargs.get("softcap", 0.0))
+            if "window" in kwargs:
+                options["window_size"] = (kwargs["window"][0], 0)
+            fa4 = FA4.prepare(q, k, v, causal=True, **options)
+            fa4_ms = triton.testing.do_bench(fa4, return_mode="median")
+            diff = (fa4().float() - fused_attention(q, k, v, **kwargs).float()).abs().max()
+            line += (f"  FA4 {fa4_ms:.4f} ms (ours / FA4 {ms / fa4_ms:.3f}; max |out diff| "
+                     f"{diff.item():.2e})")
+        print(line)
 
 
 if __name__ == "__main__":
