@@ -115,18 +115,25 @@ def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, m
 
 WINDOW_CASES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale): a
-    # window's left edge inside a K/V block and on a block edge, narrower than a consumer's 64
-    # rows (no block every row sees), of one key, wider than the keys; the K/V blocks left of a
-    # tile's window skipped; rows that see no key; a two-sided window and a right edge alone on
+    # window's left edge inside K/V blocks; on block edges for every tile's first row (256 keys,
+    # top-left: a tile's first block is the edge's); one past a block edge for a consumer's last
+    # row (62: m0 + 63 - 62 = 64 k + 1 at 64-key blocks and for the first consumer at 128, 126
+    # for the second), where the block must stay masked; narrower than a consumer's 64 rows (no
+    # block every row sees), of one key, wider than the keys; the K/V blocks left of a tile's
+    # window skipped; rows that see no key; a two-sided window, a left and a right edge alone on
     # non-causal calls; softcaps that saturate (scale 1.0) and that do not, alone and with a
     # window; the persistent loop over more tiles than SMs
     (1, 4, 2, 1000, 1000, True, "top_left", (300, -1), 0.0, None),
+    (1, 2, 2, 1000, 1000, True, "top_left", (256, -1), 0.0, None),
+    (1, 2, 2, 700, 700, True, "top_left", (62, -1), 0.0, None),
+    (1, 2, 2, 700, 700, True, "top_left", (126, -1), 0.0, None),
     (2, 2, 2, 700, 1500, True, "bottom_right", (256, -1), 0.0, None),
     (1, 2, 2, 500, 500, True, "top_left", (37, -1), 0.0, None),
     (1, 2, 2, 333, 333, True, "top_left", (0, -1), 0.0, None),
     (1, 2, 2, 300, 300, True, "top_left", (5000, -1), 0.0, None),
     (1, 2, 1, 640, 300, False, "top_left", (100, 50), 0.0, None),
     (1, 2, 2, 333, 1000, False, "bottom_right", (-1, 77), 0.0, None),
+    (1, 2, 2, 500, 800, False, "bottom_right", (200, -1), 0.0, None),
     (1, 4, 2, 1000, 1000, True, "top_left", (-1, -1), 5.0, 1.0),
     (1, 2, 2, 300, 1000, False, "bottom_right", (-1, -1), 30.0, None),
     (1, 4, 2, 1000, 1200, True, "bottom_right", (400, -1), 5.0, 1.0),

@@ -196,6 +196,25 @@ def test_gpu_gluon_kernel_head_dim_64(causal):
     assert dispatch.launched_forward_kernels()[0]["name"] == "_attn_fwd_hopper"
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype", [d for d, _, _ in GPU_DTYPES])
+@pytest.mark.parametrize("causal,window,softcap", [
+    (True, (100, -1), 0.0),     # each sequence's window from its own bottom-right diagonal
+    (True, (300, -1), 30.0),
+    (False, (200, 50), 0.0),    # a two-sided window on a non-causal batch
+])
+@pytest.mark.parametrize("head_dim", [96, 128, 256])
+def test_gpu_gluon_kernel_window_and_softcap(head_dim, causal, window, softcap, dtype):
+    # packed batches with a window or a softcap run the Gluon kernel too: the same lengths as
+    # test_gpu_gluon_kernel's (empty sequences, fewer keys than queries, blocks that run into the
+    # next sequence's rows)
+    dispatch.forget_launches()
+    check_varlen(GLUON_LENGTHS_Q, GLUON_LENGTHS_K, 8, 2, head_dim, dtype, "cuda", causal=causal,
+                 window=window, softcap=softcap)
+    assert dispatch.launched_forward_kernels()[0]["name"] == "_attn_fwd_hopper"
+
+
 def test_packed_head_dims_are_whole_column_parts():
     # a packed row's box must not run into the neighbouring head's columns
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
