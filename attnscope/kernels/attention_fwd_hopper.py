@@ -353,9 +353,8 @@ def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_rea
 
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-            BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, D1: gl.constexpr, VARLEN: gl.constexpr,
-            STRIDED: gl.constexpr, O_IN_Q: gl.constexpr):
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr,
+            VARLEN: gl.constexpr, STRIDED: gl.constexpr, O_IN_Q: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
      k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, CuQ, CuK, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm, stride_qz, stride_qh,
