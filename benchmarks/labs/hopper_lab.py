@@ -310,8 +310,8 @@ def main(argv=None):
                         "tensors, which the Gluon kernel reads at their strides; --time then "
                         "also times its table's config on contiguous copies")
     p.add_argument("--window", default=None,
-                   help="with --time, dense calls: a sliding window LEFT,-1 (fused_attention's; "
-                        "the calls are causal), e.g. 4096,-1")
+                   help="with --time, dense calls: a sliding window LEFT,-1 or LEFT,0 "
+                        "(fused_attention's; the calls are causal), e.g. 4096,-1")
     p.add_argument("--softcap", type=float, default=0.0,
                    help="with --time, dense calls: a softcap (logits softcap * tanh(s / "
                         "softcap)), e.g. 50")
@@ -339,8 +339,9 @@ def main(argv=None):
             p.error(f"--parts takes D0,D1 (e.g. 128,0), got {pp!r}")
     if (a.window or a.softcap) and (a.varlen or not a.time):
         p.error("--window and --softcap go with --time, on dense calls")
-    if a.window and not re.fullmatch(r"\d+,-1", a.window):
-        p.error(f"--window takes LEFT,-1 (a causal call's window), got {a.window!r}")
+    if a.window and not re.fullmatch(r"\d+,(-1|0)", a.window):
+        p.error(f"--window takes LEFT,-1 or LEFT,0 (a causal call's window: its right side is "
+                f"0 either way), got {a.window!r}")
     if a.softcap < 0:
         p.error(f"--softcap must be positive (0: none), got {a.softcap}")
     if a.varlen and 0 in a.loops:
