@@ -361,17 +361,22 @@ def test_few_keys_at_split_head_dims_choose_padding_or_short_blocks():
 def test_block_loops_by_column_parts_and_keys():
     # block_loops on the CPU: one loop choosing each block's mask where the head_dim is one part
     # of 128 columns or more; elsewhere no loop for a dense call of at most one K/V block, two
-    # loops (unmasked, then masked blocks) past that and for every packed batch (kv_len None).
+    # loops (unmasked, then masked blocks) past that and for every packed batch (kv_len None),
+    # one there too under a sliding window (its left edge masks blocks at a tile's start).
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     for parts in ((128, 0), (256, 0)):
         for kv_len in (1, 64, 128, 129, 4096, None):
             assert hopper.block_loops(*parts, 128, kv_len) == 1
+            assert hopper.block_loops(*parts, 128, kv_len, window=True) == 1
     for parts in ((64, 0), (64, 16), (64, 32), (128, 64)):
         for block_n in (64, 128):
             assert hopper.block_loops(*parts, block_n, 1) == 0
             assert hopper.block_loops(*parts, block_n, block_n) == 0
             assert hopper.block_loops(*parts, block_n, block_n + 1) == 2
             assert hopper.block_loops(*parts, block_n, None) == 2
+            assert hopper.block_loops(*parts, block_n, block_n, window=True) == 0
+            assert hopper.block_loops(*parts, block_n, block_n + 1, window=True) == 1
+            assert hopper.block_loops(*parts, block_n, None, window=True) == 1
     # through layout_for: the head dims' own layouts at few and many keys
     for head_dim, kv_len, loops in ((64, 4096, 2), (96, 128, 0), (96, 300, 2), (80, 100, 1),
                                     (112, 4096, 1), (128, 128, 1), (192, 64, 0), (192, 4096, 2),

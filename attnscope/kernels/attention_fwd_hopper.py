@@ -1075,9 +1075,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     # register stores (the copy engine would write them over the next sequence's rows).
     d0, d1 = parts
     if loops is None:
-        loops = block_loops(d0, d1, block_n, None if varlen else kv_len)
-        if has_window and loops == 2:  # a window's left edge masks blocks at a tile's start,
-            loops = 1  # which the unmasked loop would take
+        loops = block_loops(d0, d1, block_n, None if varlen else kv_len, has_window)
     elif has_window and loops == 2:
         raise ValueError("loops=2 cannot run a windowed call (its left edge masks the blocks "
                          "the first loop takes unmasked): use 1")
@@ -1115,12 +1113,13 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
                                BLOCK_LOOPS=loops))
 
 
-def block_loops(d0, d1, block_n, kv_len):
+def block_loops(d0, d1, block_n, kv_len, window=False):
     """How the consumers walk a tile's K/V blocks past the first (the kernel's BLOCK_LOOPS), for
     column parts (d0, d1), blocks of block_n keys and a dense call's kv_len (None for a packed
     batch): 1, one loop choosing each block's mask at run time, where the head_dim is one part
-    of 128 columns or more; else 0, no loop, where a dense call's tiles hold one block each,
-    and 2, the unmasked blocks' loop then the masked ones'. H200, Triton 3.6, hopper_lab.py
+    of 128 columns or more or the call has a sliding window (its left edge masks blocks at a
+    tile's start, which the unmasked loop would take); else 0, no loop, where a dense call's
+    tiles hold one block each, and 2, the unmasked blocks' loop then the masked ones'. H200, Triton 3.6, hopper_lab.py
     --time, three jobs against one loop everywhere (notes/lab/gluon_block_loops_h200.txt):
     - two loops 2-4 % faster at head_dim 64's long rows (9.81 against 10.21 ms at
       (8,16,16384,64), 0.669 against 0.693 at (4,32,4096,64)), 2.3 % at (8,16,4096,192,kv4), 7 %
@@ -1137,7 +1136,9 @@ def block_loops(d0, d1, block_n, kv_len):
       (notes/lab/gluon_block_loops_varlen_h200.txt)."""
     if d1 == 0 and d0 >= 128:
         return 1
-    return 0 if kv_len is not None and kv_len <= block_n else 2
+    if kv_len is not None and kv_len <= block_n:
+        return 0
+    return 1 if window else 2
 
 
 def layout_for(head_dim, kv_len, many_tiles):

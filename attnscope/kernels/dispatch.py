@@ -65,8 +65,8 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1
     """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
     k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
     `window`, `softcap` and `varlen` (packed sequences) as attention_fwd.attention_fwd_triton's.
-    `wrap` lets the custom op pass
-    torch.library.wrap_triton so torch.compile sees the launch (always the Triton kernel).
+    `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch
+    (always the Triton kernel).
     Returns what the launch returns (the compiled kernel, when called eagerly); with kept=True
     (an eager call) the launch kept under the call's key instead (launch._Bound: called with the
     five tensors of a call with the same shapes, strides, dtypes and alignment, it launches this
