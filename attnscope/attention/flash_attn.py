@@ -109,6 +109,21 @@ class Peer:
     paged_func: str
     paged_args: tuple[str, str]
     page_multiple: int = 1
+    # How its window_size says "unbounded" (flash-attn 2: -1; FA4: None, where a -1 would be a
+    # bound)
+    unbounded: int | None = -1
+
+    def _options(self, causal, window, softcap) -> dict:
+        """window_size= and softcap= keywords for a sliding window (left, right) in the
+        registry's convention (-1 unbounded) and a softcap, those set only; with causal the
+        right side is 0, which both libraries take."""
+        options = {}
+        if window is not None:
+            left, right = window[0], 0 if causal else window[1]
+            options["window_size"] = tuple(self.unbounded if w < 0 else w for w in (left, right))
+        if softcap is not None:
+            options["softcap"] = softcap
+        return options
 
     def available(self, device) -> tuple[bool, str]:
         device = torch.device(device)
@@ -138,10 +153,12 @@ class Peer:
             raise RuntimeError(why)
         return func
 
-    def prepare(self, q, k, v, causal=True, **options):
-        # causal=True is aligned bottom-right in both libraries when q_len < kv_len; options go
-        # to flash_attn_func as they are (fa4_deterministic's deterministic=True).
+    def prepare(self, q, k, v, causal=True, window=None, softcap=None, **options):
+        # causal=True is aligned bottom-right in both libraries when q_len < kv_len, and so is a
+        # window; other options go to flash_attn_func as they are (fa4_deterministic's
+        # deterministic=True).
         func = self._loaded(q)
+        options.update(self._options(causal, window, softcap))
 
         def forward():
             # BSHD views, no copy (see the module docstring).
@@ -151,15 +168,18 @@ class Peer:
         return forward
 
     def prepare_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       causal=True):
+                       causal=True, window=None, softcap=None):
         # Both libraries' flash_attn_varlen_func take (q, k, v, cu_seqlens_q, cu_seqlens_k,
-        # max_seqlen_q, max_seqlen_k, ..., causal=) with the packed layout the registry hands.
+        # max_seqlen_q, max_seqlen_k, ..., causal=, window_size=, softcap=) with the packed
+        # layout the registry hands.
         func = self._function(q, "flash_attn_varlen_func")
+        options = self._options(causal, window, softcap)
         return lambda: _output(func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                     max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                    causal=causal))
+                                    causal=causal, **options))
 
-    def prepare_paged(self, q, k_cache, v_cache, block_table, cache_seqlens, causal=True):
+    def prepare_paged(self, q, k_cache, v_cache, block_table, cache_seqlens, causal=True,
+                      window=None, softcap=None):
         # The registry's cache layout [num_blocks, page_size, kv_heads, head_dim] is both
         # libraries' (paged_func, paged_args); q as a BSHD view, the output back.
         func = self._function(q, self.paged_func)
@@ -168,6 +188,7 @@ class Peer:
                                       f"{self.page_multiple} keys, got {k_cache.shape[1]}")
         q_bshd = q.transpose(1, 2)
         paging = dict(zip(self.paged_args, (block_table, cache_seqlens)))
+        paging.update(self._options(causal, window, softcap))
         return lambda: _output(func(q_bshd, k_cache, v_cache, causal=causal,
                                     **paging)).transpose(1, 2)
 
@@ -193,7 +214,8 @@ FA4 = Peer(
     # (Sm100); its interface refuses other architectures.
     gpus="Hopper (sm_90) and Blackwell (sm_100) GPUs", supports=lambda cap: cap[0] in (9, 10),
     # its varlen function takes a batch-shaped q with a page table
-    paged_func="flash_attn_varlen_func", paged_args=("page_table", "seqused_k"))
+    paged_func="flash_attn_varlen_func", paged_args=("page_table", "seqused_k"),
+    unbounded=None)
 
 FA2 = Peer(
     label="flash-attn 2", module="flash_attn",
@@ -219,11 +241,15 @@ for _name, _peer, _description in (
         q_len_differs=True,
         prepare_varlen=_peer.prepare_varlen,
         prepare_paged=_peer.prepare_paged,
+        # window_size= and softcap= of every function above, in both libraries
+        sliding_window=True,
+        softcap=True,
     ))
 
 
-def _prepare_fa4_deterministic(q, k, v, causal=True):
-    return FA4.prepare(q, k, v, causal=causal, deterministic=True)
+def _prepare_fa4_deterministic(q, k, v, causal=True, window=None, softcap=None):
+    return FA4.prepare(q, k, v, causal=causal, window=window, softcap=softcap,
+                       deterministic=True)
 
 
 # FA4's backward adds dQ in whatever order its programs run unless deterministic=True (then its
@@ -239,4 +265,6 @@ register(Implementation(
     backward_variant_of="fa4",
     gqa=True,
     q_len_differs=True,
+    sliding_window=True,
+    softcap=True,
 ))

@@ -11,25 +11,31 @@ import math
 
 import torch
 
-from attnscope.attention.reference import causal_mask, varlen_mask
+from attnscope.attention.reference import varlen_mask, window_mask
 from attnscope.attention.registry import Implementation, inductor_available, register
 
 
-def _causal_fill_mask(q, k):
-    # True where a key is in the future of its query: those scores become -inf. Built once in
-    # prepare, as 04_a does, so the profiled forward holds no mask construction. Bottom-right:
-    # the registry's alignment for q_len < kv_len (the same mask as 04_a's at equal lengths).
-    return ~causal_mask(q.shape[2], k.shape[2], "bottom_right", device=q.device)
+def _causal_fill_mask(q, k, window):
+    # True where a key is in the future of its query (or outside its sliding window): those
+    # scores become -inf. Built once in prepare, as 04_a does, so the profiled forward holds no
+    # mask construction. Bottom-right: the registry's alignment for q_len < kv_len (the same mask
+    # as 04_a's at equal lengths).
+    return ~window_mask(q.shape[2], k.shape[2], "bottom_right", window, causal=True,
+                        device=q.device)
 
 
-def naive_attention(q, k, v, mask, scale):
+def naive_attention(q, k, v, mask, scale, softcap=0.0):
     scores = (q @ k.transpose(-2, -1)) * scale
+    if softcap:  # Gemma 2's logit cap: two more elementwise kernels
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
-def naive_attention_inplace(q, k, v, mask, scale):
+def naive_attention_inplace(q, k, v, mask, scale, softcap=0.0):
     scores = (q @ k.transpose(-2, -1)) * scale
+    if softcap:
+        scores.div_(softcap).tanh_().mul_(softcap)
     scores.masked_fill_(mask, float("-inf"))  # 04_b: reuse the scores buffer, one tensor fewer
     return torch.softmax(scores, dim=-1) @ v
 
@@ -50,26 +56,26 @@ def _check_heads(q, k, heads_dim):
 
 
 def _preparer(fn, compile_it=False):
-    def prepare(q, k, v):
+    def prepare(q, k, v, window=(-1, -1), softcap=0.0):
         _check_heads(q, k, 1)
-        mask = _causal_fill_mask(q, k)
+        mask = _causal_fill_mask(q, k, window)
         scale = 1.0 / math.sqrt(q.shape[-1])
         f = torch.compile(fn) if compile_it else fn
-        return lambda: f(q, k, v, mask, scale)
+        return lambda: f(q, k, v, mask, scale, softcap)
     return prepare
 
 
 def _varlen_preparer(fn, compile_it=False):
     def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       causal=True):
+                       causal=True, window=(-1, -1), softcap=0.0):
         # The packed sequences as one [1, heads, total, head_dim] batch whose mask keeps each
         # sequence to itself: every score of every pair of sequences is computed, then masked.
         _check_heads(q, k, 1)
-        mask = ~varlen_mask(cu_seqlens_q, cu_seqlens_k, causal)
+        mask = ~varlen_mask(cu_seqlens_q, cu_seqlens_k, causal, window)
         scale = 1.0 / math.sqrt(q.shape[-1])
         q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # views, no copy
         f = torch.compile(fn) if compile_it else fn
-        return lambda: f(q4, k4, v4, mask, scale)[0].transpose(0, 1)
+        return lambda: f(q4, k4, v4, mask, scale, softcap)[0].transpose(0, 1)
     return prepare_varlen
 
 
@@ -81,6 +87,8 @@ register(Implementation(
     prepare=_preparer(naive_attention),
     materializes_scores=True,
     q_len_differs=True,
+    sliding_window=True,  # in its mask
+    softcap=True,
     prepare_varlen=_varlen_preparer(naive_attention),
 ))
 register(Implementation(
@@ -91,6 +99,8 @@ register(Implementation(
     prepare=_preparer(naive_attention_inplace),
     materializes_scores=True,
     q_len_differs=True,
+    sliding_window=True,  # in its mask
+    softcap=True,
     prepare_varlen=_varlen_preparer(naive_attention_inplace),
 ))
 register(Implementation(
@@ -101,5 +111,7 @@ register(Implementation(
     prepare=_preparer(naive_attention, compile_it=True),
     materializes_scores=True,
     q_len_differs=True,
+    sliding_window=True,  # in its mask
+    softcap=True,
     prepare_varlen=_varlen_preparer(naive_attention, compile_it=True),
 ))

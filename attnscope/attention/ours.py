@@ -29,30 +29,33 @@ def _available(device):
     return False, f"unsupported device {device}"
 
 
-def _prepare(q, k, v, causal=True):
+def _prepare(q, k, v, causal=True, window=(-1, -1), softcap=0.0):
     # bottom_right: the registry's alignment for q_len < kv_len (top-left's at equal lengths).
-    return lambda: fused_attention(q, k, v, causal=causal, causal_alignment="bottom_right")
+    return lambda: fused_attention(q, k, v, causal=causal, causal_alignment="bottom_right",
+                                   window=window, softcap=softcap)
 
 
-def _prepare_nondeterministic(q, k, v, causal=True):
+def _prepare_nondeterministic(q, k, v, causal=True, window=(-1, -1), softcap=0.0):
     # fused's call with the backward's option: the forward ignores it
     return lambda: fused_attention(q, k, v, causal=causal, causal_alignment="bottom_right",
-                                   deterministic=False)
+                                   window=window, softcap=softcap, deterministic=False)
 
 
 def _prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    causal=True):
+                    causal=True, window=(-1, -1), softcap=0.0):
     return lambda: fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, causal=causal)
+                                          max_seqlen_k, causal=causal, window=window,
+                                          softcap=softcap)
 
 
-def _prepare_paged(q, k_cache, v_cache, block_table, cache_seqlens, causal=True):
+def _prepare_paged(q, k_cache, v_cache, block_table, cache_seqlens, causal=True,
+                   window=(-1, -1), softcap=0.0):
     # The registry's [batch, heads, q_len, head_dim] as the function's [batch, q_len, heads,
     # head_dim] view, and its output back (views, no copies)
     q_bshd = q.transpose(1, 2)
     return lambda: fused_attention_with_kvcache(
         q_bshd, k_cache, v_cache, cache_seqlens, block_table=block_table,
-        causal=causal).transpose(1, 2)
+        causal=causal, window=window, softcap=softcap).transpose(1, 2)
 
 
 def _compiled_kernels():
@@ -90,6 +93,8 @@ register(Implementation(
     q_len_differs=True,
     prepare_varlen=_prepare_varlen,
     prepare_paged=_prepare_paged,
+    sliding_window=True,
+    softcap=True,
     compiled_kernels=_compiled_kernels,
 ))
 
@@ -113,5 +118,7 @@ register(Implementation(
     backward_variant_of="fused",
     gqa=True,
     q_len_differs=True,
+    sliding_window=True,
+    softcap=True,
     compiled_kernels=_compiled_kernels,  # fused's forward kernels: the same forward
 ))

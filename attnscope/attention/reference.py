@@ -28,10 +28,11 @@ def causal_mask(q_len: int, kv_len: int, alignment: str, device=None) -> torch.T
     return j <= i + offset
 
 
-def varlen_mask(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool
-                ) -> torch.Tensor:
+def varlen_mask(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
+                window=None) -> torch.Tensor:
     """Boolean [total_q, total_k] over packed sequences, True where query row i may see key row j:
-    both in one sequence, and (causal) j at or left of i's bottom-right-aligned diagonal. What an
+    both in one sequence, and (causal) j at or left of i's bottom-right-aligned diagonal, and
+    within a sliding window (left, right) from that diagonal as window_mask's. What an
     implementation without a packed-sequence API is given as its mask."""
     device = cu_seqlens_q.device
     lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
@@ -40,13 +41,19 @@ def varlen_mask(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: 
     seq_q = seqs.repeat_interleave(lengths_q)
     seq_k = seqs.repeat_interleave(lengths_k)
     visible = seq_q[:, None] == seq_k[None, :]
-    if causal:
+    left, right = (-1, -1) if window is None else window
+    right = 0 if causal else right
+    if left >= 0 or right >= 0:
         # position within its sequence, shifted so that each sequence's last query is at its
         # last key (bottom-right)
         pos_q = (torch.arange(seq_q.numel(), device=device) - cu_seqlens_q[:-1].long()[seq_q]
-                 + (lengths_k - lengths_q)[seq_q])
-        pos_k = torch.arange(seq_k.numel(), device=device) - cu_seqlens_k[:-1].long()[seq_k]
-        visible &= pos_k[None, :] <= pos_q[:, None]
+                 + (lengths_k - lengths_q)[seq_q])[:, None]
+        pos_k = (torch.arange(seq_k.numel(), device=device)
+                 - cu_seqlens_k[:-1].long()[seq_k])[None, :]
+        if right >= 0:
+            visible &= pos_k <= pos_q + right
+        if left >= 0:
+            visible &= pos_k >= pos_q - left
     return visible
 
 

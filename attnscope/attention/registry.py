@@ -59,6 +59,13 @@ class Implementation:
     # pages] naming each sequence's pages in order, cache_seqlens int32 [batch] its keys; causal
     # aligned bottom-right; the forward returns [batch, heads, q_len, head_dim]. None: it cannot.
     prepare_paged: Callable[..., Forward] | None = None
+    # prepare() (and prepare_varlen/prepare_paged where the entry has them) takes
+    # window=(left, right), a sliding window in flash-attn's window_size convention (-1
+    # unbounded; causal: right 0), aligned bottom-right as causal is. Given only when set.
+    sliding_window: bool = False
+    # ... takes softcap=C > 0: each scaled score s becomes C * tanh(s / C) before the softmax
+    # (Gemma 2). Given only when set.
+    softcap: bool = False
     # Ours only: the compiled kernels this entry's forwards launched in this process (see
     # CompiledKernel), so the driver can show source and compiled code without importing them.
     compiled_kernels: Callable[[], list["CompiledKernel"]] | None = None

@@ -5,6 +5,9 @@ A pinned backend that has no kernel for the call (a dtype, a shape, or an explic
 the CUDA flash kernel does not take) raises NotImplementedError at the first call; the driver
 shows that as an "unsupported" row. Pinning costs CPU time: entering and leaving `sdpa_kernel` is
 Python (about 15 us on a 2-core dev box), inside each pinned forward; `sdpa_auto` has none of it.
+
+A sliding window becomes an explicit boolean mask as well; a softcap cannot be expressed: SDPA
+applies its softmax to the scaled scores as they are (no hook between the two).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attnscope.attention.reference import causal_mask, varlen_mask
+from attnscope.attention.reference import causal_mask, varlen_mask, window_mask
 from attnscope.attention.registry import Implementation, register
 
 
@@ -72,8 +75,11 @@ def _described(q, k, kwargs):
 
 
 def _preparer(backend):
-    def prepare(q, k, v, causal=True):
+    def prepare(q, k, v, causal=True, window=None):
         q_len, kv_len = q.shape[2], k.shape[2]
+        if window is not None:
+            return _call(backend, q, k, v, attn_mask=window_mask(
+                q_len, kv_len, "bottom_right", window, causal, device=q.device))
         if causal and q_len != kv_len and q_len > 1:
             # is_causal aligns top-left; bottom-right (the registry's alignment for q_len < kv_len)
             # needs an explicit [q_len, kv_len] mask, which the flash backend does not take.
@@ -86,10 +92,10 @@ def _preparer(backend):
 
 def _varlen_preparer(backend):
     def prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       causal=True):
+                       causal=True, window=None):
         # SDPA has no packed-sequence API: one [1, heads, total, head_dim] batch under a dense
         # [total_q, total_k] mask keeping each sequence to itself (causal bottom-right within).
-        mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, causal)
+        mask = varlen_mask(cu_seqlens_q, cu_seqlens_k, causal, window)
         q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # views, no copy
         forward = _call(backend, q4, k4, v4, attn_mask=mask)
         return lambda: forward()[0].transpose(0, 1)
@@ -122,6 +128,7 @@ for _name, _backend, _available, _description in _ENTRIES:
         prepare_varlen=_varlen_preparer(_backend),
         q_len_differs=True,
         explicit_mask=True,
+        sliding_window=True,  # as its explicit mask
         # The math backend builds the scores (fp32 for 16-bit inputs).
         materializes_scores=_backend is SDPBackend.MATH,
         # enable_gqa (torch >= 2.5); the memory-efficient kernel refuses fewer K/V heads ("both

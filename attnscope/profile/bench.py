@@ -62,7 +62,8 @@ MODES = ("fwd", "bwd", "fwd_bwd")
 
 def _case_key(row: dict) -> tuple:
     return (tuple(row["shape"]), row["kv_heads"], row.get("kv_len"),
-            tuple(row.get("seqlens") or ()), row.get("page_size"), row["dtype"], row["causal"],
+            tuple(row.get("seqlens") or ()), row.get("page_size"),
+            tuple(row.get("window") or ()), row.get("softcap"), row["dtype"], row["causal"],
             row["mode"])
 
 
@@ -166,6 +167,8 @@ def _row(ctx: _Context, case: Case, name: str) -> dict:
     return {"shape": case.shape, "kv_heads": case.kv_heads, "scenario": case.scenario,
             "kv_len": case.keys, "seqlens": list(case.seqlens) if case.seqlens else None,
             "page_size": case.page_size,
+            # a window and a softcap only where set: rows without them read as before
+            **{k: list(v) if k == "window" else v for k, v in scenarios.options(case).items()},
             "note": "", "dtype": ctx.dtype,
             "causal": ctx.causal, "mode": ctx.mode, "impl": name, "status": "ok", "reason": "",
             "median_ms": None, "tflops": None, "pct_of_peak": None, "ratio_to_best_peer": None,
@@ -199,7 +202,8 @@ def _bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -
     if skip:
         return {**row, "status": "skipped", "reason": skip}
     try:
-        forward = scenarios.prepare(impl, inputs[0], ctx.causal)
+        options = scenarios.options(case)
+        forward = scenarios.prepare(impl, inputs[0], ctx.causal, **options)
         # First call on this shape in this process: what a user waits for (JIT, autotune, plans);
         # in the backward modes, the first forward and backward together.
         t0 = time.perf_counter()
@@ -224,7 +228,7 @@ def _bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -
             del out  # "bwd" keeps it: the first timed call differentiates its graph
         calls = [first]
         for more in inputs[1:]:
-            other = scenarios.prepare(impl, more, ctx.causal)
+            other = scenarios.prepare(impl, more, ctx.causal, **options)
             calls.append(_timed_call(other, more.qkv, other() if ctx.mode == "bwd" else None,
                                      ctx.mode))
         row["input_sets"] = len(calls)
@@ -281,6 +285,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--page-size", type=int, default=None, metavar="N",
                         help="keys per page of --scenario paged's KV cache (default: its preset, "
                         "128 on CUDA)")
+    scenarios.add_option_arguments(parser)
     parser.add_argument("--impl", nargs="+", metavar="NAME",
                         help="implementations to time, in this order (default: every registered "
                         "one; `attnscope list` names them)")
@@ -341,6 +346,8 @@ def _resolve(args):
     else:
         sweep = args.sweep or ("default" if device.type == "cuda" else "cpu")
         cases = resolve_sweep(sweep, args.kv_heads)
+    cases = tuple(dict.fromkeys(scenarios.with_options(c, args.window, args.softcap, args.causal)
+                                for c in cases))
     impls, notes = resolve_impls(args.impl)
     if not impls:
         raise ValueError("no implementations are registered")
@@ -386,11 +393,11 @@ MODE_TIMED = {
 }
 
 
-def _reference_or_none(inputs, causal: bool, device: torch.device):
+def _reference_or_none(inputs, case: Case, causal: bool, device: torch.device):
     budget = REF_MEMORY_FRACTION * (free_memory(device) or 2**31)
     try:
         with torch.no_grad():  # the backward modes run with grad enabled
-            return scenarios.reference(inputs, causal, budget)
+            return scenarios.reference(inputs, causal, budget, **scenarios.options(case))
     except torch.OutOfMemoryError:  # the budget is an estimate; rows then carry no error
         print("bench: the float64 reference ran out of memory; no errors at this shape",
               file=sys.stderr)
@@ -420,7 +427,7 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
     inputs = [_make_inputs(case, dtype, ctx.device, i) for i in range(n_sets)]
     if ctx.mode != "fwd":
         inputs = [_with_grad(one) for one in inputs]
-    reference = _reference_or_none(inputs[0], ctx.causal, ctx.device)
+    reference = _reference_or_none(inputs[0], case, ctx.causal, ctx.device)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # free memory must not count the reference's cached blocks
     free = free_memory(ctx.device)
@@ -431,11 +438,12 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
 
 
 def _case_record(c: Case) -> dict:
-    # page_size only where a case has one, so the header of a sweep without paged rows reads as
-    # it did before the field (--resume compares headers)
+    # page_size, window and softcap only where a case has them, so the header of a sweep without
+    # them reads as it did before the fields (--resume compares headers)
     record = dataclasses.asdict(c)
-    if record["page_size"] is None:
-        del record["page_size"]
+    for field in ("page_size", "window", "softcap"):
+        if record[field] is None:
+            del record[field]
     return record
 
 
@@ -562,8 +570,9 @@ def _run(args) -> int:
     time_label = "median ms" if device.type == "cuda" else "CPU wall ms"
     total = len(cases) * len(impls)
     print(f"bench: sweep {sweep!r}, {len(cases)} shapes x {len(impls)} implementations, "
-          f"{args.dtype} {'causal' if args.causal else 'full'} {args.mode} on "
-          f"{gpu.get('name') or device.type}; timer: {header['timing']['timer']}", file=sys.stderr)
+          f"{args.dtype} {'causal' if args.causal else 'full'} {args.mode}"
+          f"{scenarios.describe_options(cases[0])} on {gpu.get('name') or device.type}; "
+          f"timer: {header['timing']['timer']}", file=sys.stderr)
     done = len(rows)  # resumed rows: the first cases' implementations, in order
     try:
         with torch.set_grad_enabled(args.mode != "fwd"):

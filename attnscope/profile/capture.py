@@ -64,10 +64,12 @@ def profiled_call(name, forward, leaves, backward):
     return call
 
 
-def capture(impl, q, k, v, out_dir, mode="fwd", packing=None, paging=None) -> Capture:
+def capture(impl, q, k, v, out_dir, mode="fwd", packing=None, paging=None,
+            options=None) -> Capture:
     """Profile `impl` on q, k, v; raises whatever the implementation raises. `packing`: packed
     sequences' (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k); `paging`: a paged KV
-    cache's (k_cache, v_cache, block_table, cache_seqlens) (scenarios.Inputs).
+    cache's (k_cache, v_cache, block_table, cache_seqlens) (scenarios.Inputs); `options`: the
+    case's window and softcap keywords (scenarios.options).
 
     mode "fwd_bwd" profiles forward and backward in each range: inputs require grad, and after
     each forward torch.autograd.grad computes dq, dk, dv for a fixed random upstream gradient
@@ -86,7 +88,7 @@ def capture(impl, q, k, v, out_dir, mode="fwd", packing=None, paging=None) -> Ca
 
     with torch.enable_grad() if backward else torch.no_grad():
         forward = scenarios.prepare(impl, scenarios.Inputs((q, k, v), packing, paging),
-                                    causal=True)
+                                    causal=True, **(options or {}))
         step = profiled_call(impl.name, forward, (q, k, v), backward)
         for _ in range(WARMUP_CALLS):
             output = step()

@@ -84,7 +84,9 @@ def sweep(rows: list[dict], ylabel: str, title: str) -> str:
 
 def _shape_label(row) -> str:
     paged = f" paged {row['page_size']}" if row.get("page_size") else ""
-    return ",".join(map(str, row["shape"])) + f" ({row['kv_heads']}){paged}"
+    window = f" window {','.join(map(str, row['window']))}" if row.get("window") else ""
+    softcap = f" softcap {row['softcap']:g}" if row.get("softcap") else ""
+    return ",".join(map(str, row["shape"])) + f" ({row['kv_heads']}){paged}{window}{softcap}"
 
 
 def timeline(forward: dict, numbered_ops: list[tuple[int, dict, str | None]], title: str) -> str:

@@ -72,6 +72,7 @@ def add_arguments(p):
     p.add_argument("--kv-heads", type=int, metavar="N",
                    help="K/V heads (GQA/MQA; must divide --heads) (default: the scenario's; "
                         "--heads for prefill)")
+    scenarios.add_option_arguments(p)
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="input dtype (default bf16 on CUDA as in the blog, fp32 on CPU)")
     p.add_argument("--device", choices=("cuda", "cpu"),
@@ -92,15 +93,16 @@ def add_arguments(p):
 
 def resolve_case(args, device):
     """The sweeps.Case to profile: the scenario's preset on `device` (prefill: the blog's shape),
-    changed by the flags given."""
+    changed by the flags given, with their window and softcap (causal, as compare always is)."""
     if args.seq is not None and (args.q_len is not None or args.kv_len is not None):
         raise ValueError(f"--seq sets both lengths; give it or --q-len/--kv-len, not both "
                          f"(got --seq {args.seq}, --q-len {args.q_len}, --kv-len {args.kv_len})")
     q_len = args.seq if args.q_len is None else args.q_len
     kv_len = args.seq if args.kv_len is None else args.kv_len
-    return scenarios.scenario_case(args.scenario, device, batch=args.batch, heads=args.heads,
-                                   q_len=q_len, kv_len=kv_len, head_dim=args.head_dim,
-                                   kv_heads=args.kv_heads, page_size=args.page_size)
+    c = scenarios.scenario_case(args.scenario, device, batch=args.batch, heads=args.heads,
+                                q_len=q_len, kv_len=kv_len, head_dim=args.head_dim,
+                                kv_heads=args.kv_heads, page_size=args.page_size)
+    return scenarios.with_options(c, args.window, args.softcap, causal=True)
 
 
 def write_results(folder: Path, results: dict):
@@ -122,15 +124,16 @@ def _first_line(exc):
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-def _reference(inputs):
-    """The float64 oracle (bottom-right causal, the registry's alignment for q_len < kv_len), kept
-    on the CPU so it never counts in a row's peak memory; None when it does not fit (its S x S
-    float64 scores are 8x a bf16 naive's)."""
+def _reference(inputs, case):
+    """The float64 oracle (bottom-right causal, the registry's alignment for q_len < kv_len, under
+    the case's window and softcap), kept on the CPU so it never counts in a row's peak memory;
+    None when it does not fit (its S x S float64 scores are 8x a bf16 naive's)."""
     q, k, v = inputs.qkv
+    options = scenarios.options(case)
     try:
         if inputs.packing is not None:
-            return attention_reference_varlen(q, k, v, *inputs.packing[:2]).cpu()
-        return attention_reference(q, k, v, causal_alignment="bottom_right").cpu()
+            return attention_reference_varlen(q, k, v, *inputs.packing[:2], **options).cpu()
+        return attention_reference(q, k, v, causal_alignment="bottom_right", **options).cpu()
     except torch.cuda.OutOfMemoryError:
         _progress("note: the float64 reference does not fit in GPU memory at this shape; "
                   "the error column stays empty")
@@ -151,7 +154,8 @@ def profile_one(impl, inputs, case, reference, out: Path, device, dtype_name, en
     if cannot:
         return {**row, "status": "unsupported", "reason": cannot}
     try:
-        cap = capture(impl, *inputs.qkv, out, mode, inputs.packing, inputs.paging)
+        cap = capture(impl, *inputs.qkv, out, mode, inputs.packing, inputs.paging,
+                      scenarios.options(case))
     except OSError as exc:
         if runs.cannot_write(exc, out):
             raise  # the out folder, not the implementation: the run cannot go on
@@ -255,13 +259,15 @@ def _run(args, run_, impls, device, case) -> int:
                "causal": True, "mode": args.mode,
                "flops_per_forward": scenarios.flops(case, causal=True, mode=args.mode),
                "env": collect_env(), "rows": []}
+    # a window and a softcap only where set, so a run without them writes what it always did
+    results.update(scenarios.options(case))
     write_results(folder, results)
     inputs = scenarios.case_inputs(case, DTYPES[dtype_name], device, seed=0)
-    reference = _reference(inputs)
+    reference = _reference(inputs, case)
     _progress(f"attnscope compare: {len(impls)} implementations, {case.scenario} shape {shape} "
               f"[batch, heads, q_len, head_dim], {case.keys} keys, {case.kv_heads} K/V heads"
-              f"{', packed lengths ' + str(list(case.seqlens)) if case.seqlens else ''}, "
-              f"{dtype_name}, {device}, run folder {folder}")
+              f"{', packed lengths ' + str(list(case.seqlens)) if case.seqlens else ''}"
+              f"{scenarios.describe_options(case)}, {dtype_name}, {device}, run folder {folder}")
     try:
         for i, impl in enumerate(impls, 1):
             _progress(f"[{i}/{len(impls)}] {impl.name} ...")

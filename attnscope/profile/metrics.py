@@ -38,13 +38,16 @@ REF_BYTES_PER_SCORE = 4 * 8
 REF_MEMORY_FRACTION = 0.25
 
 
-def reference_output(q, k, v, *, causal: bool, budget_bytes: float):
-    """Float64 attention for as much of the output as `budget_bytes` allows at a time.
+def reference_output(q, k, v, *, causal: bool, budget_bytes: float, window=(-1, -1),
+                     softcap=0.0):
+    """Float64 attention for as much of the output as `budget_bytes` allows at a time, under
+    a sliding window and a softcap as attention_reference's.
 
     Computed in chunks of (batch, head) pairs. When one head alone is over budget, only its last
     query rows are compared: they see every key, so the longest reductions are the ones checked;
-    "bottom_right" alignment keeps each sliced row's true causal window (the registry's alignment
-    for q_len <= kv_len, and the only one for which the last rows of a slice keep theirs).
+    "bottom_right" alignment keeps each sliced row's true causal and sliding windows (the
+    registry's alignment for q_len <= kv_len, and the only one for which the last rows of a slice
+    keep theirs).
     Returns (reference [B, H, rows, D] float64, region) where region records what was compared.
     """
     batch, heads, seq, head_dim = q.shape
@@ -62,7 +65,7 @@ def reference_output(q, k, v, *, causal: bool, budget_bytes: float):
         idx = kv_index[i:i + chunk]
         ref[i:i + chunk] = attention_reference(
             q_flat[i:i + chunk, start:][None], k_flat[idx][None], v_flat[idx][None],
-            causal=causal, causal_alignment="bottom_right")[0]
+            causal=causal, causal_alignment="bottom_right", window=window, softcap=softcap)[0]
     region = {"batch_heads": batch * heads, "query_rows": [start, seq],
               "chunk_batch_heads": chunk}
     return ref.unflatten(0, (batch, heads)), region

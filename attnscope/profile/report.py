@@ -148,6 +148,8 @@ class _Page:
         if self.results.get("scenario", "prefill") != "prefill":
             shape = {"scenario": self.results["scenario"], **shape,
                      "keys": self.results.get("kv_len"), "kv_heads": self.results.get("kv_heads")}
+        # a window and a softcap where the run had them
+        shape.update({k: self.results[k] for k in ("window", "softcap") if k in self.results})
         title = (f"attnscope: {', '.join(f'{k} {v}' for k, v in shape.items())}, "
                  f"{self.results.get('dtype')}, {self.device}"
                  # Files from before run folders carry no flag: they were complete.

@@ -13,19 +13,24 @@
   in a [num_blocks, page_size, kv_heads, head_dim] pool, each sequence's pages named by a block
   table in a seeded random order, bottom-right causal.
 
+Any of them may add a sliding window (`--window LEFT,RIGHT`, flash-attn's window_size aligned as
+causal is) and a softcap (`--softcap C`, Gemma 2's logit cap): `with_options`.
+
 What an entry can express is read off its registry fields (`q_len_differs`, `prepare_varlen`,
-`prepare_paged`, `gqa`, `explicit_mask`, `backward_variant_of`), never its name; one that cannot
-is a row with status 'unsupported' and the reason. The float64 reference and the FLOP count
-follow the scenario.
+`prepare_paged`, `gqa`, `explicit_mask`, `sliding_window`, `softcap`, `backward_variant_of`), never
+its name; one that cannot is a row with status 'unsupported' and the reason. The float64 reference
+and the FLOP count follow the scenario, its window and its softcap.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from attnscope.attention import fused
 from attnscope.attention.reference import attention_reference_varlen
 from attnscope.profile.flops import attention_flops, varlen_flops
 from attnscope.profile.inputs import SHAPES, make_inputs
@@ -95,6 +100,60 @@ def scenario_case(name: str | None, device: str, *, batch=None, heads=None, q_le
                          f"use --scenario chunked for longer chunks")
     return dataclasses.replace(out, kv_len=None if kv_len == out.seq else kv_len,
                                kv_heads=_kv_heads(kv_heads, preset, out.heads))
+
+
+def window_arg(text: str) -> tuple[int, int]:
+    """argparse type of --window: LEFT,RIGHT, two integers."""
+    try:
+        left, right = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT, two integers (-1: unbounded), "
+                                         f"e.g. 4095,0; got {text!r}") from None
+    return left, right
+
+
+def add_option_arguments(parser) -> None:
+    """compare's and bench's --window and --softcap."""
+    parser.add_argument("--window", type=window_arg, default=None, metavar="LEFT,RIGHT",
+                        help="sliding window for every implementation, flash-attn's window_size: "
+                        "query i sees key j when i + offset - LEFT <= j <= i + offset + RIGHT "
+                        "(offset kv_len - q_len, bottom-right as causal), -1 unbounded, RIGHT 0 "
+                        "or -1 when causal (e.g. 4095,0 for Mistral) (default: none)")
+    parser.add_argument("--softcap", type=float, default=None, metavar="C",
+                        help="logit softcap for every implementation: each scaled score s "
+                        "becomes C * tanh(s / C) (Gemma 2: 50); 0: off (default: off)")
+
+
+def with_options(c: Case, window, softcap, causal: bool) -> Case:
+    """`c` with a sliding window and a softcap, checked as the op checks them (`--window`,
+    `--softcap`: ValueError naming the flag). Normalized so that a row records what runs: with
+    causal the right side is 0; a window that hides nothing more than causal does (left -1) and
+    a softcap of 0 are none."""
+    if softcap is not None:
+        try:
+            fused._validate_window_softcap(causal, (-1, -1), softcap)
+        except ValueError as exc:
+            raise ValueError(f"--softcap: {exc}") from None
+    if window is not None:
+        try:
+            left, right = fused._validate_window_softcap(causal, window, 0.0)
+        except ValueError as exc:
+            raise ValueError(f"--window {window[0]},{window[1]}: {exc}") from None
+        right = 0 if causal else right
+        window = None if left == -1 and (causal or right == -1) else (left, right)
+    return dataclasses.replace(c, window=window, softcap=float(softcap) if softcap else None)
+
+
+def options(c: Case) -> dict:
+    """The keywords of a case's window and softcap, only those it has: what prepare(),
+    prepare_varlen() and prepare_paged() of an entry that takes them, and the reference, get."""
+    return {k: v for k, v in (("window", c.window), ("softcap", c.softcap)) if v is not None}
+
+
+def describe_options(c: Case) -> str:
+    """', window (l, r), softcap C' for the progress lines; '' without them."""
+    return "".join(f", {k} {tuple(v) if k == 'window' else format(v, 'g')}"
+                   for k, v in options(c).items())
 
 
 def _kv_heads(kv_heads, preset: Case, heads: int) -> int:
@@ -185,43 +244,54 @@ def unsupported(impl, c: Case, mode: str = "fwd") -> str | None:
     if c.seqlens is None and c.keys != c.seq and not impl.q_len_differs:
         return (f"takes no q_len ({c.seq}) shorter than kv_len ({c.keys}) (the registry's "
                 f"q_len_differs field)")
+    if c.window is not None and not impl.sliding_window:
+        return "takes no sliding window (the registry's sliding_window field)"
+    if c.softcap is not None and not impl.softcap:
+        return "cannot cap its logits: takes no softcap (the registry's softcap field)"
     return None
 
 
 def note(impl, c: Case, causal: bool) -> str:
     """What the row's figures include that a reader should know: an explicit mask."""
-    if not (impl.explicit_mask and causal):
+    if not impl.explicit_mask:
         return ""
-    if c.seqlens is not None:
-        return "packed sequences under an explicit dense [total, total] boolean mask"
-    if 1 < c.seq < c.keys:
+    window = " and the sliding window" if c.window is not None else ""
+    if c.seqlens is not None and (causal or window):
+        return f"packed sequences{window} under an explicit dense [total, total] boolean mask"
+    if window:
+        return "the sliding window as an explicit boolean mask"
+    if causal and 1 < c.seq < c.keys:
         return "bottom-right causal as an explicit boolean mask (is_causal aligns top-left)"
     return ""
 
 
-def prepare(impl, inputs: Inputs, causal: bool):
-    """The entry's zero-argument forward on these inputs."""
+def prepare(impl, inputs: Inputs, causal: bool, **options):
+    """The entry's zero-argument forward on these inputs; `options`: a case's window and
+    softcap keywords (`options(case)`), given only when set."""
     if inputs.packing is not None:
-        return impl.prepare_varlen(*inputs.qkv, *inputs.packing, causal=causal)
+        return impl.prepare_varlen(*inputs.qkv, *inputs.packing, causal=causal, **options)
     if inputs.paging is not None:
-        return impl.prepare_paged(inputs.qkv[0], *inputs.paging, causal=causal)
+        return impl.prepare_paged(inputs.qkv[0], *inputs.paging, causal=causal, **options)
     if causal:
-        return impl.prepare(*inputs.qkv)
-    return impl.prepare(*inputs.qkv, causal=False)
+        return impl.prepare(*inputs.qkv, **options)
+    return impl.prepare(*inputs.qkv, causal=False, **options)
 
 
 def flops(c: Case, causal: bool, mode: str = "fwd") -> float:
     if c.seqlens is not None:
-        return varlen_flops(c.seqlens, c.heads, c.head_dim, causal=causal, mode=mode)
-    return attention_flops(c.batch, c.heads, c.seq, c.keys, c.head_dim, causal=causal, mode=mode)
+        return varlen_flops(c.seqlens, c.heads, c.head_dim, causal=causal, mode=mode,
+                            window=c.window)
+    return attention_flops(c.batch, c.heads, c.seq, c.keys, c.head_dim, causal=causal, mode=mode,
+                           window=c.window)
 
 
-def reference(inputs: Inputs, causal: bool, budget_bytes: float):
-    """(float64 reference, region): what `error` compares an output with."""
+def reference(inputs: Inputs, causal: bool, budget_bytes: float, **options):
+    """(float64 reference, region): what `error` compares an output with; `options` as
+    prepare's."""
     if inputs.packing is None:
-        return reference_output(*inputs.qkv, causal=causal, budget_bytes=budget_bytes)
+        return reference_output(*inputs.qkv, causal=causal, budget_bytes=budget_bytes, **options)
     cu_q, cu_k = inputs.packing[:2]
-    ref = attention_reference_varlen(*inputs.qkv, cu_q, cu_k, causal=causal)
+    ref = attention_reference_varlen(*inputs.qkv, cu_q, cu_k, causal=causal, **options)
     return ref, {"packed_rows": [0, ref.shape[0]]}
 
 

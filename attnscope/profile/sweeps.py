@@ -29,6 +29,11 @@ class Case:
     # Keys per page of a paged KV cache (serving engines' [num_blocks, page_size, kv_heads,
     # head_dim] with a block table), for the entries that read one. None: a contiguous cache.
     page_size: int | None = None
+    # A sliding window (left, right), flash-attn's window_size aligned as causal is (-1:
+    # unbounded; causal: right 0), and a softcap C (logits C * tanh(s / C)), applied alike to
+    # every implementation. None: off (scenarios.with_options sets them).
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
 
     @property
     def shape(self) -> list[int]:
