@@ -649,3 +649,32 @@ def test_progress_line_reads_rows_without_warnings():
            "error": None, "first_call_ms": 2.0, "scenario": "prefill", "kv_len": 16,
            "kv_heads": 2, "impl": "fused"}
     assert "warning" not in bench_table.progress_line(1, 1, row)
+
+
+def test_a_window_is_unsupported_without_the_field_and_recorded_where_set(fakes, tmp_path):
+    # The registry's sliding_window field decides: the fakes without it are never called with
+    # a window; one that has it gets the window and is compared with the windowed reference.
+    def windowed(q, k, v, window=(-1, -1)):
+        return lambda: attention_reference(q, k, v, causal_alignment="bottom_right",
+                                           window=window, dtype=q.dtype)
+    fakes["fused"] = registry.Implementation("fused", "fake fused", "", lambda d: (True, "runs"),
+                                             windowed, ours=True, gqa=True, sliding_window=True)
+    out = tmp_path / "b.json"
+    args = _parse("--sweep", "cpu", "--window", "15,0", "--impl", "fused", "peer_fast",
+                  "--json", str(out), *FAST)
+    assert bench.run(args) == 0
+    doc = json.loads(out.read_text())
+    assert all(c["window"] == [15, 0] for c in doc["cases"])
+    for row in doc["rows"]:
+        assert row["window"] == [15, 0] and "softcap" not in row
+        if row["impl"] == "peer_fast":
+            assert row["status"] == "unsupported" and "sliding_window" in row["reason"]
+        else:
+            b, h, s, d = row["shape"]
+            assert row["status"] == "ok" and 0 < row["error"] < 1e-5
+            assert row["tflops"] == pytest.approx(attention_flops(
+                b, h, s, s, d, window=(15, 0)) / (row["median_ms"] * 1e-3) / 1e12)
+    # without the flags, nothing about them is written
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "fused", "--json", str(out), *FAST)) == 0
+    doc = json.loads(out.read_text())
+    assert not any({"window", "softcap"} & set(r) for r in doc["rows"] + doc["cases"])

@@ -511,3 +511,19 @@ def test_flash_attn2_refuses_pages_it_cannot_take(site):
     q, k, v = (t.detach() for t in _qkv(4, 2, seq=37))
     with pytest.raises(NotImplementedError, match="multiple of 256"):
         IMPLEMENTATIONS["flash_attn2"].prepare_paged(q, *scenarios.paged_cache(k, v, 128, seed=2))
+
+
+@pytest.mark.parametrize("name, module, causal, window, sent", [
+    ("fa4", "flash_attn.cute", True, (5, -1), (5, 0)),  # causal: the right side is 0
+    ("fa4", "flash_attn.cute", False, (5, -1), (5, None)),  # FA4 says unbounded with None
+    ("fa4_deterministic", "flash_attn.cute", False, (-1, 2), (None, 2)),
+    ("flash_attn2", "flash_attn", False, (-1, 3), (-1, 3)),  # flash-attn 2's -1 as it is
+])
+def test_prepare_passes_the_window_and_softcap(site, name, module, causal, window, sent):
+    install(site, fa4=True, fa2=True)
+    q, k, v = (t.detach() for t in _qkv(2, 2))
+    IMPLEMENTATIONS[name].prepare(q, k, v, causal=causal, window=window, softcap=20.0)()
+    (call,) = importlib.import_module(module).calls
+    assert call["causal"] is causal
+    assert {k: call["options"][k] for k in ("window_size", "softcap")} == {
+        "window_size": sent, "softcap": 20.0}

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from attnscope.attention import IMPLEMENTATIONS, fused
-from attnscope.attention.flex import _bottom_right_causal, _document_mask
+from attnscope.attention.flex import _bottom_right_causal, _document_mask, _softcap
 from attnscope.attention.reference import (attention_reference, attention_reference_varlen,
-                                           causal_mask, varlen_mask)
+                                           causal_mask, varlen_mask, window_mask)
 from attnscope.profile import bench, metrics, runs, scenarios, sweeps
 from attnscope.profile.cli import main
-from attnscope.profile.flops import attention_flops, varlen_flops
+from attnscope.profile.flops import attention_flops, varlen_flops, visible_pairs
 
 
 @pytest.fixture(autouse=True)
@@ -389,3 +389,181 @@ def test_a_pinned_backend_without_a_kernel_refuses_the_call():
     with pytest.raises(NotImplementedError, match="EFFICIENT_ATTENTION backend has no kernel") as e:
         forward()
     assert compare._classify(e.value) == "unsupported"
+
+
+# --- sliding windows and softcaps --------------------------------------------------------------
+
+@pytest.mark.parametrize("q_len, kv_len", [
+    (6, 6),  # self-attention: the two alignments agree
+    (3, 11),  # fewer queries than keys: bottom-right and top-left differ
+    (1, 9),  # one query (decode)
+    (9, 4),  # more queries than keys: the first rows see no key bottom-right
+])
+@pytest.mark.parametrize("causal, window", [
+    (True, (2, 0)),  # Mistral-style: 3 keys
+    (True, (0, 0)),  # one key: the diagonal only
+    (True, (50, 0)),  # a window wider than the sequence: plain causal
+    (True, (-1, -1)),  # no window
+    (False, (1, 2)),  # two-sided
+    (False, (-1, 1)),  # unbounded left
+    (False, (3, -1)),  # unbounded right
+    (False, (0, 0)),  # one key, not causal
+    (False, (40, 40)),  # wider than the sequence both ways: every pair
+])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_visible_pairs_are_the_brute_force_count(q_len, kv_len, causal, window, alignment):
+    brute = window_mask(q_len, kv_len, alignment, window, causal).sum().item()
+    assert visible_pairs(q_len, kv_len, causal=causal, window=window,
+                         causal_alignment=alignment) == brute
+
+
+def test_windowed_flops_count_the_visible_pairs():
+    pairs = window_mask(5, 12, "bottom_right", (3, 0), True).sum().item()
+    assert attention_flops(2, 3, 5, 12, 64, window=(3, 0)) == 4 * 2 * 3 * 64 * pairs
+    assert attention_flops(1, 1, 100, 100, 64, window=(9, 0)) == 4 * 64 * (100 * 10 - 45)
+    assert varlen_flops((7, 30), 2, 64, window=(4, 0)) == (
+        attention_flops(1, 2, 7, 7, 64, window=(4, 0))
+        + attention_flops(1, 2, 30, 30, 64, window=(4, 0)))
+    c = scenarios.with_options(sweeps.case(1, 2, 20, 32, kv_len=50), (6, -1), None, causal=True)
+    assert scenarios.flops(c, True) == attention_flops(1, 2, 20, 50, 32, window=(6, 0))
+
+
+@pytest.mark.parametrize("window, softcap, causal, says", [
+    ((3, 2), None, True, r"--window 3,2: .*right size must be 0 or -1"),
+    ((-2, 0), None, True, r"--window -2,0: window sizes must be >= 0, or -1"),
+    (None, -1.0, True, "--softcap: softcap must be a finite float >= 0"),
+    (None, float("inf"), False, "--softcap: softcap must be a finite"),
+    (None, float("nan"), True, "--softcap: softcap must be a finite"),
+])
+def test_window_and_softcap_are_checked(window, softcap, causal, says):
+    with pytest.raises(ValueError, match=says):
+        scenarios.with_options(sweeps.case(1, 2, 8, 16), window, softcap, causal)
+
+
+@pytest.mark.parametrize("window, softcap, causal, recorded", [
+    ((5, -1), None, True, ((5, 0), None)),  # causal: the right side is 0
+    ((-1, -1), 0.0, True, (None, None)),  # nothing set
+    ((-1, 0), None, True, (None, None)),  # causal already hides the right
+    ((-1, 3), 20, False, ((-1, 3), 20.0)),  # not causal: kept as given
+])
+def test_options_are_recorded_as_they_run(window, softcap, causal, recorded):
+    c = scenarios.with_options(sweeps.case(1, 2, 8, 16), window, softcap, causal)
+    assert (c.window, c.softcap) == recorded
+
+
+def test_flex_window_masks_and_softcap_are_the_references():
+    q_idx, kv_idx = torch.arange(6)[:, None], torch.arange(11)[None, :]
+    for causal, window in ((True, (2, 0)), (False, (1, 3)), (False, (-1, 0)), (False, (2, -1))):
+        assert torch.equal(_bottom_right_causal(5, window, causal)(0, 0, q_idx, kv_idx),
+                           window_mask(6, 11, "bottom_right", window, causal))
+    assert _bottom_right_causal(5, None, causal=False) is None  # full attention: no block mask
+    cu = _cu((4, 1, 6))
+    q_idx, kv_idx = torch.arange(11)[:, None], torch.arange(11)[None, :]
+    for causal, window in ((True, (1, 0)), (False, (0, 2))):
+        assert torch.equal(_document_mask(cu, cu, causal, window)(0, 0, q_idx, kv_idx),
+                           varlen_mask(cu, cu, causal, window))
+    scores = torch.linspace(-200, 200, 9, dtype=torch.float64)
+    torch.testing.assert_close(_softcap(30.0)(scores, 0, 0, 0, 0), 30 * torch.tanh(scores / 30))
+
+
+def test_varlen_window_mask_is_each_sequences_window_mask():
+    q_lens, k_lens = (2, 0, 5), (6, 3, 5)
+    mask = varlen_mask(_cu(q_lens), _cu(k_lens), causal=True, window=(2, 0))
+    expected = torch.block_diag(*(window_mask(a, b, "bottom_right", (2, 0), True).int()
+                                  for a, b in zip(q_lens, k_lens))).bool()
+    assert torch.equal(mask, expected)
+
+
+WINDOWED = {
+    # a window that slides inside one chunk of new queries on a longer cache
+    "chunked": (sweeps.case(1, 2, 20, 32, kv_len=50), (7, -1), None),
+    # a softcap small enough to change the softmax (scores of N(0,1) inputs reach ~10)
+    "softcap": (sweeps.case(1, 2, 24, 32), None, 2.0),
+    # both, on packed sequences with an empty one
+    "varlen": (sweeps.Case(3, 2, 17, 32, 2, None, None, (9, 0, 17)), (4, -1), 3.0),
+}
+
+
+@pytest.mark.parametrize("which", list(WINDOWED))
+@pytest.mark.parametrize("name", ["naive", "naive_inplace", "sdpa_math", "fused"])
+def test_cpu_entries_match_the_reference_under_windows_and_softcaps(name, which):
+    impl = IMPLEMENTATIONS[name]
+    c, window, softcap = WINDOWED[which]
+    c = scenarios.with_options(c, window, softcap, causal=True)
+    cannot = scenarios.unsupported(impl, c)
+    if cannot:  # SDPA applies no softcap
+        assert name.startswith("sdpa") and c.softcap and "softcap" in cannot, cannot
+        return
+    inputs = scenarios.case_inputs(c, torch.float32, "cpu", seed=11)
+    with torch.no_grad():
+        out = scenarios.prepare(impl, inputs, causal=True, **scenarios.options(c))()
+    ref, region = scenarios.reference(inputs, True, 2**30, **scenarios.options(c))
+    plain, _ = scenarios.reference(inputs, True, 2**30)
+    # the options change the answer, so a forward that ignored them could not pass
+    assert scenarios.error(plain, ref, region) > 1e-3
+    assert scenarios.error(out, ref, region) < 1e-5
+
+
+def test_bench_window_rows(tmp_path):
+    path = tmp_path / "b.json"
+    # the chunked preset with one K/V head per query head, so the eager baseline runs too
+    assert _bench("--scenario", "chunked", "--kv-heads", "4", "--window", "9,-1", "--impl",
+                  "naive", "sdpa_math", "fused", "--json", str(path)) == 0
+    result = json.loads(path.read_text())
+    c = dataclasses.replace(scenarios.PRESETS["chunked"]["cpu"], kv_heads=4, window=(9, 0))
+    assert result["cases"][0]["window"] == [9, 0] and "softcap" not in result["cases"][0]
+    for row in result["rows"]:
+        assert row["status"] == "ok" and row["error"] < 1e-5, row
+        assert row["window"] == [9, 0] and "softcap" not in row
+        assert row["tflops"] == pytest.approx(scenarios.flops(c, True) / row["median_ms"] / 1e9)
+    sdpa = next(r for r in result["rows"] if r["impl"] == "sdpa_math")
+    assert sdpa["note"] == "the sliding window as an explicit boolean mask"
+
+
+def test_bench_softcap_rows(tmp_path):
+    path = tmp_path / "b.json"
+    assert _bench("--scenario", "chunked", "--kv-heads", "4", "--softcap", "3", "--impl",
+                  "naive", "sdpa_math", "flex", "fused", "--json", str(path)) == 0
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["sdpa_math"]["status"] == "unsupported"
+    assert "softcap" in rows["sdpa_math"]["reason"]
+    for name in ("naive", "flex", "fused"):  # flex: a score_mod on the scaled score
+        assert rows[name]["status"] == "ok" and rows[name]["error"] < 1e-5, rows[name]
+        assert rows[name]["softcap"] == 3.0 and "window" not in rows[name]
+
+
+def test_compare_with_window_and_softcap_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    assert main(["compare", "--device", "cpu", "--batch", "1", "--heads", "2", "--seq", "24",
+                 "--head-dim", "16", "--window", "5,-1", "--softcap", "4", "--impl", "naive",
+                 "sdpa_math", "fused", "--out", str(out)]) == 0
+    result = json.loads((out / runs.LATEST / runs.RESULTS).read_text())
+    assert (result["window"], result["softcap"]) == ([5, 0], 4.0)
+    assert result["flops_per_forward"] == attention_flops(1, 2, 24, 24, 16, window=(5, 0))
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert rows["sdpa_math"]["status"] == "unsupported"
+    assert "softcap" in rows["sdpa_math"]["reason"]
+    for name in ("naive", "fused"):
+        assert rows[name]["status"] == "ok" and rows[name]["max_abs_error"] < 1e-5
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["compare", "--window", "4"], "expected LEFT,RIGHT"),
+    (["bench", "--window", "a,b"], "expected LEFT,RIGHT"),
+    (["bench", "--softcap", "x"], "invalid float value"),
+])
+def test_unparsable_options_are_usage_errors(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["compare", "--window", "4,2"], "--window 4,2: "),
+    (["compare", "--softcap", "-3"], "--softcap: "),
+    (["bench", "--softcap", "inf"], "--softcap: "),
+    (["bench", "--window=-3,0"], "--window -3,0: "),  # '=': argparse reads -3,0 as a flag
+])
+def test_bad_options_are_refused_before_running(argv, says, capsys):
+    assert main([*argv, "--device", "cpu"]) == 2
+    assert says in capsys.readouterr().err

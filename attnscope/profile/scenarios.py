@@ -118,7 +118,8 @@ def add_option_arguments(parser) -> None:
                         help="sliding window for every implementation, flash-attn's window_size: "
                         "query i sees key j when i + offset - LEFT <= j <= i + offset + RIGHT "
                         "(offset kv_len - q_len, bottom-right as causal), -1 unbounded, RIGHT 0 "
-                        "or -1 when causal (e.g. 4095,0 for Mistral) (default: none)")
+                        "or -1 when causal (e.g. 4095,0 for Mistral; a LEFT of -1 needs "
+                        "--window=-1,RIGHT) (default: none)")
     parser.add_argument("--softcap", type=float, default=None, metavar="C",
                         help="logit softcap for every implementation: each scaled score s "
                         "becomes C * tanh(s / C) (Gemma 2: 50); 0: off (default: off)")
