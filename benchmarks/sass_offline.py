@@ -154,15 +154,17 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
 
 
 def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=False,
-                      bshd=False):
+                      bshd=False, window=(-1, -1), softcap=0.0):
     """The CompiledKernel of the Gluon dK/dV kernel (attention_bwd_hopper.py; with dq, its dQ
     kernel; with fused_dq, the dK/dV kernel that adds dQ too) for sm_90, as compile_gluon
     compiles the forward: 2 x 4 query heads on 2 K/V heads (4 with fused_dq, which takes no
     GQA), 1024 keys, causal unless said; `bshd`: every tensor a [batch, seq, heads, head_dim]
-    view, which the kernels read at their strides (STRIDED)."""
+    view, which the kernels read at their strides (STRIDED); `window` and `softcap` as
+    fused_attention takes them."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_bwd_hopper as module
+    from attnscope.kernels.common import visibility
     for name, kernel in (("_launch", module._attn_bwd_dkdv_hopper),
                          ("_launch_dq", module._attn_bwd_dq_hopper)):
         setattr(module, name, lambda key, grid, args, kwargs, kernel=kernel, **_:
@@ -176,7 +178,9 @@ def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=Fa
     q = tensor(4)
     k = tensor(4 if fused_dq else 2)
     lse = torch.empty(2, 4, 1024)
-    kw = dict(causal=causal, scale=head_dim ** -0.5, causal_offset=0)
+    bounded, offset, has_window, left_offset = visibility(causal, 0, window)
+    kw = dict(causal=bounded, scale=head_dim ** -0.5, causal_offset=offset, softcap=softcap,
+              left_offset=left_offset if has_window else None)
     if fused_dq:
         kw["dq_acc"] = torch.empty(q.shape)
     if dq:
@@ -313,10 +317,12 @@ def main():
                         "e.g. 128, one K/V block a tile: no block loop where block_loops says "
                         "so)")
     p.add_argument("--window", default=None,
-                   help="with --gluon: a sliding window LEFT,RIGHT (fused_attention's window; "
-                        "the call is causal, so RIGHT is 0), e.g. 256,0")
+                   help="with --gluon, --gluon-bwd or --gluon-bwd-dq: a sliding window "
+                        "LEFT,RIGHT (fused_attention's window; the call is causal, so RIGHT "
+                        "is 0), e.g. 256,0")
     p.add_argument("--softcap", type=float, default=0.0,
-                   help="with --gluon: a softcap (logits softcap * tanh(s / softcap)), e.g. 50")
+                   help="with --gluon, --gluon-bwd or --gluon-bwd-dq: a softcap (logits "
+                        "softcap * tanh(s / softcap)), e.g. 50")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
@@ -334,8 +340,8 @@ def main():
         p.error("--keys goes with --gluon, without --varlen")
     if args.keys is not None and args.keys < 1:
         p.error(f"--keys must be positive, got {args.keys}")
-    if (args.window or args.softcap) and not args.gluon:
-        p.error("--window and --softcap go with --gluon")
+    if (args.window or args.softcap) and not (args.gluon or args.gluon_bwd or args.gluon_bwd_dq):
+        p.error("--window and --softcap go with --gluon, --gluon-bwd or --gluon-bwd-dq")
     if args.window and not re.fullmatch(r"-?\d+,-?\d+", args.window):
         p.error(f"--window takes LEFT,RIGHT (e.g. 256,0), got {args.window!r}")
     if args.softcap < 0:
@@ -356,8 +362,10 @@ def main():
         if args.config:
             p.error("--config does not apply to --gluon-bwd / --gluon-bwd-dq")
         config = None
+        window = tuple(int(x) for x in args.window.split(",")) if args.window else (-1, -1)
         compiled = compile_gluon_bwd(args.head_dim, args.dtype, dq=args.gluon_bwd_dq,
-                                     fused_dq=args.fused_dq, bshd=args.bshd)
+                                     fused_dq=args.fused_dq, bshd=args.bshd, window=window,
+                                     softcap=args.softcap)
     elif args.triton_bwd:
         from attnscope.kernels import attention_bwd
         config = args.config and tuple(int(x) for x in args.config.split(","))

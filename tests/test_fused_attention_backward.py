@@ -469,16 +469,18 @@ def test_gpu_gluon_backward(shape):
         check_grads(q, k, v, 4e-3, causal_alignment=alignment)
 
 
-def _gluon_grads(hopper, q, k, v, floor, alignment, deterministic, monkeypatch, layout="bhsd"):
-    """check_grads of the op with `deterministic` (alignment None: not causal), recording each
-    Gluon dK/dV launch as whether it added dQ too (the fused kernel); returns the records. The
-    launch cache is emptied around it: a backward an earlier test remembered would skip the
-    recording patch."""
+def _gluon_grads(hopper, q, k, v, floor, alignment, deterministic, monkeypatch, layout="bhsd",
+                 **call):
+    """check_grads of the op with `deterministic` (alignment None: not causal) and `call`'s
+    arguments (window, softcap, scale), recording each Gluon dK/dV launch as whether it added dQ
+    too (the fused kernel); returns the records. The launch cache is emptied around it: a
+    backward an earlier test remembered would skip the recording patch."""
     from attnscope.kernels import launch
     calls, dkdv = [], hopper.attention_bwd_dkdv_hopper
     monkeypatch.setattr(hopper, "attention_bwd_dkdv_hopper", lambda *a, **kw: (
         calls.append(kw.get("dq_acc") is not None), dkdv(*a, **kw))[1])
     kwargs = dict(causal=False) if alignment is None else dict(causal_alignment=alignment)
+    kwargs.update(call)
     if layout != "bhsd":
         kwargs["layout"] = layout
     launch.forget_launches()
@@ -562,6 +564,76 @@ def test_gpu_gluon_backward_bshd_views(shape, deterministic, monkeypatch):
     calls = _gluon_grads(hopper, q, k, v, 4e-3, alignment, deterministic, monkeypatch,
                          layout="bshd")
     assert calls == [not deterministic and heads == kv_heads and hopper.fuses_dq(head_dim)]
+
+
+GLUON_WINDOW_CASES = [
+    # (batch, heads, kv_heads, q_len, kv_len, alignment (None: not causal), window, softcap,
+    # scale (None: head_dim ** -0.5)). The dK/dV programs own 128 keys (64 a consumer) and
+    # stream 64- or 128-row query blocks; the dQ programs own 128 rows (64 a consumer) and
+    # stream 64- or 128-key blocks. Left edges inside a block, on a consumer's edge (63, 64)
+    # and a program's (127, 128); narrower than a consumer (no block every row sees whole), of
+    # one key, wider than the keys; query and key blocks wholly outside the window skipped;
+    # GQA; rows that see no key; a two-sided window, a left and a right edge alone on
+    # non-causal calls; softcaps that saturate (scale 1.0) and that do not, alone, with a
+    # window and non-causal
+    (1, 4, 2, 1000, 1000, "top_left", (300, -1), 0.0, None),
+    (1, 2, 2, 700, 700, "top_left", (63, -1), 0.0, None),
+    (1, 2, 2, 700, 700, "top_left", (64, -1), 0.0, None),
+    (1, 2, 2, 700, 700, "top_left", (127, -1), 0.0, None),
+    (1, 2, 2, 700, 900, "bottom_right", (128, -1), 0.0, None),
+    (2, 2, 2, 500, 500, "top_left", (37, -1), 0.0, None),
+    (1, 2, 2, 333, 333, "top_left", (0, -1), 0.0, None),
+    (1, 2, 2, 300, 300, "top_left", (5000, -1), 0.0, None),
+    (1, 2, 2, 1500, 300, "bottom_right", (200, -1), 0.0, None),
+    (1, 2, 1, 640, 300, None, (100, 50), 0.0, None),
+    (1, 2, 2, 333, 1000, None, (-1, 77), 0.0, None),
+    (1, 2, 2, 500, 800, None, (200, -1), 0.0, None),
+    (1, 4, 4, 1000, 1000, "top_left", (-1, -1), 5.0, 1.0),
+    (1, 2, 2, 300, 1000, None, (-1, -1), 30.0, None),
+    (1, 4, 2, 1000, 1200, "bottom_right", (400, -1), 5.0, 1.0),
+    (2, 4, 4, 2048, 2048, "top_left", (700, -1), 50.0, None),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.parametrize("shape", GLUON_WINDOW_CASES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gpu_gluon_backward_window_and_softcap(shape, head_dim, deterministic, monkeypatch):
+    # The Gluon dK/dV and dQ kernels take sliding windows and softcaps (head_dim 64 at any
+    # length here: MIN_QUERIES lowered); deterministic=False adds dQ in the dK/dV kernel where
+    # fused_dq says so (head_dim 128, no GQA)
+    batch, heads, kv_heads, q_len, kv_len, alignment, window, softcap, scale = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
+    hopper = attention_bwd._hopper()
+    assert hopper is not None
+    monkeypatch.setattr(hopper, "MIN_QUERIES", {})
+    assert hopper.supports(q, k, v, q, q, k, v, window, softcap)
+    calls = _gluon_grads(hopper, q, k, v, 4e-3, alignment, deterministic, monkeypatch,
+                         window=window, softcap=softcap, scale=scale)
+    assert calls == [not deterministic and heads == kv_heads and hopper.fuses_dq(head_dim)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.parametrize("window,softcap", [((100, -1), 0.0), ((100, -1), 30.0)])
+def test_gpu_gluon_backward_window_and_softcap_fp16_bshd(window, softcap, monkeypatch):
+    # fp16, and bshd views read and written at their strides, with GQA
+    q, k, v = make_qkv(1, 4, 2, 600, 700, 128, torch.float16, "cuda", "bshd")
+    hopper = attention_bwd._hopper()
+    assert hopper is not None
+    calls = _gluon_grads(hopper, q, k, v, 1e-3, "bottom_right", True, monkeypatch,
+                         layout="bshd", window=window, softcap=softcap)
+    assert calls == [False]
+
+
+def test_the_dkdv_kernel_streams_64_row_blocks_under_a_softcap():
+    # Its tanh tile next to S^T and dP^T: 128-row blocks spilled at head_dim 64 (dkdv_config)
+    hopper = pytest.importorskip("attnscope.kernels.attention_bwd_hopper")
+    assert hopper.dkdv_config(64) == hopper.CONFIGS[64] and hopper.CONFIGS[64][2] == 128
+    assert hopper.dkdv_config(64, 30.0)[2] == 64
+    assert hopper.dkdv_config(128, 30.0) == hopper.CONFIGS[128]
 
 
 def test_gluon_backward_views_strided_tensors_in_four_dimensions():

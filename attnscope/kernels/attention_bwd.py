@@ -498,18 +498,17 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         launch(key, grid, args, kwargs)  # Delta
         gluon = _hopper()
         fused = not deterministic and fused_dq(gluon, heads, kv_heads, q.shape[-1])
+        shared = dict(causal=bounded, scale=scale, causal_offset=offset, softcap=softcap,
+                      left_offset=left_offset if has_window else None, key=key)
         if fused:
             # dS K added into a zeroed fp32 buffer by the dK/dV kernel, then scaled into dq
             dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
-                                            scale=scale, causal_offset=offset, key=key,
-                                            dq_acc=dq_acc)
+            gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, dq_acc=dq_acc,
+                                            **shared)
             result = torch.mul(dq_acc, scale, out=dq)
         else:
-            gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, causal=bounded,
-                                            scale=scale, causal_offset=offset, key=key)
-            result = gluon.attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, causal=bounded,
-                                                   scale=scale, causal_offset=offset, key=key)
+            gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, **shared)
+            result = gluon.attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, **shared)
         if kept:
             return _kept_gluon_backward(gluon, key, launches[0], scale, fused)
         return result

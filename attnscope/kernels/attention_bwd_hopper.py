@@ -47,10 +47,20 @@ in their own (dropped) rows of dK/dV. Under a causal mask key j counts for query
 CAUSAL_OFFSET; only blocks some row or key of a warpgroup sees in part take the mask (a
 run-time branch per block, as the forward's).
 
+Sliding windows and softcaps as the Triton backward takes them (HAS_WINDOW, SOFTCAP; without
+them the kernels compile as before). The window's right edge is the causal bound moved right
+(common.visibility); its left edge (key j counts for query i when j >= i + LEFT_OFFSET) ends a
+dK/dV program's query blocks at the last row that sees its last key and starts a dQ program's
+key blocks at the one holding its first row's first key, so blocks wholly outside the window
+are never loaded; blocks the edge cuts take the mask. A softcap's logits are softcap *
+tanh(scale * s / softcap), as the forward computed the LSE from them (common._tanh_exp2's form),
+and dS takes the cap's derivative 1 - tanh^2; the dK/dV kernel then streams query blocks of at
+most 64 rows (`dkdv_config`).
+
 What they take (`supports`): sm_90, fp16/bf16, head_dim 128 (64 from MIN_QUERIES queries on,
 in 128-row query blocks and 128-key dQ blocks), q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim]
 contiguous or at strides the copy engine takes (bshd views, e.g.: STRIDED, 4-D descriptors at
-each tensor's strides) at 16-byte aligned addresses, no window, softcap or packed batch.
+each tensor's strides) at 16-byte aligned addresses, windows and softcaps; not a packed batch.
 """
 
 import functools
@@ -61,7 +71,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
 from attnscope.kernels.common import (LOG2E, _grouped_tile, aligned, device_properties, l2_group,
-                                      tma_strided_ok, tma_view_strides)
+                                      score_scales, tma_strided_ok, tma_view_strides)
 from attnscope.kernels.gluon_compat import partition_barrier, tma_add, tma_load, tma_store
 from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
 
@@ -132,14 +142,51 @@ def _store(desc, hz, row, buf, view, STRIDED: gl.constexpr):
 
 
 @gluon.jit
-def _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
-    # The query blocks that see any key from n0 on: [lo, hi) in blocks of BLOCK_M rows.
+def _query_blocks(n0, N_CTX_Q, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                  BLOCK_M: gl.constexpr):
+    # The query blocks that see any key of the program's [n0, n0 + 2 * ROWS): [lo, hi) in blocks
+    # of BLOCK_M rows. Under a causal bound the first is the row that sees key n0; under a
+    # window the last is the row that still sees the last key (key j counts for query i when
+    # j >= i + LEFT_OFFSET), so the query blocks left of the window are never streamed.
+    CAUSAL_OFFSET, LEFT_OFFSET = vis
     if CAUSAL:
         first = gl.maximum(n0 - CAUSAL_OFFSET, 0)
         lo = gl.minimum(first, N_CTX_Q) // BLOCK_M
     else:
         lo = 0
-    return lo, gl.cdiv(N_CTX_Q, BLOCK_M)
+    if HAS_WINDOW:
+        last = gl.minimum(gl.maximum(n0 + 2 * ROWS - LEFT_OFFSET, 0), N_CTX_Q)
+        hi = gl.cdiv(last, BLOCK_M)
+    else:
+        hi = gl.cdiv(N_CTX_Q, BLOCK_M)
+    return lo, hi
+
+
+@gluon.jit
+def _seen(keys, queries, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    # Whether key j counts for query i, keys and queries broadcast against each other: j <= i +
+    # CAUSAL_OFFSET under a causal bound, j >= i + LEFT_OFFSET under a window.
+    CAUSAL_OFFSET, LEFT_OFFSET = vis
+    if CAUSAL:
+        seen = keys <= queries + CAUSAL_OFFSET
+        if HAS_WINDOW:
+            seen = seen & (keys >= queries + LEFT_OFFSET)
+    else:
+        seen = keys >= queries + LEFT_OFFSET
+    return seen
+
+
+@gluon.jit
+def _probabilities(s, lse, qk_scale, softcap_log2, SOFTCAP: gl.constexpr):
+    # P = exp2(logits - LSE) from the raw scores, LSE broadcast along them (log2 units), and the
+    # softcap's derivative: with SOFTCAP the logits are softcap * tanh(scale * s / softcap) as
+    # the forward computes them (common._tanh_exp2's form, qk_scale its argument's factor), and
+    # dS takes 1 - tanh^2 (the chain rule through the cap); without, 1 (a constant).
+    if SOFTCAP:
+        t = 1.0 - 2.0 / (gl.exp2(s * qk_scale) + 1.0)
+        return gl.exp2(t * softcap_log2 - lse), 1.0 - t * t
+    else:
+        return gl.exp2(s * qk_scale - lse), 1.0
 
 
 @gluon.jit
@@ -158,9 +205,10 @@ def _query_head(off_hkvz, H, GROUP, g):
 
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            FUSED: gl.constexpr, BLOCK_M: gl.constexpr, STRIDED: gl.constexpr):
+            HAS_WINDOW: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr,
+            STRIDED: gl.constexpr):
     (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem, delta_smem,
+     N_CTX_K, vis, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem, delta_smem,
      views, DK, DV, staged) = args
     q_view, k_view, v_view, do_view, dk_view, dv_view = views
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
@@ -176,7 +224,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
     for wg in gl.static_range(2):
         _load(k_desc, hz_kv, n0 + wg * ROWS, kv_ready, k_smem.index(wg), k_view, STRIDED)
         _load(v_desc, hz_kv, n0 + wg * ROWS, kv_ready, v_smem.index(wg), v_view, STRIDED)
-    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL, BLOCK_M)
+    lo, hi = _query_blocks(n0, N_CTX_Q, vis, CAUSAL, HAS_WINDOW, BLOCK_M)
     it = 0
     for g in range(GROUP):
         hz = _query_head(hz_kv, H, GROUP, g)
@@ -238,11 +286,12 @@ def _stage_stats(Lse, Delta, lse_buf, delta_buf, hz, row0, N_CTX_Q, BLOCK_M: gl.
 
 @gluon.jit
 def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr,
-              STRIDED: gl.constexpr):
+              CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+              FUSED: gl.constexpr, BLOCK_M: gl.constexpr, STRIDED: gl.constexpr):
     (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, staged, DK, DV, lse_smem,
-     delta_smem, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES,
-     HEAD_GROUP, views) = args
+     delta_smem, H, GROUP, N_CTX_Q, N_CTX_K, vis, qk_scale, softcap_log2, sm_scale, n_hz,
+     NUM_TILES, HEAD_GROUP, views) = args
+    CAUSAL_OFFSET, LEFT_OFFSET = vis
     if FUSED:
         ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
@@ -260,7 +309,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_ready, 0)
-    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL, BLOCK_M)
+    lo, hi = _query_blocks(n0, N_CTX_Q, vis, CAUSAL, HAS_WINDOW, BLOCK_M)
     it = 0
     for g in range(GROUP):  # the query heads that share this K/V head (their LSE and Delta
         # come staged by the loader, which knows the head)
@@ -287,13 +336,29 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
             s_t = warpgroup_mma_wait(1, deps=[s_tok])
             if not FUSED:
                 lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
-            p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
-            # key j counts for query i when j <= i + CAUSAL_OFFSET: every query of the block
-            # sees every key of this warpgroup from m * BLOCK_M + CAUSAL_OFFSET >= k0 + ROWS - 1 on
+            p_t, d_cap = _probabilities(s_t, gl.expand_dims(lse, 0), qk_scale, softcap_log2,
+                                        SOFTCAP)
+            # Every query of the block sees every key of this warpgroup (_seen) when its first
+            # row sees the last key (m * BLOCK_M + CAUSAL_OFFSET >= k0 + ROWS - 1) and its last
+            # row the first (m * BLOCK_M + BLOCK_M - 1 + LEFT_OFFSET <= k0); the rest is masked
             if CAUSAL:
-                if m * BLOCK_M + CAUSAL_OFFSET < k0 + ROWS - 1:
-                    seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + CAUSAL_OFFSET, 0)
+                partial = m * BLOCK_M + CAUSAL_OFFSET < k0 + ROWS - 1
+                if HAS_WINDOW:
+                    partial = partial | (m * BLOCK_M + BLOCK_M - 1 + LEFT_OFFSET > k0)
+            else:
+                partial = m * BLOCK_M + BLOCK_M - 1 + LEFT_OFFSET > k0
+            if CAUSAL or HAS_WINDOW:
+                if partial:
+                    seen = _seen(gl.expand_dims(keys, 1), gl.expand_dims(cols, 0), vis, CAUSAL,
+                                 HAS_WINDOW)
                     p_t = gl.where(seen, p_t, 0.0)
+            # P^T in the inputs' dtype, dV's operand, made before dP^T's wait; with SOFTCAP
+            # p_t then becomes P^T * (1 - tanh^2), dS^T's factor, so that the derivative's tile
+            # is not held through the wait (offline, Triton 3.6, head_dim 128: 144 bytes of
+            # stack a thread, 160 with both tiles held)
+            p_op = p_t.to(dtype)
+            if SOFTCAP:
+                p_t = p_t * d_cap
             dp_t = warpgroup_mma_wait(0, deps=[dp_tok])
             delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
@@ -303,7 +368,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                 ds_own = ds_smem.index(2 * buf + WG)
                 ds_own.store(ds_t.to(dtype))
                 fence_async_shared()
-                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv,
+                dv = warpgroup_mma(gl.convert_layout(p_op, a_layout), do, dv,
                                    is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk,
                                    is_async=True)
@@ -326,7 +391,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                 fence_async_shared()
                 mbarrier.arrive(dq_full)
             else:
-                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do, dv,
+                dv = warpgroup_mma(gl.convert_layout(p_op, a_layout), do, dv,
                                    is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk,
                                    is_async=True)
@@ -357,18 +422,19 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
 
 
 @gluon.jit
-def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+               HAS_WINDOW: gl.constexpr):
     # One warp: each step's dQ tile (both consumers' 64-column halves) added into the fp32
     # buffer DQ by the copy engine's reduce-add, which drops rows past the end. Programs add to
     # a query block in whatever order they run: the fp32 sums are not reproducible bit for bit.
-    (DQ, H, GROUP, N_CTX_Q, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP) = args
+    (DQ, H, GROUP, N_CTX_Q, vis, n_hz, NUM_TILES, HEAD_GROUP) = args
     ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
     # DQ [batch * H, N_CTX_Q, HEAD_DIM] fp32 in [1, ROWS, ROWS] tiles
     dq_desc = tma.make_tensor_descriptor(DQ, [n_hz, N_CTX_Q, HEAD_DIM],
                                          [N_CTX_Q * HEAD_DIM, HEAD_DIM, 1], [1, ROWS, ROWS],
                                          dq_smem.index(0).reshape([1, ROWS, ROWS]).layout)
-    lo, hi = _query_blocks(n0, N_CTX_Q, CAUSAL_OFFSET, CAUSAL, ROWS)  # (FUSED: BLOCK_M == ROWS)
+    lo, hi = _query_blocks(n0, N_CTX_Q, vis, CAUSAL, HAS_WINDOW, ROWS)  # (FUSED: BLOCK_M == ROWS)
     it = 0
     for g in range(GROUP):
         hz = _query_head(hz_kv, H, GROUP, g)
@@ -426,12 +492,14 @@ def _barriers(STAGES: gl.constexpr):
 
 @gluon.jit
 def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, N_CTX_Q,
-                          N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
+                          N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, sm_scale,
+                          NUM_TILES, HEAD_GROUP,
                           stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_km,
                           stride_vz, stride_vh, stride_vm, stride_doz, stride_doh, stride_dom,
                           stride_dkz, stride_dkh, stride_dkm, stride_dvz, stride_dvh, stride_dvm,
                           STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                          SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           SMEM_LAYOUT: gl.constexpr, FUSED: gl.constexpr,
                           DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
                           BLOCK_M: gl.constexpr, Q_LAYOUT: gl.constexpr):
@@ -439,11 +507,15 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
     # [batch * H, ...], streamed in blocks of BLOCK_M query rows. FUSED (BLOCK_M == ROWS): dQ =
     # dS K (before its scale) added into DQ as well, a zeroed fp32 [batch * H, N_CTX_Q,
     # HEAD_DIM] (unused otherwise), by a fourth partition. The strides (each tensor's batch,
-    # head and row strides) are read with STRIDED only (_descriptor).
+    # head and row strides) are read with STRIDED only (_descriptor). CAUSAL, HAS_WINDOW (with
+    # their offsets) and SOFTCAP (with qk_scale and softcap_log2) as common.visibility and
+    # common.score_scales give them.
     gl.static_assert(not FUSED or (BLOCK_M == ROWS and HEAD_DIM == 2 * ROWS),
                      "the fused dQ takes head_dim 128 in 64-row query blocks")
-    qk_scale = qk_scale.to(gl.float32)  # (scale * log2e)
+    qk_scale = qk_scale.to(gl.float32)  # (scale * log2e without a softcap)
+    softcap_log2 = softcap_log2.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
+    vis = (CAUSAL_OFFSET, LEFT_OFFSET)
     dtype: gl.constexpr = Q.dtype.element_ty
     k_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], SMEM_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], SMEM_LAYOUT)
@@ -459,25 +531,29 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
              (h_kv, stride_vz, stride_vh, stride_vm), (H, stride_doz, stride_doh, stride_dom),
              (h_kv, stride_dkz, stride_dkh, stride_dkm), (h_kv, stride_dvz, stride_dvh, stride_dvm))
     loads = (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP,
-             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem,
+             N_CTX_Q, N_CTX_K, vis, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem,
              delta_smem, views, DK, DV, staged)
     work = (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, staged, DK, DV, lse_smem,
-            delta_smem, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz,
+            delta_smem, H, GROUP, N_CTX_Q, N_CTX_K, vis, qk_scale, softcap_log2, sm_scale, n_hz,
             NUM_TILES, HEAD_GROUP, views)
     if FUSED:
         fused = _fused_buffers(dtype, DS_LAYOUT, DQ_LAYOUT)
-        writes = (DQ, H, GROUP, N_CTX_Q, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP)
+        writes = (DQ, H, GROUP, N_CTX_Q, vis, n_hz, NUM_TILES, HEAD_GROUP)
         gl.warp_specialize([
-            (_consumer, (work, fused, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
-            (_consumer, (work, fused, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
-            (_dq_writer, (writes, fused, HEAD_DIM, CAUSAL)),
+            (_consumer, (work, fused, 0, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
+                         BLOCK_M, STRIDED)),
+            (_consumer, (work, fused, 1, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
+                         BLOCK_M, STRIDED)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, FUSED, BLOCK_M, STRIDED)),
+            (_dq_writer, (writes, fused, HEAD_DIM, CAUSAL, HAS_WINDOW)),
         ], [4, 1, 1], [CONSUMER_REGS, 32, 32])
     else:
         gl.warp_specialize([
-            (_consumer, (work, None, 0, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
-            (_consumer, (work, None, 1, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, FUSED, BLOCK_M, STRIDED)),
+            (_consumer, (work, None, 0, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
+                         BLOCK_M, STRIDED)),
+            (_consumer, (work, None, 1, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
+                         BLOCK_M, STRIDED)),
+            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, FUSED, BLOCK_M, STRIDED)),
         ], [4, 1], [CONSUMER_REGS, 32])
 
 
@@ -485,9 +561,9 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
 
 @gluon.jit
 def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, STRIDED: gl.constexpr):
+               CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, STRIDED: gl.constexpr):
     (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, views, DQ, staged) = args
+     N_CTX_K, vis, n_hz, NUM_TILES, HEAD_GROUP, views, DQ, staged) = args
     q_view, k_view, v_view, do_view, dq_view = views
     hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
     m0 = m * (2 * ROWS)
@@ -502,9 +578,11 @@ def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.c
     for wg in gl.static_range(2):
         _load(q_desc, hz, m0 + wg * ROWS, qdo_ready, q_smem.index(wg), q_view, STRIDED)
         _load(do_desc, hz, m0 + wg * ROWS, qdo_ready, do_smem.index(wg), do_view, STRIDED)
-    for j in range(_key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N)):
-        slot = j % STAGES
-        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+    lo, hi = _key_blocks(m0, N_CTX_K, vis, CAUSAL, HAS_WINDOW, BLOCK_N)
+    for j in range(lo, hi):
+        i = j - lo
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), 2 * BLOCK_N * HEAD_DIM * elem)
         _load(k_desc, hz_kv, j * BLOCK_N, ready.index(slot), k_smem.index(slot), k_view,
               STRIDED)
@@ -515,20 +593,30 @@ def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.c
 
 
 @gluon.jit
-def _key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    # The K/V blocks a tile of 2 * ROWS query rows from m0 sees: up to the key its last row sees.
+def _key_blocks(m0, N_CTX_K, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    # The K/V blocks a tile of 2 * ROWS query rows from m0 sees, [lo, hi): from the block of
+    # the first key its first row sees (under a window; the blocks left of it are never
+    # loaded) up to the key its last row sees.
+    CAUSAL_OFFSET, LEFT_OFFSET = vis
     if CAUSAL:
         hi = gl.maximum(gl.minimum(m0 + 2 * ROWS + CAUSAL_OFFSET, N_CTX_K), 0)
     else:
         hi = N_CTX_K
-    return gl.cdiv(hi, BLOCK_N)
+    if HAS_WINDOW:
+        lo = gl.minimum(gl.maximum(m0 + LEFT_OFFSET, 0), N_CTX_K) // BLOCK_N
+    else:
+        lo = 0
+    return lo, gl.cdiv(hi, BLOCK_N)
 
 
 @gluon.jit
 def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                 STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                 SOFTCAP: gl.constexpr):
     (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, staged, Lse, Delta, H, N_CTX_Q,
-     N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
+     N_CTX_K, vis, qk_scale, softcap_log2, sm_scale, n_hz, NUM_TILES, HEAD_GROUP) = args
+    CAUSAL_OFFSET, LEFT_OFFSET = vis
     hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
     m0 = m * (2 * ROWS)
     r0 = m0 + WG * ROWS  # this warpgroup's first query row
@@ -549,34 +637,44 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
     do = do_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-    # key blocks [0, full) every row of this warpgroup sees whole: no mask
+    # key blocks [first_full, full) every row of this warpgroup sees whole: no mask. Under a
+    # window its last row sees keys from r0 + ROWS - 1 + LEFT_OFFSET on.
     if CAUSAL:
         full = gl.maximum(gl.minimum(r0 + CAUSAL_OFFSET + 1, N_CTX_K), 0) // BLOCK_N
     else:
         full = N_CTX_K // BLOCK_N
+    if HAS_WINDOW:
+        first_full = gl.cdiv(gl.maximum(r0 + ROWS - 1 + LEFT_OFFSET, 0), BLOCK_N)
     mbarrier.wait(qdo_ready, 0)
-    for j in range(_key_blocks(m0, N_CTX_K, CAUSAL_OFFSET, CAUSAL, BLOCK_N)):
-        slot = j % STAGES
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+    lo, hi = _key_blocks(m0, N_CTX_K, vis, CAUSAL, HAS_WINDOW, BLOCK_N)
+    for j in range(lo, hi):
+        i = j - lo
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         k = k_smem.index(slot)
         # S = Q K^T and dP = dO V^T, [queries, keys]
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])  # S alone: P's exponentials run under dP's
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
-        # keys past the end (the copy engine's zeros) and, under a causal mask, keys right of
-        # each row's diagonal (key j counts for row i when j <= i + CAUSAL_OFFSET): masked in
-        # the blocks from `full` on, where some row of this warpgroup misses some key
-        if j >= full:
+        p, d_cap = _probabilities(s, gl.expand_dims(lse, 1), qk_scale, softcap_log2, SOFTCAP)
+        # keys past the end (the copy engine's zeros) and keys a row does not see (_seen):
+        # masked in the blocks from `full` on (under a causal bound, right of some row's
+        # diagonal) and, under a window, before `first_full` (left of some row's edge)
+        partial = j >= full
+        if HAS_WINDOW:
+            partial = partial | (j < first_full)
+        if partial:
             keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             seen = gl.expand_dims(keys < N_CTX_K, 0)
-            if CAUSAL:
-                seen = seen & (gl.expand_dims(keys, 0)
-                               <= gl.expand_dims(rows + CAUSAL_OFFSET, 1))
+            if CAUSAL or HAS_WINDOW:
+                seen = seen & _seen(gl.expand_dims(keys, 0), gl.expand_dims(rows, 1), vis,
+                                    CAUSAL, HAS_WINDOW)
             p = gl.where(seen, p, 0.0)
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
         ds = p * (dp - gl.expand_dims(delta, 1))
+        if SOFTCAP:
+            ds = ds * d_cap
         # dQ += dS K
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=[dq])
@@ -590,18 +688,22 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
 
 @gluon.jit
 def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N_CTX_K,
-                        CAUSAL_OFFSET, qk_scale, sm_scale, NUM_TILES, HEAD_GROUP,
+                        CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, sm_scale, NUM_TILES,
+                        HEAD_GROUP,
                         stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_km,
                         stride_vz, stride_vh, stride_vm, stride_doz, stride_doh, stride_dom,
                         stride_dqz, stride_dqh, stride_dqm, STRIDED: gl.constexpr,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
+                        CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                        KV_LAYOUT: gl.constexpr):
     # grid: batch * H * query tiles of 2 * ROWS rows (_program_tile); the same structure as the
     # dK/dV kernel
     # with the roles of queries and keys exchanged: Q and dO stay, K and V stream
     qk_scale = qk_scale.to(gl.float32)
+    softcap_log2 = softcap_log2.to(gl.float32)
     sm_scale = sm_scale.to(gl.float32)
+    vis = (CAUSAL_OFFSET, LEFT_OFFSET)
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], Q_LAYOUT)
     do_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], Q_LAYOUT)
@@ -614,13 +716,14 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
              (h_kv, stride_vz, stride_vh, stride_vm), (H, stride_doz, stride_doh, stride_dom),
              (H, stride_dqz, stride_dqh, stride_dqm))
     loads = (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP,
-             N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, n_hz, NUM_TILES, HEAD_GROUP, views, DQ, staged)
+             N_CTX_Q, N_CTX_K, vis, n_hz, NUM_TILES, HEAD_GROUP, views, DQ, staged)
     work = (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, staged, Lse, Delta, H,
-            N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, qk_scale, sm_scale, n_hz, NUM_TILES, HEAD_GROUP)
+            N_CTX_Q, N_CTX_K, vis, qk_scale, softcap_log2, sm_scale, n_hz, NUM_TILES,
+            HEAD_GROUP)
     gl.warp_specialize([
-        (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-        (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
-        (_dq_loader, (loads, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, STRIDED)),
+        (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
+        (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
+        (_dq_loader, (loads, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, STRIDED)),
     ], [4, 1], [CONSUMER_REGS, 32])
 
 
@@ -642,6 +745,15 @@ MIN_QUERIES = {64: 2049}
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
 
 
+def dkdv_config(head_dim, softcap=0.0):
+    """The dK/dV kernel's (STAGES, consumer registers, BLOCK_M) for a call: CONFIGS', in query
+    blocks of at most 64 rows with a softcap. Its tanh tile is held next to S^T and dP^T there:
+    at head_dim 64's 128-row blocks the kernel had 336 spill loads offline (Triton 3.6), at 64
+    rows none."""
+    stages, regs, block_m = CONFIGS[head_dim]
+    return stages, regs, (min(block_m, ROWS.value) if softcap > 0 else block_m)
+
+
 def fuses_dq(head_dim):
     """Whether the dK/dV kernel can add dQ too (FUSED) at this head_dim: each consumer
     warpgroup multiplies dS by 64 of K's columns and the writer adds two 64-column halves, in
@@ -653,11 +765,11 @@ def supports(q, k, v, do, dq, dk, dv, window=(-1, -1), softcap=0.0, varlen=None)
     """True when these kernels compute the call's dQ, dK and dV: sm_90, fp16/bf16, head_dim in
     CONFIGS (64 from MIN_QUERIES queries on), q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim]
     contiguous or at strides the copy engine takes (`tma_strided_ok`: bshd views, e.g.) at
-    16-byte aligned addresses (the copy engine reads and writes them), no window, softcap or
-    packed batch."""
+    16-byte aligned addresses (the copy engine reads and writes them), not a packed batch.
+    Sliding windows and softcaps are taken (`window`, `softcap` as fused_attention's)."""
     return (q.shape[-1] in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and q.shape[2] >= MIN_QUERIES.get(q.shape[-1], 0)
-            and varlen is None and tuple(window) == (-1, -1) and softcap == 0
+            and varlen is None
             and all(t.dtype == q.dtype and tma_strided_ok(t) and t.data_ptr() % 16 == 0
                     for t in (q, k, v, do, dq, dk, dv))
             and q.numel() > 0 and k.numel() > 0
@@ -665,16 +777,19 @@ def supports(q, k, v, do, dq, dk, dv, window=(-1, -1), softcap=0.0, varlen=None)
 
 
 def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
-                              causal_offset, key=None, dq_acc=None):
+                              causal_offset, left_offset=None, softcap=0.0, key=None,
+                              dq_acc=None):
     """dK and dV into dk, dv ([batch, kv_heads, kv_len, head_dim]) of a call
     `supports` accepts; lse (the forward's, natural log) and delta (the preprocess's):
-    contiguous fp32 [batch, heads, q_len]. `key`: the backward's launch key (built when None).
+    contiguous fp32 [batch, heads, q_len]. causal and causal_offset are common.visibility's
+    CAUSAL and CAUSAL_OFFSET, left_offset its LEFT_OFFSET under a window (None: no window);
+    softcap as fused_attention's (0: none). `key`: the backward's launch key (built when None).
     With dq_acc, a zeroed contiguous fp32 tensor of q's shape, the kernel also adds dS K into
     it (dQ before its scale) in whatever order its programs run: not reproducible bit for bit
     (attention_bwd's deterministic=False)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    stages, regs, block_m = CONFIGS[head_dim]
+    stages, regs, block_m = dkdv_config(head_dim, softcap)
     num_tiles = -(-kv_len // 128)
     grid = (batch * kv_heads * num_tiles,)
     # each K/V head's programs stream the Q and dO of its query heads
@@ -685,10 +800,12 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
         raise ValueError(f"the fused dQ takes head_dim 128 in 64-row query blocks, not "
                          f"head_dim {head_dim} in {block_m}-row blocks")
     strided, strides = _strides(q, k, v, do, dk, dv)
+    qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     args = (q, k, v, do, dk, dv, lse, delta, dq_acc if fused else lse, batch, heads,
-            heads // kv_heads, q_len, kv_len, causal_offset, scale * LOG2E, scale, num_tiles,
-            group, *strides)
+            heads // kv_heads, q_len, kv_len, causal_offset, left_offset or 0, qk_scale,
+            softcap_log2, scale, num_tiles, group, *strides)
     kwargs = dict(STRIDED=strided, HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal,
+                  HAS_WINDOW=left_offset is not None, SOFTCAP=has_softcap,
                   CONSUMER_REGS=regs, SMEM_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)),
                   FUSED=fused,
                   DS_LAYOUT=_smem_layout(64, 64, str(q.dtype)),
@@ -697,7 +814,8 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:
         key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape, strides,
-               aligned(q, k, v, do, dk, dv, lse, delta), causal, causal_offset, scale, fused)
+               aligned(q, k, v, do, dk, dv, lse, delta), causal, causal_offset, left_offset,
+               softcap, scale, fused)
     else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
         key = _dkdv_key(key, scale, fused)
     return _launch(key, grid, args, kwargs, per_call=9,
@@ -723,9 +841,10 @@ def kept_launches(key, scale, fused):
 
 
 def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causal_offset,
-                            key=None):
-    """dQ into dq (q's shape) of a call `supports` accepts; lse and delta as
-    attention_bwd_dkdv_hopper's. `key`: the backward's launch key (built when None)."""
+                            left_offset=None, softcap=0.0, key=None):
+    """dQ into dq (q's shape) of a call `supports` accepts; lse, delta, the visibility and the
+    softcap as attention_bwd_dkdv_hopper's. `key`: the backward's launch key (built when
+    None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_n, stages, regs = DQ_CONFIGS[head_dim]
@@ -735,15 +854,19 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
     group = l2_group(q.device, batch * heads, 2 * kv_len * head_dim * q.element_size()
                      // (heads // kv_heads))
     strided, strides = _strides(q, k, v, do, dq)
+    qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     args = (q, k, v, do, dq, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
-            causal_offset, scale * LOG2E, scale, num_tiles, group, *strides)
-    kwargs = dict(STRIDED=strided, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal,
+            causal_offset, left_offset or 0, qk_scale, softcap_log2, scale, num_tiles, group,
+            *strides)
+    kwargs = dict(STRIDED=strided, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
+                  CAUSAL=causal, HAS_WINDOW=left_offset is not None, SOFTCAP=has_softcap,
                   CONSUMER_REGS=regs, Q_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)),
                   KV_LAYOUT=_smem_layout(block_n, head_dim, str(q.dtype)), num_warps=4)
     ensure_scratch_allocator()
     if key is None:
         key = ("gluon-dq", q.device, q.dtype, q.shape, k.shape, strides,
-               aligned(q, k, v, do, dq, lse, delta), causal, causal_offset, scale)
+               aligned(q, k, v, do, dq, lse, delta), causal, causal_offset, left_offset, softcap,
+               scale)
     else:  # the backward's key; the launch keeps every argument but the tensors (per_call)
         key = _dq_key(key, scale)
     return _launch_dq(key, grid, args, kwargs, per_call=7,

@@ -2,7 +2,8 @@
 the configs given on the command line next to its table's, (--triton-kernels) with the Triton
 dK/dV and dQ kernels where the Gluon ones take the call on sm_90, (--nondeterministic) with
 deterministic=False (dQ added by the Gluon dK/dV kernel where attention_bwd.fused_dq takes the
-call), and (--peers) cuDNN's backward, on one GPU.
+call), and (--peers) cuDNN's backward, on one GPU; (--window, --softcap) of a causal call with a
+sliding window or a softcap.
 
 For kernel work on the backward (notes/backward.md), not the benchmark of record (that is
 `attnscope bench --mode bwd`). A config is attention_bwd.CONFIG_FIELDS: the dK/dV kernel's
@@ -10,7 +11,8 @@ BLOCK_M1,BLOCK_N1,warps1,stages1 then the dQ kernel's BLOCK_M2,BLOCK_N2,warps2,s
 (shape, config): median ms of the three launches (do_bench, L2 cleared, interleaved --repeat
 rounds), TFLOP/s (2.5x the forward's FLOPs), registers and spills of the dK/dV and dQ kernels,
 and the largest gradient error against SDPA's fp32 backward (memory-efficient kernel) on the same
-bf16 inputs. One line per row; JSON lines to --out.
+bf16 inputs (with a window or softcap: attention_reference's fp32 autograd). TFLOP/s count the
+pairs a window leaves exactly. One line per row; JSON lines to --out.
 
     python benchmarks/labs/bwd_lab.py --shapes 4,32,4096,128 4,32,4096,128,8 \\
         --configs 64,128,8,2,128,32,8,2 32,128,8,2,128,64,8,2 --peers --out lab.jsonl
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnscope
+from attnscope.attention.reference import attention_reference
 from attnscope.kernels import attention_bwd as bwd
 from attnscope.kernels import launch
 from attnscope.profile.flops import attention_flops
@@ -62,10 +65,10 @@ def parse_shape(text):
     return values if len(values) == 5 else (*values, values[1])
 
 
-def problem(shape, seed=0, layout="bhsd"):
+def problem(shape, seed=0, layout="bhsd", **call):
     """bf16 q, k, v, dO on the GPU (seeded) and the op's forward output and LSE; with layout
     "bshd", [batch, heads, seq, head_dim] views of [batch, seq, heads, head_dim] tensors (what
-    the op's layout="bshd" hands its kernels)."""
+    the op's layout="bshd" hands its kernels); `call`: the op's window and softcap."""
     b, h, s, d, hk = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -78,14 +81,19 @@ def problem(shape, seed=0, layout="bhsd"):
     do = rand(h)
     if layout == "bshd":  # the op's own bshd call, so that out is laid out as it would be
         out, lse = attnscope.fused_attention(*(t.transpose(1, 2) for t in (q, k, v)),
-                                             layout="bshd", return_lse=True)
+                                             layout="bshd", return_lse=True, **call)
         return q, k, v, do, out.transpose(1, 2), lse
-    out, lse = attnscope.fused_attention(q, k, v, return_lse=True)
+    out, lse = attnscope.fused_attention(q, k, v, return_lse=True, **call)
     return q, k, v, do, out, lse
 
 
-def reference_grads(q, k, v, do):
-    """SDPA's fp32 backward (memory-efficient kernel, GQA by repeating K/V) of the bf16 inputs."""
+def reference_grads(q, k, v, do, **call):
+    """SDPA's fp32 backward (memory-efficient kernel, GQA by repeating K/V) of the bf16 inputs;
+    with a window or softcap (`call`), attention_reference's fp32 autograd."""
+    if call:
+        q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
+        out = attention_reference(q32, k32, v32, dtype=torch.float32, **call)
+        return torch.autograd.grad(out, (q32, k32, v32), do.float())
     rep = q.shape[1] // k.shape[1]
     q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
@@ -121,8 +129,22 @@ def main():
                         "seq, heads, head_dim] one, as the op's layout=\"bshd\" (the "
                         "transformers backend) passes them; the gradients are allocated alike "
                         "(default: bhsd, contiguous)")
+    p.add_argument("--window", type=int, default=-1, metavar="LEFT",
+                   help="a sliding window of LEFT keys left of the diagonal (window=(LEFT, -1); "
+                        "default -1: none)")
+    p.add_argument("--softcap", type=float, default=0.0,
+                   help="a softcap (logits softcap * tanh(s / softcap)); default 0: none")
     rounds.add_arguments(p)
     args = p.parse_args()
+    if args.window < -1 or args.softcap < 0:
+        p.error("--window takes -1 or a size >= 0, --softcap a value >= 0")
+    call = {}
+    if args.window >= 0:
+        call["window"] = (args.window, -1)
+    if args.softcap > 0:
+        call["softcap"] = args.softcap
+    if call and args.peers:
+        p.error("--peers (cuDNN through SDPA) takes neither --window nor --softcap")
     if args.gluon_config is not None:
         hop = bwd._hopper()
         if hop is None:
@@ -135,8 +157,12 @@ def main():
     for shape in args.shapes:
         b, h, s, d, hk = shape
         flops = 2.5 * attention_flops(b, h, s, s, d, causal=True)
-        q, k, v, do, out, lse = problem(shape, layout=args.layout)
-        refs = reference_grads(q, k, v, do)
+        if args.window >= 0:  # the visible pairs exactly: row i sees min(i, LEFT) + 1 keys
+            seen = min(args.window + 1, s)
+            pairs = seen * (seen + 1) / 2 + (s - seen) * (args.window + 1)
+            flops = 2.5 * 4.0 * b * h * pairs * d
+        q, k, v, do, out, lse = problem(shape, layout=args.layout, **call)
+        refs = reference_grads(q, k, v, do, **call)
         table = bwd.config_for(d)
         # (config, Triton kernels where the Gluon ones take the call, deterministic)
         configs = [(table, False, True)] + [(c, False, True) for c in args.configs if c != table]
@@ -160,7 +186,7 @@ def main():
                 try:
                     bwd.attention_bwd(do, q, k, v, out, lse, *grads, delta, causal=True,
                                       scale=d ** -0.5, causal_offset=0, config=config,
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, **call)
                 finally:
                     bwd._hopper = gluon
             launch.forget_launches()
@@ -175,7 +201,7 @@ def main():
             errors = [(g.float() - r).abs().max().item() for g, r in zip(grads, refs)]
             timers[name] = run
             rows[name] = {"shape": shape, "impl": name, "config": config,
-                          "gluon_config": args.gluon_config, "layout": args.layout,
+                          "gluon_config": args.gluon_config, "layout": args.layout, **call,
                           "err_dq_dk_dv": errors, "regs_spills": kernels}
         if args.peers:
             rep = h // hk

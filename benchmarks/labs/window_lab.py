@@ -1,13 +1,15 @@
 """Lab of the sliding window and the softcap (notes/serving.md): the op's time with each window
 and softcap asked for, against the same call without either, one shape at a time; with --peers,
 FlashAttention-4's time for the same call where it is installed (its window_size and softcap),
-and the largest difference between its output and the op's.
+and the largest difference between its output and the op's; with --backward, forward and
+backward together (autograd of both, the same upstream gradient), and the largest difference
+between the two's gradients.
 
 For kernel work, not the benchmark of record. On a GPU only (do_bench median, bf16); the shape is
 q [batch, heads, seq, head_dim] with k/v of kv_heads heads, causal.
 
     PYTHONPATH=. python benchmarks/labs/window_lab.py --shape 1,32,8,8192,128 \
-        --windows 1023 4095 --softcaps 50 [--both] [--peers]
+        --windows 1023 4095 --softcaps 50 [--both] [--peers] [--backward]
 """
 import argparse
 
@@ -30,6 +32,8 @@ def main():
                    help="also each window with each softcap (Gemma 2's local layers)")
     p.add_argument("--peers", action="store_true",
                    help="also FlashAttention-4 (flash_attn.cute) on each call, where installed")
+    p.add_argument("--backward", action="store_true",
+                   help="time forward and backward together (the op's and FA4's autograd)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -39,7 +43,10 @@ def main():
     q = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(batch, kv_heads, seq, head_dim, device="cuda", dtype=torch.bfloat16,
                     generator=g)
-    v = torch.randn_like(k)
+    v = torch.randn(k.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    if args.backward:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
     calls = [("no window", {})]
     calls += [(f"window ({w}, -1)", {"window": (w, -1)}) for w in args.windows]
     calls += [(f"softcap {c:g}", {"softcap": c}) for c in args.softcaps]
@@ -49,20 +56,32 @@ def main():
     fa4_ok, why = FA4.available(q.device) if args.peers else (False, "")
     if args.peers and not fa4_ok:
         print(f"FlashAttention-4 not timed: {why}")
+    def step(forward):
+        # the output, or with --backward the gradients of q, k, v from dout
+        if not args.backward:
+            return (forward(),)
+        return torch.autograd.grad(forward(), (q, k, v), dout)
+
     for label, kwargs in calls:
-        ms = triton.testing.do_bench(lambda: fused_attention(q, k, v, **kwargs),
-                                     return_mode="median")
+        ours = lambda kwargs=kwargs: fused_attention(q, k, v, **kwargs)  # noqa: E731
+        ms = triton.testing.do_bench(lambda: step(ours), return_mode="median")
         line = f"{label:>28}: {ms:.4f} ms"
         if fa4_ok:  # its window_size is (left, right) with the causal right side 0
             options = dict(softcap=kwargs.get("softcap", 0.0))
             if "window" in kwargs:
                 options["window_size"] = (kwargs["window"][0], 0)
             fa4 = FA4.prepare(q, k, v, causal=True, **options)
-            fa4_ms = triton.testing.do_bench(fa4, return_mode="median")
-            diff = (fa4().float() - fused_attention(q, k, v, **kwargs).float()).abs().max()
-            line += (f"  FA4 {fa4_ms:.4f} ms (ours / FA4 {ms / fa4_ms:.3f}; max |out diff| "
-                     f"{diff.item():.2e})")
-        print(line)
+            try:
+                fa4_ms = triton.testing.do_bench(lambda: step(fa4), return_mode="median")
+            except Exception as e:  # noqa: BLE001 (a call it does not take: say so, go on)
+                print(f"{line}  FA4 failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            diff = max((a.float() - b.float()).abs().max().item()
+                       for a, b in zip(step(fa4), step(ours)))
+            what = "grad" if args.backward else "out"
+            line += (f"  FA4 {fa4_ms:.4f} ms (ours / FA4 {ms / fa4_ms:.3f}; max |{what} diff| "
+                     f"{diff:.2e})")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
