@@ -36,10 +36,16 @@ import sass_offline
 result = {}
 for name in sys.argv[2:]:
     if name.startswith("b"):  # the backward's dK/dV ("b") and dQ ("bq") kernels, "n": not causal,
-        # "d": the dK/dV kernel that adds dQ too (deterministic=False's), "s": bshd views (STRIDED)
-        compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bqnds")), "bf16",
+        # "d": the dK/dV kernel that adds dQ too (deterministic=False's), "s": bshd views (STRIDED),
+        # "w": a sliding window of 256 keys and a softcap of 50
+        window, softcap = ((256, 0), 50.0) if "w" in name else ((-1, -1), 0.0)
+        compiled = sass_offline.compile_gluon_bwd(int(name.lstrip("bqndsw")), "bf16",
                                                   dq="q" in name, causal="n" not in name,
-                                                  fused_dq="d" in name, bshd="s" in name)
+                                                  fused_dq="d" in name, bshd="s" in name,
+                                                  window=window, softcap=softcap)
+    elif name.startswith("w"):  # "w{head_dim}": a sliding window of 256 keys and a softcap of 50
+        compiled = sass_offline.compile_gluon(int(name[1:]), None, "bf16", window=(256, 0),
+                                              softcap=50.0)
     elif name.startswith("f"):  # "f{head_dim}k{keys}": layout_for's few-key layout, many tiles
         from attnscope.kernels.attention_fwd_hopper import layout_for
         head_dim, keys = map(int, name[1:].split("k"))
@@ -86,7 +92,7 @@ COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # dims they take (64 in 128-row query blocks and 128-key dQ blocks; both without the causal mask
 # at 128: "bn128", "bqn128"; and the dK/dV kernel that adds dQ by the copy engine's reduce-add,
 # deterministic=False's: "bd128"; and on bshd views, through 4-D descriptors: "bs128", "bqs128",
-# "bds128", "bs64", "bqs64")
+# "bds128", "bs64", "bqs64"; with a sliding window and a softcap: "bw128", "bqw128", "bdw128")
 COMPILED_BWD_HEAD_DIMS = (128, 64)
 # and layout_for's few-key layouts ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
 # with 64-key blocks
@@ -97,11 +103,13 @@ COMPILED_STRIDED = ("s128", "s96", "s256")
 # and a dense call whose tiles hold one K/V block each ("o{head_dim}"), which block_loops
 # compiles without the block loops at a split head_dim
 COMPILED_ONE_BLOCK = ("o96",)
+# and a call with a sliding window and a softcap ("w{head_dim}"), one block loop at any head_dim
+COMPILED_WINDOW = ("w64",)
 # the block loops (block_loops) each of those launches passes: two at 64, 96 and 192, at their
 # few-key layouts but 80's padded one, and in packed batches at 64, 80, 96 and 192; one at one
 # part of 128 or 256 columns, packed or not; none where a tile holds one block
 BLOCK_LOOPS = {"128": 1, "64": 2, "96": 2, "192": 2, "256": 1, "o96": 0, "f80k100": 1,
-               "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1,
+               "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1, "w64": 1,
                **{f"p{d}": 1 if d in (128, 256) else 2 for d in COMPILED_PACKED_HEAD_DIMS}}
 
 
@@ -116,8 +124,9 @@ def hopper_compile():
                           *(f"p{d}" for d in COMPILED_PACKED_HEAD_DIMS),
                           *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
                           *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128", "bd128",
-                          "bs128", "bqs128", "bds128", "bs64", "bqs64",
-                          *COMPILED_FEW_KEYS, *COMPILED_STRIDED, *COMPILED_ONE_BLOCK],
+                          "bs128", "bqs128", "bds128", "bs64", "bqs64", "bw128", "bqw128",
+                          "bdw128", *COMPILED_FEW_KEYS, *COMPILED_STRIDED, *COMPILED_ONE_BLOCK,
+                          *COMPILED_WINDOW],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
