@@ -48,6 +48,7 @@ CASES = [
     (70, 70, False, "top_left", (-1, 15), 0.0),  # right edge only (a causal bound moved right)
     (70, 40, False, "bottom_right", (31, 1), 0.0),  # first 29 rows see nothing
     (45, 45, False, "top_left", (-1, 100), 0.0),  # right edge past the sequence: no mask at all
+    (70, 70, False, "top_left", (7, -1), 0.0),  # left edge only: a masked block some rows miss
     (70, 70, True, "top_left", (-1, -1), 5.0),  # softcap alone, causal
     (40, 70, False, "bottom_right", (-1, -1), 5.0),  # softcap alone, non-causal, ragged K
     (70, 70, True, "bottom_right", (16, -1), 5.0),  # softcap and window together

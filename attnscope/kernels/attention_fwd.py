@@ -375,9 +375,10 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
             heads, heads // k.shape[1], q_len, k.shape[2], offset, left_offset, qk_scale,
             softcap_log2, num_m, head_group(q, k))
     block_d, precision = tile_constants(head_dim, q.dtype)
-    # A row may see no key when the causal offset is negative, under a window, or in a packed
-    # batch (each sequence has its own offset).
-    empty_rows = bounded and (offset < 0 or has_window or varlen is not None)
+    # A row may see no key of a block it visits when the causal offset is negative, in a packed
+    # batch (each sequence has its own offset), or under a window: a left edge alone too (the
+    # masked blocks at a tile's start hold keys left of some rows' windows).
+    empty_rows = has_window or bounded and (offset < 0 or varlen is not None)
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, CAUSAL=bounded, HAS_WINDOW=has_window,
                   SOFTCAP=has_softcap, VARLEN=varlen is not None, INPUT_PRECISION=precision,
                   BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,
