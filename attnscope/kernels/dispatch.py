@@ -1,8 +1,9 @@
 """The one dispatch of the fused attention kernels: which kernel runs a call, and its launch.
 
 `attention_fwd` runs the Gluon kernel (attention_fwd_hopper.py) where `uses_hopper_kernel` says
-so and the Triton kernel (attention_fwd.py) everywhere else; `attention_bwd` runs the Triton
-backward (attention_bwd.py). `launched_forward_kernels` lists the compiled forward kernels the
+so and the Triton kernel (attention_fwd.py) everywhere else; `attention_bwd` is the backward
+(attention_bwd.py: its Triton kernels, or the Gluon ones of attention_bwd_hopper.py where they
+take the call). `launched_forward_kernels` lists the compiled forward kernels the
 eager calls ran, for the registry's `fused` entry. attention/fused.py is this module's only
 caller; everything else calls the op.
 """
