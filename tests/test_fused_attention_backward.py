@@ -567,8 +567,8 @@ def test_gpu_gluon_backward_bshd_views(shape, deterministic, monkeypatch):
 
 
 GLUON_WINDOW_CASES = [
-    # (batch, heads, kv_heads, q_len, kv_len, alignment (None: not causal), window, softcap,
-    # scale (None: head_dim ** -0.5)). The dK/dV programs own 128 keys (64 a consumer) and
+    # (batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale (None:
+    # head_dim ** -0.5)). The dK/dV programs own 128 keys (64 a consumer) and
     # stream 64- or 128-row query blocks; the dQ programs own 128 rows (64 a consumer) and
     # stream 64- or 128-key blocks. Left edges inside a block, on a consumer's edge (63, 64)
     # and a program's (127, 128); narrower than a consumer (no block every row sees whole), of
@@ -576,22 +576,24 @@ GLUON_WINDOW_CASES = [
     # GQA; rows that see no key; a two-sided window, a left and a right edge alone on
     # non-causal calls; softcaps that saturate (scale 1.0) and that do not, alone, with a
     # window and non-causal
-    (1, 4, 2, 1000, 1000, "top_left", (300, -1), 0.0, None),
-    (1, 2, 2, 700, 700, "top_left", (63, -1), 0.0, None),
-    (1, 2, 2, 700, 700, "top_left", (64, -1), 0.0, None),
-    (1, 2, 2, 700, 700, "top_left", (127, -1), 0.0, None),
-    (1, 2, 2, 700, 900, "bottom_right", (128, -1), 0.0, None),
-    (2, 2, 2, 500, 500, "top_left", (37, -1), 0.0, None),
-    (1, 2, 2, 333, 333, "top_left", (0, -1), 0.0, None),
-    (1, 2, 2, 300, 300, "top_left", (5000, -1), 0.0, None),
-    (1, 2, 2, 1500, 300, "bottom_right", (200, -1), 0.0, None),
-    (1, 2, 1, 640, 300, None, (100, 50), 0.0, None),
-    (1, 2, 2, 333, 1000, None, (-1, 77), 0.0, None),
-    (1, 2, 2, 500, 800, None, (200, -1), 0.0, None),
-    (1, 4, 4, 1000, 1000, "top_left", (-1, -1), 5.0, 1.0),
-    (1, 2, 2, 300, 1000, None, (-1, -1), 30.0, None),
-    (1, 4, 2, 1000, 1200, "bottom_right", (400, -1), 5.0, 1.0),
-    (2, 4, 4, 2048, 2048, "top_left", (700, -1), 50.0, None),
+    (1, 4, 2, 1000, 1000, True, "top_left", (300, -1), 0.0, None),
+    (1, 2, 2, 700, 700, True, "top_left", (63, -1), 0.0, None),
+    (1, 2, 2, 700, 700, True, "top_left", (64, -1), 0.0, None),
+    (1, 2, 2, 700, 700, True, "top_left", (127, -1), 0.0, None),
+    (1, 2, 2, 700, 900, True, "bottom_right", (128, -1), 0.0, None),
+    (2, 2, 2, 500, 500, True, "top_left", (37, -1), 0.0, None),
+    (1, 2, 2, 333, 333, True, "top_left", (0, -1), 0.0, None),
+    (1, 2, 2, 300, 300, True, "top_left", (5000, -1), 0.0, None),
+    (1, 2, 2, 1500, 300, True, "bottom_right", (200, -1), 0.0, None),
+    (1, 2, 1, 640, 300, False, "top_left", (100, 50), 0.0, None),
+    (1, 2, 2, 333, 1000, False, "bottom_right", (-1, 77), 0.0, None),
+    (1, 2, 2, 500, 800, False, "top_left", (200, -1), 0.0, None),
+    (1, 2, 2, 500, 800, False, "bottom_right", (200, -1), 0.0, None),
+    (1, 2, 2, 900, 400, False, "bottom_right", (100, 20), 0.0, None),
+    (1, 4, 4, 1000, 1000, True, "top_left", (-1, -1), 5.0, 1.0),
+    (1, 2, 2, 300, 1000, False, "top_left", (-1, -1), 30.0, None),
+    (1, 4, 2, 1000, 1200, True, "bottom_right", (400, -1), 5.0, 1.0),
+    (2, 4, 4, 2048, 2048, True, "top_left", (700, -1), 50.0, None),
 ]
 
 
@@ -604,28 +606,62 @@ def test_gpu_gluon_backward_window_and_softcap(shape, head_dim, deterministic, m
     # The Gluon dK/dV and dQ kernels take sliding windows and softcaps (head_dim 64 at any
     # length here: MIN_QUERIES lowered); deterministic=False adds dQ in the dK/dV kernel where
     # fused_dq says so (head_dim 128, no GQA)
-    batch, heads, kv_heads, q_len, kv_len, alignment, window, softcap, scale = shape
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
     hopper = attention_bwd._hopper()
     assert hopper is not None
     monkeypatch.setattr(hopper, "MIN_QUERIES", {})
     assert hopper.supports(q, k, v, q, q, k, v, window, softcap)
-    calls = _gluon_grads(hopper, q, k, v, 4e-3, alignment, deterministic, monkeypatch,
-                         window=window, softcap=softcap, scale=scale)
+    calls = _gluon_grads(hopper, q, k, v, 4e-3, alignment if causal else None, deterministic,
+                         monkeypatch, causal_alignment=alignment, window=window,
+                         softcap=softcap, scale=scale)
     assert calls == [not deterministic and heads == kv_heads and hopper.fuses_dq(head_dim)]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
 @pytest.mark.parametrize("window,softcap", [((100, -1), 0.0), ((100, -1), 30.0)])
-def test_gpu_gluon_backward_window_and_softcap_fp16_bshd(window, softcap, monkeypatch):
-    # fp16, and bshd views read and written at their strides, with GQA
-    q, k, v = make_qkv(1, 4, 2, 600, 700, 128, torch.float16, "cuda", "bshd")
+@pytest.mark.parametrize("kv_heads,deterministic", [(2, True), (4, False)])
+def test_gpu_gluon_backward_window_and_softcap_fp16_bshd(window, softcap, kv_heads,
+                                                         deterministic, monkeypatch):
+    # fp16, and bshd views read and written at their strides: with GQA, and without it in the
+    # dK/dV kernel that adds dQ (deterministic=False)
+    q, k, v = make_qkv(1, 4, kv_heads, 600, 700, 128, torch.float16, "cuda", "bshd")
     hopper = attention_bwd._hopper()
     assert hopper is not None
-    calls = _gluon_grads(hopper, q, k, v, 1e-3, "bottom_right", True, monkeypatch,
+    calls = _gluon_grads(hopper, q, k, v, 1e-3, "bottom_right", deterministic, monkeypatch,
                          layout="bshd", window=window, softcap=softcap)
-    assert calls == [False]
+    assert calls == [not deterministic]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
+def test_gpu_gluon_backward_keeps_each_window_and_softcap_apart():
+    # Repeats launch the kept launches with the tensors only: calls of one shape with other
+    # windows or softcaps must be new calls, and a repeat of the first must match it again
+    q, k, v = make_qkv(1, 4, 4, 600, 600, 128, torch.bfloat16, "cuda")
+    hopper = attention_bwd._hopper()
+    assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
+    for window, softcap in (((100, -1), 0.0), ((200, -1), 0.0), ((-1, -1), 30.0),
+                            ((-1, -1), 50.0), ((100, -1), 30.0), ((100, -1), 0.0)):
+        check_grads(q, k, v, 4e-3, window=window, softcap=softcap)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
+def test_gpu_gluon_fused_dq_ignores_keys_past_the_end(monkeypatch):
+    # Every score -20 over 1000 keys (a ragged last block): LSE ~ -13, so a key past the end (K's
+    # zero rows, score 0) has P ~ e^13, over fp16's range; the dK/dV kernel that adds dQ must
+    # mask those keys, or their dS (inf in fp16) times K's zero rows is NaN in dQ
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, 2, 1000, 128)
+    q = torch.full(shape, -20 / 128 ** 0.5, device="cuda", dtype=torch.float16)
+    k = torch.ones(shape, device="cuda", dtype=torch.float16)
+    v = torch.randn(shape, device="cuda", dtype=torch.float16, generator=gen)
+    hopper = attention_bwd._hopper()
+    assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
+    calls = _gluon_grads(hopper, q, k, v, 1e-3, None, False, monkeypatch)
+    assert calls == [True]
 
 
 def test_the_dkdv_kernel_streams_64_row_blocks_under_a_softcap():

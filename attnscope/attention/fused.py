@@ -502,8 +502,9 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     Returns the output in q's layout and dtype, and with return_lse=True also the float32
     log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
 
-    Differentiable in q, k, v (Triton backward kernels, attnscope/kernels/attention_bwd.py); the
-    LSE is returned with requires_grad=False, so no gradient flows through it. No double backward.
+    Differentiable in q, k, v (attnscope/kernels/attention_bwd.py: Triton kernels, or Gluon ones
+    on Hopper where they take the call); the LSE is returned with requires_grad=False, so no
+    gradient flows through it. No double backward.
 
     deterministic=True (the default): every backward gives the same gradients bit for bit.
     deterministic=False lets eager bf16/fp16 head_dim-128 calls on Hopper (sm_90) without GQA

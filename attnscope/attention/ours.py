@@ -106,8 +106,9 @@ register(Implementation(
 register(Implementation(
     name="fused_nondeterministic",
     description="fused with deterministic=False: the same forward; in the backward, the calls "
-                "that take the Gluon kernels (eager bf16/fp16 head_dim 128 on sm_90, contiguous, "
-                "no window or softcap) without GQA add dQ in any order from the dK/dV kernel "
+                "that take the Gluon kernels (eager bf16/fp16 head_dim 128 on sm_90, contiguous "
+                "or bshd views, windows and softcaps included, not packed batches) without GQA "
+                "add dQ in any order from the dK/dV kernel "
                 "instead of running the dQ kernel (attention_bwd.fused_dq); every other call "
                 "computes as fused, bit for bit, as does every call under "
                 "torch.use_deterministic_algorithms(True)",

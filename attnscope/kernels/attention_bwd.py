@@ -40,10 +40,11 @@ Conventions shared with attention_fwd.py (same names, same masks, common.py's he
 
 On sm_90, eager head_dim-128 calls (head_dim 64 from 2049 queries on) whose q/k/v/dO the copy
 engine can read (contiguous or bshd views), windowed and softcapped ones too but not packed
-batches, take the Gluon dK/dV and dQ kernels of attention_bwd_hopper.py after the preprocess (the same split and math,
-warp-specialized with TMA and wgmma; notes/backward.md, lever 1). With deterministic=False
-those of them at head_dim 128 without GQA take its dK/dV kernel that adds dQ as well, in any
-order (`fused_dq`; notes/backward.md, lever 3): the one exception to the bitwise rule above.
+batches, take the Gluon dK/dV and dQ kernels of attention_bwd_hopper.py after the preprocess
+(the same split and math, warp-specialized with TMA and wgmma; notes/backward.md, lever 1).
+With deterministic=False those of them at head_dim 128 without GQA take its dK/dV kernel that
+adds dQ as well, in any order (`fused_dq`; notes/backward.md, lever 3): the one exception to the
+bitwise rule above.
 
 Limits: head_dim <= 256; the gradient of the LSE output is not computed (the op marks it
 non-differentiable); no double backward. Same devices as the forward.

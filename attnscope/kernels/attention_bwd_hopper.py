@@ -15,7 +15,7 @@ dK/dV (`_attn_bwd_dkdv_hopper`):
   grid axis 0: under a causal mask the first key blocks are seen by the most queries, so the
   longest programs start first).
 - The loader brings the program's K and V tiles in once, then streams the (Q, dO) blocks of
-  BLOCK_M query rows (CONFIGS) that see those keys, each with its rows' LSE (times log2 e) and
+  BLOCK_M query rows (`dkdv_config`) that see those keys, each with its rows' LSE (times log2 e) and
   Delta, which it loads and stores into shared memory itself, for every query head that
   shares the K/V head (GQA sums them on chip), through a STAGES-deep ring.
 - Each consumer owns 64 of the block's keys and works on transposed tiles, keys along rows, so
@@ -58,9 +58,10 @@ and dS takes the cap's derivative 1 - tanh^2; the dK/dV kernel then streams quer
 most 64 rows (`dkdv_config`).
 
 What they take (`supports`): sm_90, fp16/bf16, head_dim 128 (64 from MIN_QUERIES queries on,
-in 128-row query blocks and 128-key dQ blocks), q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim]
-contiguous or at strides the copy engine takes (bshd views, e.g.: STRIDED, 4-D descriptors at
-each tensor's strides) at 16-byte aligned addresses, windows and softcaps; not a packed batch.
+in 128-row query blocks, 64-row ones under a softcap, and 128-key dQ blocks),
+q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim] contiguous or at strides the copy engine takes
+(bshd views, e.g.: STRIDED, 4-D descriptors at each tensor's strides) at 16-byte aligned
+addresses, windows and softcaps; not a packed batch.
 """
 
 import functools
@@ -340,17 +341,29 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                                         SOFTCAP)
             # Every query of the block sees every key of this warpgroup (_seen) when its first
             # row sees the last key (m * BLOCK_M + CAUSAL_OFFSET >= k0 + ROWS - 1) and its last
-            # row the first (m * BLOCK_M + BLOCK_M - 1 + LEFT_OFFSET <= k0); the rest is masked
+            # row the first (m * BLOCK_M + BLOCK_M - 1 + LEFT_OFFSET <= k0); the rest is masked.
+            # FUSED masks the keys past the end too: their P is 2^-LSE (K's zero rows), which
+            # can overflow in the inputs' dtype (fp16 from LSE < ~-11), and dS^T meets those
+            # zero rows in dQ's product, where inf x 0 is NaN.
+            MASKS: gl.constexpr = CAUSAL or HAS_WINDOW
             if CAUSAL:
                 partial = m * BLOCK_M + CAUSAL_OFFSET < k0 + ROWS - 1
                 if HAS_WINDOW:
                     partial = partial | (m * BLOCK_M + BLOCK_M - 1 + LEFT_OFFSET > k0)
-            else:
+            elif HAS_WINDOW:
                 partial = m * BLOCK_M + BLOCK_M - 1 + LEFT_OFFSET > k0
-            if CAUSAL or HAS_WINDOW:
+            if FUSED:
+                ragged = k0 + ROWS > N_CTX_K
+                partial = (partial | ragged) if MASKS else ragged
+            if MASKS or FUSED:
                 if partial:
-                    seen = _seen(gl.expand_dims(keys, 1), gl.expand_dims(cols, 0), vis, CAUSAL,
-                                 HAS_WINDOW)
+                    if MASKS:
+                        seen = _seen(gl.expand_dims(keys, 1), gl.expand_dims(cols, 0), vis,
+                                     CAUSAL, HAS_WINDOW)
+                        if FUSED:
+                            seen = seen & gl.expand_dims(keys < N_CTX_K, 1)
+                    else:
+                        seen = gl.expand_dims(keys < N_CTX_K, 1)
                     p_t = gl.where(seen, p_t, 0.0)
             # P^T in the inputs' dtype, dV's operand, made before dP^T's wait; with SOFTCAP
             # p_t then becomes P^T * (1 - tanh^2), dS^T's factor, so that the derivative's tile
@@ -730,8 +743,9 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
 # (STAGES, consumer registers, BLOCK_M: query rows a streamed block) per head_dim: two stages;
 # 240 registers. head_dim 128: dK and dV (64 + 64 fp32 a thread) next to S^T and dP^T (32 + 32)
 # in 64-row query blocks (the fused dQ needs BLOCK_M == ROWS). head_dim 64: dK and dV take half
-# as many, so S^T and dP^T take 128-row query blocks (FA4's tile at 64; 64 + 64), each thread's
-# LSE and Delta columns staged in shared memory by the loader, not in registers. Timed around
+# as many, so S^T and dP^T take 128-row query blocks (FA4's tile at 64; 64 + 64; 64-row ones
+# under a softcap, `dkdv_config`), each thread's LSE and Delta columns staged in shared memory by
+# the loader, not in registers. Timed around
 # these on the H200 (notes/lab/bwd_gluon_configs_h200.txt): three stages in either kernel,
 # 128-key dQ blocks at 128 and 64-key ones at 64 were none of them faster.
 CONFIGS = {64: (2, 240, 128), 128: (2, 240, 64)}
