@@ -92,7 +92,8 @@ COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # dims they take (64 in 128-row query blocks and 128-key dQ blocks; both without the causal mask
 # at 128: "bn128", "bqn128"; and the dK/dV kernel that adds dQ by the copy engine's reduce-add,
 # deterministic=False's: "bd128"; and on bshd views, through 4-D descriptors: "bs128", "bqs128",
-# "bds128", "bs64", "bqs64"; with a sliding window and a softcap: "bw128", "bqw128", "bdw128")
+# "bds128", "bs64", "bqs64"; with a sliding window and a softcap: "bw128", "bqw128", "bdw128",
+# and at 64, whose dK/dV kernel then streams 64-row query blocks, "bw64", "bqw64")
 COMPILED_BWD_HEAD_DIMS = (128, 64)
 # and layout_for's few-key layouts ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
 # with 64-key blocks
@@ -125,7 +126,7 @@ def hopper_compile():
                           *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
                           *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128", "bd128",
                           "bs128", "bqs128", "bds128", "bs64", "bqs64", "bw128", "bqw128",
-                          "bdw128", *COMPILED_FEW_KEYS, *COMPILED_STRIDED, *COMPILED_ONE_BLOCK,
+                          "bdw128", "bw64", "bqw64", *COMPILED_FEW_KEYS, *COMPILED_STRIDED, *COMPILED_ONE_BLOCK,
                           *COMPILED_WINDOW],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
