@@ -126,8 +126,8 @@ def hopper_compile():
                           *(f"b{d}" for d in COMPILED_BWD_HEAD_DIMS),
                           *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128", "bd128",
                           "bs128", "bqs128", "bds128", "bs64", "bqs64", "bw128", "bqw128",
-                          "bdw128", "bw64", "bqw64", *COMPILED_FEW_KEYS, *COMPILED_STRIDED, *COMPILED_ONE_BLOCK,
-                          *COMPILED_WINDOW],
+                          "bdw128", "bw64", "bqw64", *COMPILED_FEW_KEYS, *COMPILED_STRIDED,
+                          *COMPILED_ONE_BLOCK, *COMPILED_WINDOW],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -42,8 +42,9 @@ query head, 128-row query tile), last tile first; Q and dO stay, (K, V) blocks o
 dP = dO V^T, dS = P * (dP - Delta), dQ += dS K.
 
 Rows that see no key (LSE -inf) read as +inf, so their P is exactly 0; query rows past the end
-are the copy engine's zeros with LSE -inf; keys past the end are zeros, masked in dQ and only
-in their own (dropped) rows of dK/dV. Under a causal mask key j counts for query i when j <= i +
+are the copy engine's zeros with LSE -inf; keys past the end are zeros, masked in dQ (and in
+the fused dK/dV kernel's dS^T, which dQ's product reads) and otherwise only in their own
+(dropped) rows of dK/dV. Under a causal mask key j counts for query i when j <= i +
 CAUSAL_OFFSET; only blocks some row or key of a warpgroup sees in part take the mask (a
 run-time branch per block, as the forward's).
 
