@@ -268,10 +268,11 @@ def _attn_fwd(Q, K, V, Out, Lse, CU_SEQLENS_Q, CU_SEQLENS_K,  #
             acc = _accumulate(acc, p, alpha, v_src, last, stride_vn, stride_vk, offs_d, seq_k,
                               True, HEAD_DIM, BLOCK_D, BLOCK_N, INPUT_PRECISION, USE_TMA)
 
-    # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
+    # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros, with
+    # m_i still -inf, so their LSE is -inf from l_safe too (and no log2(0) is evaluated)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
-    lse = (m_i + tl.math.log2(l_i)) * LN2  # log2 domain -> natural log
+    lse = (m_i + tl.math.log2(l_safe)) * LN2  # log2 domain -> natural log
     if VARLEN:
         tl.store(Lse + off_h * N_CTX_Q + q_start + offs_m, lse, mask=m_ok)  # [heads, total_q]
     else:
