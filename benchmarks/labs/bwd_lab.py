@@ -156,11 +156,8 @@ def main():
     out_file = open(args.out, "a") if args.out else None
     for shape in args.shapes:
         b, h, s, d, hk = shape
-        flops = 2.5 * attention_flops(b, h, s, s, d, causal=True)
-        if args.window >= 0:  # the visible pairs exactly: row i sees min(i, LEFT) + 1 keys
-            seen = min(args.window + 1, s)
-            pairs = seen * (seen + 1) / 2 + (s - seen) * (args.window + 1)
-            flops = 2.5 * 4.0 * b * h * pairs * d
+        # 2.5x the forward's, over the pairs a window leaves (counted exactly)
+        flops = attention_flops(b, h, s, s, d, causal=True, mode="bwd", window=call.get("window"))
         q, k, v, do, out, lse = problem(shape, layout=args.layout, **call)
         refs = reference_grads(q, k, v, do, **call)
         table = bwd.config_for(d)
