@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from attnscope.attention.reference import within_window
 from attnscope.attention.registry import Implementation, inductor_available, register
 
 _compiled = None
@@ -44,12 +45,7 @@ def _windowed(diagonal, window, causal):
         return None
 
     def mask_mod(batch, head, q_idx, kv_idx):
-        behind = diagonal(q_idx) - kv_idx  # how far left of the diagonal the key is
-        if left < 0:
-            return behind >= -right
-        if right < 0:
-            return behind <= left
-        return (behind >= -right) & (behind <= left)
+        return within_window(diagonal(q_idx), kv_idx, left, right)
     return mask_mod
 
 

@@ -28,6 +28,20 @@ def causal_mask(q_len: int, kv_len: int, alignment: str, device=None) -> torch.T
     return j <= i + offset
 
 
+def within_window(diagonal, key, left: int, right: int):
+    """Whether key positions lie in a sliding window around each query's diagonal key
+    (tensors, broadcast against each other): diagonal - left <= key <= diagonal + right, -1
+    leaving a side unbounded; None where both are (nothing is hidden). The one window rule of
+    window_mask, varlen_mask and flex's mask_mod."""
+    if left < 0 and right < 0:
+        return None
+    if left < 0:
+        return key <= diagonal + right
+    if right < 0:
+        return key >= diagonal - left
+    return (key >= diagonal - left) & (key <= diagonal + right)
+
+
 def varlen_mask(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
                 window=None) -> torch.Tensor:
     """Boolean [total_q, total_k] over packed sequences, True where query row i may see key row j:
@@ -50,10 +64,7 @@ def varlen_mask(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: 
                  + (lengths_k - lengths_q)[seq_q])[:, None]
         pos_k = (torch.arange(seq_k.numel(), device=device)
                  - cu_seqlens_k[:-1].long()[seq_k])[None, :]
-        if right >= 0:
-            visible &= pos_k <= pos_q + right
-        if left >= 0:
-            visible &= pos_k >= pos_q - left
+        visible &= within_window(pos_q, pos_k, left, right)
     return visible
 
 
@@ -69,11 +80,9 @@ def window_mask(q_len: int, kv_len: int, alignment: str, window, causal: bool,
     offset = 0 if alignment == "top_left" else kv_len - q_len
     i = torch.arange(q_len, device=device)[:, None]
     j = torch.arange(kv_len, device=device)[None, :]
-    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
-    if left >= 0:
-        visible &= j >= i + offset - left
-    if right >= 0:
-        visible &= j <= i + offset + right
+    visible = within_window(i + offset, j, left, right)
+    if visible is None:
+        return torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
     return visible
 
 
