@@ -636,19 +636,6 @@ def test_gpu_gluon_backward_window_and_softcap_fp16_bshd(window, softcap, kv_hea
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
-def test_gpu_gluon_backward_keeps_each_window_and_softcap_apart():
-    # Repeats launch the kept launches with the tensors only: calls of one shape with other
-    # windows or softcaps must be new calls, and a repeat of the first must match it again
-    q, k, v = make_qkv(1, 4, 4, 600, 600, 128, torch.bfloat16, "cuda")
-    hopper = attention_bwd._hopper()
-    assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
-    for window, softcap in (((100, -1), 0.0), ((200, -1), 0.0), ((-1, -1), 30.0),
-                            ((-1, -1), 50.0), ((100, -1), 30.0), ((100, -1), 0.0)):
-        check_grads(q, k, v, 4e-3, window=window, softcap=softcap)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
 def test_gpu_gluon_fused_dq_ignores_keys_past_the_end(monkeypatch):
     # Every score -20 over 1000 keys (a ragged last block): LSE ~ -13, so a key past the end (K's
     # zero rows, score 0) has P ~ e^13, over fp16's range; the dK/dV kernel that adds dQ must
@@ -685,14 +672,16 @@ def test_gluon_backward_views_strided_tensors_in_four_dimensions():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
-def test_gpu_gluon_backward_takes_each_calls_scale():
-    # A repeat of a launch passes only its tensors: the scale must be part of what tells
-    # launches apart
-    q, k, v = make_qkv(1, 4, 4, 300, 300, 128, torch.bfloat16, "cuda")
+def test_gpu_gluon_backward_takes_each_calls_scale_window_and_softcap():
+    # A repeat of a launch passes only its tensors: the scale, the window and the softcap must
+    # be part of what tells launches apart, and a repeat of an earlier call must match it again
+    q, k, v = make_qkv(1, 4, 4, 600, 600, 128, torch.bfloat16, "cuda")
     hopper = attention_bwd._hopper()
     assert hopper is not None and hopper.supports(q, k, v, q, q, k, v)
-    for scale in (0.05, 0.2):
-        check_grads(q, k, v, 4e-3, scale=scale)
+    for call in (dict(scale=0.05), dict(scale=0.2), dict(window=(100, -1)),
+                 dict(window=(200, -1)), dict(softcap=30.0), dict(softcap=50.0),
+                 dict(window=(100, -1), softcap=30.0), dict(window=(100, -1))):
+        check_grads(q, k, v, 4e-3, **call)
 
 
 def test_nondeterministic_backward_elsewhere_is_the_deterministic_one():
