@@ -72,6 +72,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from attnscope.kernels.attention_fwd_hopper import _tanh_exp2
 from attnscope.kernels.common import (LOG2E, _grouped_tile, aligned, device_properties, l2_group,
                                       score_scales, tma_strided_ok, tma_view_strides)
 from attnscope.kernels.gluon_compat import partition_barrier, tma_add, tma_load, tma_store
@@ -182,10 +183,10 @@ def _seen(keys, queries, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
 def _probabilities(s, lse, qk_scale, softcap_log2, SOFTCAP: gl.constexpr):
     # P = exp2(logits - LSE) from the raw scores, LSE broadcast along them (log2 units), and the
     # softcap's derivative: with SOFTCAP the logits are softcap * tanh(scale * s / softcap) as
-    # the forward computes them (common._tanh_exp2's form, qk_scale its argument's factor), and
+    # the Gluon forward computes them (its _tanh_exp2, qk_scale the argument's factor), and
     # dS takes 1 - tanh^2 (the chain rule through the cap); without, 1 (a constant).
     if SOFTCAP:
-        t = 1.0 - 2.0 / (gl.exp2(s * qk_scale) + 1.0)
+        t = _tanh_exp2(s * qk_scale)
         return gl.exp2(t * softcap_log2 - lse), 1.0 - t * t
     else:
         return gl.exp2(s * qk_scale - lse), 1.0

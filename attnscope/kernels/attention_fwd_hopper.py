@@ -433,6 +433,13 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
 
 
 @gluon.jit
+def _tanh_exp2(x):
+    # tanh(y) for x = 2 * y * log2(e), common._tanh_exp2's form in Gluon: the Gluon backward
+    # (attention_bwd_hopper) recomputes softcapped logits with it, so its P matches this LSE
+    return 1.0 - 2.0 / (gl.exp2(x) + 1.0)
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
              HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
     # One block of the online softmax: p = exp2(s * qk_scale - m) with the new running max m,
@@ -443,7 +450,7 @@ def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.c
     # tanh(scale * s / softcap) in log2 units, tanh through one exp2 (common._tanh_exp2's form).
     N_CTX_K, CAUSAL_OFFSET, left, _first_full, qk_scale, softcap_log2 = vis
     if SOFTCAP:
-        s = (1.0 - 2.0 / (gl.exp2(s * qk_scale) + 1.0)) * softcap_log2
+        s = _tanh_exp2(s * qk_scale) * softcap_log2
         scale = 1.0
     else:
         scale = qk_scale
