@@ -144,7 +144,7 @@ WINDOW_CASES = [
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("shape", WINDOW_CASES)
 def test_hopper_kernel_window_and_softcap(shape, head_dim, dtype, floor, lse_tol, monkeypatch):
     # (head_dim 64 at any length too: the routing gives it this kernel from MIN_QUERIES on)
@@ -361,22 +361,18 @@ def test_few_keys_at_split_head_dims_choose_padding_or_short_blocks():
 def test_block_loops_by_column_parts_and_keys():
     # block_loops on the CPU: one loop choosing each block's mask where the head_dim is one part
     # of 128 columns or more; elsewhere no loop for a dense call of at most one K/V block, two
-    # loops (unmasked, then masked blocks) past that and for every packed batch (kv_len None),
-    # one there too under a sliding window (its left edge masks blocks at a tile's start).
+    # loops (unmasked, then masked blocks) past that and for every packed batch (kv_len None).
+    # A sliding window takes the same rule (its left edge's blocks get a masked loop first).
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     for parts in ((128, 0), (256, 0)):
         for kv_len in (1, 64, 128, 129, 4096, None):
             assert hopper.block_loops(*parts, 128, kv_len) == 1
-            assert hopper.block_loops(*parts, 128, kv_len, window=True) == 1
     for parts in ((64, 0), (64, 16), (64, 32), (128, 64)):
         for block_n in (64, 128):
             assert hopper.block_loops(*parts, block_n, 1) == 0
             assert hopper.block_loops(*parts, block_n, block_n) == 0
             assert hopper.block_loops(*parts, block_n, block_n + 1) == 2
             assert hopper.block_loops(*parts, block_n, None) == 2
-            assert hopper.block_loops(*parts, block_n, block_n, window=True) == 0
-            assert hopper.block_loops(*parts, block_n, block_n + 1, window=True) == 1
-            assert hopper.block_loops(*parts, block_n, None, window=True) == 1
     # through layout_for: the head dims' own layouts at few and many keys
     for head_dim, kv_len, loops in ((64, 4096, 2), (96, 128, 0), (96, 300, 2), (80, 100, 1),
                                     (112, 4096, 1), (128, 128, 1), (192, 64, 0), (192, 4096, 2),
@@ -418,13 +414,12 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
                                (100, 0, (64, 2, 240))):
         with pytest.raises(ValueError, match="loops must be"):
             call(seq, 96, loops=loops, config=config)
-    # a window's left edge masks blocks at a tile's start: one loop where two would run, none
-    # still where a tile holds one block; a window or a softcap is its own launch
-    assert call(1024, 96, window=(300, -1)) == (1, 1)
+    # a window takes the same loops (its left edge's blocks a masked loop of their own, within
+    # BLOCK_LOOPS 2), one loop when forced; a window or a softcap is its own launch
+    assert call(1024, 96, window=(300, -1)) == (2, 2)
     assert call(128, 96, window=(300, -1)) == (0, 0)
     assert call(1024, 96, softcap=30.0) == (2, 2)
-    with pytest.raises(ValueError, match="windowed"):
-        call(1024, 96, window=(300, -1), loops=2)
+    assert call(1024, 96, window=(300, -1), loops=1) == (1, 1)
     call(1024, 128)
     plain = keys[-1]
     call(1024, 128, window=(300, -1))

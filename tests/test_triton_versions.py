@@ -104,13 +104,14 @@ COMPILED_STRIDED = ("s128", "s96", "s256")
 # and a dense call whose tiles hold one K/V block each ("o{head_dim}"), which block_loops
 # compiles without the block loops at a split head_dim
 COMPILED_ONE_BLOCK = ("o96",)
-# and a call with a sliding window and a softcap ("w{head_dim}"), one block loop at any head_dim
+# and a call with a sliding window and a softcap ("w{head_dim}"), whose block loops are the
+# dense rule's (two at 64: the left edge's masked blocks, the unmasked, the masked)
 COMPILED_WINDOW = ("w64",)
 # the block loops (block_loops) each of those launches passes: two at 64, 96 and 192, at their
 # few-key layouts but 80's padded one, and in packed batches at 64, 80, 96 and 192; one at one
 # part of 128 or 256 columns, packed or not; none where a tile holds one block
 BLOCK_LOOPS = {"128": 1, "64": 2, "96": 2, "192": 2, "256": 1, "o96": 0, "f80k100": 1,
-               "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1, "w64": 1,
+               "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1, "w64": 2,
                **{f"p{d}": 1 if d in (128, 256) else 2 for d in COMPILED_PACKED_HEAD_DIMS}}
 
 

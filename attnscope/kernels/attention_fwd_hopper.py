@@ -57,8 +57,8 @@ it.
 Sliding windows and softcaps as the Triton kernel takes them (HAS_WINDOW, SOFTCAP; without them
 the kernel compiles to the code it had): a window's right edge is the causal bound moved right, its
 left edge skips the K/V blocks left of a tile's first row's window (the loader never loads them)
-and masks, like the diagonal, the blocks some row of a consumer sees in part; windowed calls take
-one block loop (`block_loops`' second loop would run a left edge's blocks unmasked). A softcap
+and masks, like the diagonal, the blocks some row of a consumer sees in part; where a call takes
+two block loops, a window's left edge takes a masked loop before them. A softcap
 turns the scores into softcap * tanh(scale * s / softcap) before the max, tanh through one exp2.
 
 Packed batches (fused_attention_varlen, VARLEN) at head_dim 64 (from MIN_QUERIES queries a sequence
@@ -714,24 +714,32 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         # none (every tile holds one K/V block), one loop choosing each block's mask at run
         # time, or two loops: the blocks every row of this warpgroup sees in full, then those it
         # sees in part (the causal diagonal, the keys' end), so the first loop holds no mask
-        # arithmetic and no column indices in its registers. (A window's left edge masks
-        # blocks at a tile's start: windowed calls take one loop.)
-        gl.static_assert(not (HAS_WINDOW and BLOCK_LOOPS == 2))
+        # arithmetic and no column indices in its registers. Under a window a masked loop
+        # comes before them: the blocks its left edge cuts for some row of this warpgroup.
         if BLOCK_LOOPS == 1:
             for j in range(1, n_blocks):
                 acc, acc1, p_op, l_i, m_i = _next_block(
                     ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
                     vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
         elif BLOCK_LOOPS == 2:
-            full_end = gl.maximum(gl.minimum(full_blocks, n_blocks), 1)
-            for j in range(1, full_end):
+            # (j counts the tile's blocks, lo + j is the sequence's; lo is 0 without a window)
+            if HAS_WINDOW:
+                edge_end = gl.minimum(gl.maximum(first_full - lo, 1), n_blocks)
+                for j in range(1, edge_end):
+                    acc, acc1, p_op, l_i, m_i = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j,
+                        full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+            else:
+                edge_end = 1
+            full_end = gl.maximum(gl.minimum(full_blocks - lo, n_blocks), edge_end)
+            for j in range(edge_end, full_end):
                 acc, acc1, p_op, l_i, m_i = _next_block(
-                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, vis,
-                    WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
+                    vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
             for j in range(full_end, n_blocks):
                 acc, acc1, p_op, l_i, m_i = _next_block(
-                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, vis,
-                    WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
+                    vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
         # Q is no longer read: the loader may bring in the next tile's while this one ends
         # (O_IN_Q: once the output staged in Q's buffer has left, below)
         if not O_IN_Q:
@@ -1024,8 +1032,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     CONFIG_FIELDS and `parts` the column parts (D0, D1) instead of layout_for's (the lab; a dense
     call's parts may pad, D0 + D1 >= head_dim, a packed batch's must be head_dim exactly),
     `loops` the kernel's BLOCK_LOOPS instead of block_loops' (the lab; 0 only for a dense call of
-    at most one K/V block a tile; not 2 with a window), `key` the dispatch's launch key for this
-    call (built here when None)."""
+    at most one K/V block a tile), `key` the dispatch's launch key for this call (built here
+    when None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is not None and len(config) != len(CONFIG_FIELDS):
@@ -1082,10 +1090,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     # register stores (the copy engine would write them over the next sequence's rows).
     d0, d1 = parts
     if loops is None:
-        loops = block_loops(d0, d1, block_n, None if varlen else kv_len, has_window)
-    elif has_window and loops == 2:
-        raise ValueError("loops=2 cannot run a windowed call (its left edge masks the blocks "
-                         "the first loop takes unmasked): use 1")
+        loops = block_loops(d0, d1, block_n, None if varlen else kv_len)
     elif loops not in (1, 2) and not (loops == 0 and varlen is None and kv_len <= block_n):
         # (no loop where a tile holds more blocks would leave the loader's ring unread: a hang)
         raise ValueError(f"loops must be 1 or 2, or 0 for a dense call of at most one {block_n}"
@@ -1120,14 +1125,14 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
                                BLOCK_LOOPS=loops))
 
 
-def block_loops(d0, d1, block_n, kv_len, window=False):
+def block_loops(d0, d1, block_n, kv_len):
     """How the consumers walk a tile's K/V blocks past the first (the kernel's BLOCK_LOOPS), for
     column parts (d0, d1), blocks of block_n keys and a dense call's kv_len (None for a packed
     batch): 1, one loop choosing each block's mask at run time, where the head_dim is one part
-    of 128 columns or more or the call has a sliding window (its left edge masks blocks at a
-    tile's start, which the unmasked loop would take); else 0, no loop, where a dense call's
-    tiles hold one block each, and 2, the unmasked blocks' loop then the masked ones'. H200, Triton 3.6, hopper_lab.py
-    --time, three jobs against one loop everywhere (notes/lab/gluon_block_loops_h200.txt):
+    of 128 columns or more; else 0, no loop, where a dense call's tiles hold one block each, and
+    2, the unmasked blocks' loop then the masked ones' (under a sliding window, after a masked
+    loop over the blocks its left edge cuts). H200, Triton 3.6, hopper_lab.py --time, three jobs
+    against one loop everywhere (notes/lab/gluon_block_loops_h200.txt):
     - two loops 2-4 % faster at head_dim 64's long rows (9.81 against 10.21 ms at
       (8,16,16384,64), 0.669 against 0.693 at (4,32,4096,64)), 2.3 % at (8,16,4096,192,kv4), 7 %
       at (512,16,256,96) (64-key blocks), 1 % at (4,32,4096,96); no loop 6.4 % at
@@ -1140,12 +1145,15 @@ def block_loops(d0, d1, block_n, kv_len, window=False):
     - packed batches (16 sequences of 517-4096 keys, 32/8 heads) the same way: two loops 5 %
       faster at head_dim 64 (0.961 against 1.013 ms), 3.3 % at 192, 1.5 % at 96, and 1.7 % at
       128, inside that job's spread, so 128 keeps the dense rule's one loop
-      (notes/lab/gluon_block_loops_varlen_h200.txt)."""
+      (notes/lab/gluon_block_loops_varlen_h200.txt);
+    - windowed calls (4096 keys, causal) the same way, one job: two loops 2.3-3.1 % faster at
+      head_dim 64 (1.976 against 2.039 ms at (4,32,8192,64,kv8)), 1.3 % at 192, level at 96 and
+      with a window of 1024 keys (notes/lab/gluon_window_loops_h200.txt)."""
     if d1 == 0 and d0 >= 128:
         return 1
     if kv_len is not None and kv_len <= block_n:
         return 0
-    return 1 if window else 2
+    return 2
 
 
 def layout_for(head_dim, kv_len, many_tiles):

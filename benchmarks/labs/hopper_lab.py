@@ -208,10 +208,6 @@ def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loop
                 print(f"{b},{h},{s},{d}: loops 0 skipped (tiles of more than one K/V block)",
                       flush=True)
                 continue
-            if n == 2 and window != (-1, -1):
-                print(f"{b},{h},{s},{d}: loops 2 skipped (a window's left edge takes one loop)",
-                      flush=True)
-                continue
             cands[f"gluon loops{n}"] = lambda n=n: hop.attention_fwd_hopper(
                 q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, loops=n, **vis)
         def triton_kernel():  # its launch, directly: the op would take the Gluon kernel
