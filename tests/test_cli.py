@@ -46,6 +46,33 @@ def test_list(capsys):
     assert "fused with deterministic=False: the same forward" in out
 
 
+@pytest.mark.parametrize("command", list(cli.SUBCOMMANDS))
+def test_every_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert f"usage: attnscope {command}" in capsys.readouterr().out
+
+
+def test_ncu_takes_compares_case_flags_with_their_help():
+    """ncu re-runs a compare run's case: its case flags are compare's, meaning and help alike."""
+    import argparse
+
+    from attnscope.profile import ncu
+
+    def flags(module):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        return {a.option_strings[0]: (a.help, a.choices, a.type, a.default)
+                for a in parser._actions if a.option_strings}
+
+    case = ["--batch", "--heads", "--seq", "--head-dim", "--scenario", "--q-len", "--kv-len",
+            "--kv-heads", "--page-size", "--window", "--softcap", "--dtype"]
+    compare_flags, ncu_flags = flags(compare), flags(ncu)
+    for flag in case:
+        assert ncu_flags[flag] == compare_flags[flag], flag
+
+
 def test_compare_on_cpu(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["compare", *TINY, "--impl", "naive", "sdpa_cudnn", "sdpa_math",

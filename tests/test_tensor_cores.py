@@ -13,6 +13,7 @@ around the table and kernels of every family it stood in for.
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -671,9 +672,7 @@ def test_ncu_child_runs_its_profiled_calls_inside_the_range(mode, monkeypatch):
                         or 7)
     monkeypatch.setattr(nvtx, "range_end", lambda handle: events.append(("end", handle))
                         or open_ranges.pop())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    make = ncu.make_inputs
-    monkeypatch.setattr(ncu, "make_inputs", lambda *a: make(*a[:-1], "cpu"))
+    _child_on_the_cpu(monkeypatch)
     grad = torch.autograd.grad
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **kw: (
         events.append(("backward", tuple(open_ranges))), grad(*a, **kw))[1])
@@ -782,3 +781,238 @@ def test_flex_kernels_are_judged_from_tritons_cache(tmp_path, monkeypatch):
     assert list(got) == [name]
     assert (got[name]["verdict"], got[name]["evidence"]) == ("yes", "ptx")
     del launcher
+
+
+def _child_on_the_cpu(monkeypatch):
+    """run_target here: the inputs it asks for on CUDA drawn on the CPU, no CUDA sync."""
+    from attnscope.profile import scenarios
+
+    case_inputs = scenarios.case_inputs
+
+    def on_the_cpu(c, dtype, device, seed):
+        assert device == "cuda"  # what the child asks for, as compare on a GPU
+        return case_inputs(c, dtype, "cpu", seed=seed)
+    monkeypatch.setattr(scenarios, "case_inputs", on_the_cpu)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+
+# --- the case ncu profiles: compare's --------------------------------------------------------
+
+# Cases of every scenario in compare's flags, each with a window or a softcap (the scenarios'
+# presets are the CUDA ones ncu resolves; these stay small where the flags allow).
+CASES = [
+    [],  # compare's default: the blog's prefill shape
+    ["--scenario", "decode", "--window", "4095,0"],
+    ["--scenario", "chunked", "--batch", "2", "--heads", "4", "--q-len", "24", "--kv-len", "100",
+     "--head-dim", "16", "--kv-heads", "2", "--softcap", "30"],
+    ["--scenario", "varlen", "--heads", "4", "--head-dim", "16", "--kv-heads", "2",
+     "--window=-1,0", "--softcap", "2.5"],  # a left of -1 with causal: no window at all
+    ["--scenario", "paged", "--batch", "2", "--heads", "4", "--q-len", "1", "--kv-len", "40",
+     "--head-dim", "16", "--kv-heads", "2", "--page-size", "16", "--window=5,0",
+     "--softcap", "4"],
+    ["--q-len", "40", "--kv-len", "100", "--window", "7,0"],  # unequal lengths, no scenario
+]
+
+
+@pytest.mark.parametrize("flags", CASES)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_ncu_child_args_carry_the_case(flags, dtype):
+    """child_args gives the child the case as compare's flags: parsed by ncu's parser and
+    resolved as compare resolves them on CUDA, they are the parent's case, dtype and mode."""
+    from attnscope.profile import compare, ncu
+
+    case = compare.resolve_case(_ncu_args(*flags), "cuda")
+    parent = _ncu_args("--forwards", "3", *flags)
+    command = ncu.child_args(parent, "fused", case, dtype, "fwd_bwd")
+    assert command[:3] == [sys.executable, "-m", "attnscope.profile.ncu"]
+    child = _ncu_args(*command[3:])
+    assert (child.target, child.dtype, child.mode, child.forwards) == ("fused", dtype, "fwd_bwd", 3)
+    assert compare.resolve_case(child, "cuda") == case
+
+
+@pytest.fixture(scope="module")
+def paged_run(tmp_path_factory):
+    """A compare run on the CPU, written by compare itself: paged, a window and a softcap (naive
+    takes no GQA, so its row is `unsupported` and nothing is profiled)."""
+    from attnscope.profile import runs
+    from attnscope.profile.cli import main
+
+    out = tmp_path_factory.mktemp("paged_run")
+    argv = ["--scenario", "paged", "--window", "5,0", "--softcap", "4", "--impl", "naive"]
+    assert main(["compare", "--device", "cpu", *argv, "--out", str(out)]) == 0
+    return out, runs.resolve(out) / runs.RESULTS
+
+
+# The CPU preset of paged with its window and softcap, in explicit flags (ncu resolves on CUDA)
+PAGED_CPU = ["--batch", "2", "--heads", "4", "--q-len", "1", "--kv-len", "200", "--head-dim",
+             "32", "--kv-heads", "2", "--scenario", "paged", "--page-size", "16", "--window",
+             "5,0", "--softcap", "4"]
+
+
+def test_ncu_profiles_the_case_of_the_compare_run(paged_run):
+    """No case flag: the case the compare run in --out profiled, as its results.json records it
+    (and its dtype); case flags that give that case too are accepted."""
+    from attnscope.profile import compare, ncu
+    from attnscope.profile.sweeps import case
+
+    _, results = paged_run
+    run_case = compare.resolve_case(_ncu_args(*PAGED_CPU[10:]), "cpu")
+    assert run_case == dataclasses.replace(case(2, 4, 1, 32, kv_heads=2, kv_len=200,
+                                                page_size=16), window=(5, 0), softcap=4.0)
+    assert ncu.run_case(_ncu_args(), results) == (run_case, "fp32")
+    assert ncu.run_case(_ncu_args(*PAGED_CPU), results) == (run_case, "fp32")
+    assert ncu.run_case(_ncu_args(*PAGED_CPU, "--dtype", "fp32"), results) == (run_case, "fp32")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--scenario", "paged"], "pages of 128 keys"),  # the CUDA preset: 64 x 8192 keys
+    (PAGED_CPU[:-2], "pages of 16 keys, window (5, 0): drop"),  # no softcap
+    (PAGED_CPU[:-4] + ["--window", "6,0"] + PAGED_CPU[-2:], "window (6, 0), softcap 4"),
+    (["--seq", "64"], "prefill shape (8, 16, 64, 64)"),
+])
+def test_ncu_refuses_a_case_other_than_the_compare_runs(flags, says, paged_run):
+    from attnscope.profile import ncu
+
+    _, results = paged_run
+    with pytest.raises(ValueError) as e:
+        ncu.run_case(_ncu_args(*flags), results)
+    message = str(e.value)
+    recorded = ("paged shape (2, 4, 1, 32) [batch, heads, q_len, head_dim], 200 keys, 2 K/V "
+                "heads, pages of 16 keys, window (5, 0), softcap 4")
+    assert message.startswith(f"the compare run in {results.parent} profiled {recorded}; "
+                              "the flags give ")
+    assert says in message.split("the flags give ")[1]
+
+
+def test_ncu_refuses_a_dtype_other_than_the_compare_runs(paged_run):
+    from attnscope.profile import ncu
+
+    _, results = paged_run
+    with pytest.raises(ValueError, match="profiled fp32 inputs; --dtype bf16 asks for other"):
+        ncu.run_case(_ncu_args("--dtype", "bf16"), results)
+
+
+def test_ncu_case_without_a_compare_run(tmp_path):
+    """No results.json: the flags, defaulting as compare's do on CUDA; none: today's default
+    (the blog's prefill shape, bf16). A results.json from before the scenario fields reads as
+    the prefill run it was."""
+    from attnscope.profile import compare, ncu
+    from attnscope.profile.inputs import SHAPES
+    from attnscope.profile.sweeps import case
+
+    absent = tmp_path / "results.json"
+    assert ncu.run_case(_ncu_args(), absent) == (case(*SHAPES["cuda"]), "bf16")
+    flags = ["--scenario", "decode", "--q-len", "4", "--window", "100,0", "--dtype", "fp16"]
+    decode = compare.resolve_case(_ncu_args(*flags), "cuda")
+    assert (decode.batch, decode.seq, decode.keys, decode.kv_heads, decode.window) == (
+        64, 4, 8192, 8, (100, 0))
+    assert ncu.run_case(_ncu_args(*flags), absent) == (decode, "fp16")
+    old = _compare_output(tmp_path)  # H200 seed run: shape and dtype only
+    assert "scenario" not in json.loads(old.read_text())
+    assert ncu.run_case(_ncu_args(), old) == (case(8, 16, 1024, 64), "bf16")
+    assert ncu.run_case(_ncu_args("--seq", "1024"), old) == (case(8, 16, 1024, 64), "bf16")
+    with pytest.raises(ValueError, match="--seq sets both lengths"):  # compare's own refusal
+        ncu.run_case(_ncu_args("--seq", "8", "--q-len", "4"), absent)
+
+
+def test_ncu_refuses_packed_lengths_its_child_cannot_rebuild(tmp_path):
+    """A CPU compare run's packed lengths are not varlen's on CUDA, which the child's flags
+    give: refused rather than profiled on other lengths."""
+    from attnscope.profile import ncu
+    from attnscope.profile.sweeps import VARLEN_LENGTHS
+
+    path = _compare_output(tmp_path)
+    data = json.loads(path.read_text())
+    lengths = list(VARLEN_LENGTHS["cpu"])
+    data.update(shape={"batch": len(lengths), "heads": 2, "seq": max(lengths), "head_dim": 32},
+                scenario="varlen", kv_len=max(lengths), kv_heads=2, seqlens=lengths,
+                page_size=None, dtype="fp32")
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=re.escape(f"packed lengths {lengths}; compare's flags")):
+        ncu.run_case(_ncu_args(), path)
+
+
+def test_ncu_run_profiles_the_compare_runs_case(paged_run, monkeypatch, capsys):
+    """The command end to end, ncu faked: the progress names the case, an entry the case does
+    not suit is skipped with compare's reason, and the child gets the run's case."""
+    import subprocess
+
+    from attnscope.attention import registry
+    from attnscope.profile import compare, ncu
+
+    out, results = paged_run
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("naive", "sdpa_math", "fused"):  # available as on a GPU
+        monkeypatch.setitem(registry.IMPLEMENTATIONS, name, dataclasses.replace(
+            registry.IMPLEMENTATIONS[name], available=lambda device: (True, "")))
+    commands = []
+
+    def fake_ncu(command, **kwargs):
+        commands.append(command)
+        log = Path(command[command.index("--log-file") + 1])
+        log.write_text((NCU / f"{log.stem}.csv").read_text())
+        return subprocess.CompletedProcess(command, 0, stdout="")
+
+    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+    assert ncu.run(_ncu_args("--out", str(out), "--impl", "naive", "sdpa_math", "fused")) == 0
+    err = capsys.readouterr().err
+    assert ("attnscope ncu: 3 implementations, paged shape (2, 4, 1, 32) [batch, heads, q_len, "
+            "head_dim], 200 keys, 2 K/V heads, pages of 16 keys, window (5, 0), softcap 4, fp32, "
+            "fwd") in err
+    assert "[1/3] naive: skipped (takes no K/V with fewer heads than q" in err
+    assert "[2/3] sdpa_math: skipped (reads no paged KV cache" in err
+    (command,) = commands
+    child = _ncu_args(*command[command.index("-m") + 2:])
+    assert child.target == "fused" and child.dtype == "fp32"
+    assert compare.resolve_case(child, "cuda") == ncu.run_case(_ncu_args(), results)[0]
+
+
+def test_ncu_run_refuses_case_flags_of_another_case(paged_run, monkeypatch, capsys):
+    from attnscope.profile import ncu
+
+    out, _ = paged_run
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **kw: pytest.fail("ncu ran"))
+    assert ncu.run(_ncu_args("--out", str(out), "--impl", "fused", "--scenario", "decode")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the compare run in ") and "the flags give decode shape" in err
+
+
+@pytest.mark.parametrize("flags, entry", [
+    (CASES[4], "prepare_paged"),
+    (CASES[3], "prepare_varlen"),
+    (CASES[2], "prepare"),
+])
+def test_ncu_child_builds_compares_inputs_and_call(flags, entry, monkeypatch):
+    """The child prepares the call capture prepares for compare: the case's inputs from seed 0
+    (scenarios.case_inputs), packed or paged, causal, with the case's window and softcap."""
+    from attnscope.attention import registry
+    from attnscope.profile import compare, ncu, scenarios
+
+    _child_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: None)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: None)
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return lambda: torch.zeros(1)
+    monkeypatch.setitem(registry.IMPLEMENTATIONS, "fused", dataclasses.replace(
+        registry.IMPLEMENTATIONS["fused"], **{entry: recorded}))
+    args = _ncu_args("--target", "fused", *flags, "--dtype", "fp32")
+    assert ncu.run_target(args) == 0
+    case = compare.resolve_case(args, "cuda")
+    inputs = scenarios.case_inputs(case, torch.float32, "cuda", seed=0)  # on the CPU here
+    if entry == "prepare_paged":
+        expected = (inputs.qkv[0], *inputs.paging)
+    else:
+        expected = (*inputs.qkv, *(inputs.packing or ()))
+    (got, kwargs), = calls
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a == b if isinstance(a, int) else torch.equal(a, b)
+    options = scenarios.options(case)
+    assert options  # every one of these cases has a window or a softcap
+    assert kwargs == ({"causal": True, **options} if entry != "prepare" else options)

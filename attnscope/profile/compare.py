@@ -21,6 +21,7 @@ whoever clicks them in Perfetto.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 from pathlib import Path
@@ -35,6 +36,8 @@ from attnscope.profile.capture import MODES, capture
 from attnscope.profile.env import collect_env
 from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, resolve_device, resolve_impls
 from attnscope.profile.metrics import max_abs_error, pct_of_peak, tflops
+from attnscope.profile.sweeps import Case, varlen_case
+from attnscope.profile.sweeps import case as make_case
 from attnscope.profile.table import CPU_NOTE, evidence_text, format_table
 from attnscope.profile.trace import VERDICT_ARG, analyze_file, annotate_kernels
 
@@ -45,10 +48,9 @@ _UNSUPPORTED_HINTS = ("No available kernel", "No viable backend", "not supported
                       "only supports", "Unsupported", "not implemented")
 
 
-def add_arguments(p):
-    p.add_argument("--impl", nargs="+", metavar="NAME",
-                   help="implementations to profile, in this order (default: all; see `list`); "
-                        "a name given twice runs once")
+def add_case_arguments(p):
+    """The flags of the case a run profiles (shape, scenario, window, softcap, dtype): compare's,
+    and ncu's, which re-runs a compare run's case and must mean by them what compare means."""
     p.add_argument("--batch", type=int, help="batch size (default 8 on CUDA, 1 on CPU)")
     p.add_argument("--heads", type=int, help="attention heads (default 16 on CUDA, 2 on CPU)")
     p.add_argument("--seq", type=int, help="sequence length, queries and keys alike (default 1024 "
@@ -75,6 +77,13 @@ def add_arguments(p):
     scenarios.add_option_arguments(p)
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="input dtype (default bf16 on CUDA as in the blog, fp32 on CPU)")
+
+
+def add_arguments(p):
+    p.add_argument("--impl", nargs="+", metavar="NAME",
+                   help="implementations to profile, in this order (default: all; see `list`); "
+                        "a name given twice runs once")
+    add_case_arguments(p)
     p.add_argument("--device", choices=("cuda", "cpu"),
                    help="where to run (default cuda when a GPU is present, else cpu)")
     p.add_argument("--mode", choices=MODES, default="fwd",
@@ -264,10 +273,8 @@ def _run(args, run_, impls, device, case) -> int:
     write_results(folder, results)
     inputs = scenarios.case_inputs(case, DTYPES[dtype_name], device, seed=0)
     reference = _reference(inputs, case)
-    _progress(f"attnscope compare: {len(impls)} implementations, {case.scenario} shape {shape} "
-              f"[batch, heads, q_len, head_dim], {case.keys} keys, {case.kv_heads} K/V heads"
-              f"{', packed lengths ' + str(list(case.seqlens)) if case.seqlens else ''}"
-              f"{scenarios.describe_options(case)}, {dtype_name}, {device}, run folder {folder}")
+    _progress(f"attnscope compare: {len(impls)} implementations, {scenarios.describe(case)}, "
+              f"{dtype_name}, {device}, run folder {folder}")
     try:
         for i, impl in enumerate(impls, 1):
             _progress(f"[{i}/{len(impls)}] {impl.name} ...")
@@ -313,6 +320,29 @@ def _run(args, run_, impls, device, case) -> int:
           f"Traces and tables under {folder}/<impl>/; all figures in {folder / runs.RESULTS}; "
           f"{latest} points there.")
     return status
+
+
+def recorded_case(results) -> tuple[Case, str] | None:
+    """(the case, the dtype name) a results.json of _run records, or None where it records no
+    shape (not a compare run's). A run written before a field existed reads as it ran: no
+    scenario, kv_len or kv_heads is prefill's self-attention, no window or softcap is none."""
+    dims = ("batch", "heads", "seq", "head_dim")
+    shape = results.get("shape") if isinstance(results, dict) else None
+    if not isinstance(shape, dict) or any(k not in shape for k in dims):
+        return None
+    batch, heads, seq, head_dim = (shape[k] for k in dims)
+    kv_heads = results.get("kv_heads") or heads
+    if results.get("seqlens"):
+        c = varlen_case(results["seqlens"], heads, head_dim, kv_heads=kv_heads)
+    else:
+        kv_len = results.get("kv_len") or seq
+        c = make_case(batch, heads, seq, head_dim, kv_heads=kv_heads,
+                      kv_len=None if kv_len == seq else kv_len,
+                      page_size=results.get("page_size"))
+    window = results.get("window")
+    c = dataclasses.replace(c, window=tuple(window) if window else None,
+                            softcap=results.get("softcap"))
+    return c, results.get("dtype") or DEFAULT_DTYPE["cuda"]
 
 
 def _finish(args, results, folder: Path, impls, shape, dtype_name):

@@ -1,16 +1,25 @@
 """`ncu`: re-run implementations under Nsight Compute and attach tensor-pipe counters (tier 1).
 
-Each implementation runs in its own child process (this module with `--target`) under
-`ncu --nvtx --nvtx-include <RANGE>`: warm-up calls (compilation, autotuning, cuBLAS
-heuristics) happen outside the NVTX range, so only the profiled calls' own kernels are profiled
-and replayed. `--mode fwd` (compare's default) profiles forwards inside a push/pop range
-("<RANGE>/", the calling thread's); `--mode fwd_bwd` a forward and its backward, as `compare
---mode fwd_bwd` profiles them, inside a start/end range ("<RANGE>", the whole process's): the
-backward's kernels are launched by autograd's device thread, outside the calling thread's
-push/pop stack. The CSV goes to <out>/ncu/<impl>.csv; per-kernel verdicts are merged into
-<out>/results.json when `compare` wrote one there (in the same mode). `--stalls` adds a second
-run per implementation under PC sampling (stalls.py): the report, its source page, and per
-kernel the warp states and hottest SASS instructions, merged into results.json as `stalls`.
+The call profiled is the one `compare` profiled: the case of the compare run in `--out` (its
+results.json records scenario, shape, K/V length and heads, packed lengths, page size, window,
+softcap, dtype), the same seeded inputs (scenarios.case_inputs) and the same prepared call
+(scenarios.prepare, capture's). compare's case flags (`--scenario`, `--q-len`, `--window`, ...)
+mean here what they mean there; given with a run whose case they do not give, they are refused,
+since the run's rows describe another call's kernels; with no run, they default as compare's do
+on CUDA. An implementation the case does not suit is skipped with compare's reason
+(scenarios.unsupported).
+
+Each implementation runs in its own child process (this module with `--target`, the case as
+explicit flags) under `ncu --nvtx --nvtx-include <RANGE>`: warm-up calls (compilation,
+autotuning, cuBLAS heuristics) happen outside the NVTX range, so only the profiled calls' own
+kernels are profiled and replayed. `--mode fwd` (compare's default) profiles forwards inside a
+push/pop range ("<RANGE>/", the calling thread's); `--mode fwd_bwd` a forward and its backward,
+as `compare --mode fwd_bwd` profiles them, inside a start/end range ("<RANGE>", the whole
+process's): the backward's kernels are launched by autograd's device thread, outside the calling
+thread's push/pop stack. The CSV goes to <out>/ncu/<impl>.csv; per-kernel verdicts are merged
+into <out>/results.json when `compare` wrote one there (in the same mode). `--stalls` adds a
+second run per implementation under PC sampling (stalls.py): the report, its source page, and
+per kernel the warp states and hottest SASS instructions, merged into results.json as `stalls`.
 """
 
 from __future__ import annotations
@@ -23,10 +32,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from attnscope.profile import runs, stalls
+from attnscope.profile import runs, scenarios, stalls
 from attnscope.profile import tensor_cores as tc
 from attnscope.profile.capture import MODES, profiled_call
-from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, SHAPES, WARMUP_CALLS, make_inputs
+from attnscope.profile.compare import add_case_arguments, recorded_case, resolve_case
+from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, WARMUP_CALLS
+from attnscope.profile.sweeps import Case
 
 HELP = "re-run implementations under Nsight Compute; Tensor Core verdicts from hardware counters"
 RANGE = "attnscope_fwd"  # the NVTX range around each profiled call (a forward, or with --mode
@@ -35,18 +46,15 @@ RANGE = "attnscope_fwd"  # the NVTX range around each profiled call (a forward, 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", nargs="+", metavar="NAME", default=None,
-                        help="implementations to profile (default: every one available here; "
-                        "under --mode fwd an entry that differs from another only in the "
-                        "backward is skipped)")
-    batch, heads, seq, head_dim = SHAPES["cuda"]  # compare's, so the counters match its traces
-    parser.add_argument("--batch", type=int, default=batch, help=f"batch size (default: {batch})")
-    parser.add_argument("--heads", type=int, default=heads,
-                        help=f"attention heads (default: {heads})")
-    parser.add_argument("--seq", type=int, default=seq, help=f"sequence length (default: {seq})")
-    parser.add_argument("--head-dim", type=int, default=head_dim,
-                        help=f"head dimension (default: {head_dim})")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=DEFAULT_DTYPE["cuda"],
-                        help=f"input dtype (default: {DEFAULT_DTYPE['cuda']})")
+                        help="implementations to profile (default: every one available here); "
+                        "skipped with the reason: one the case does not suit (compare's "
+                        "`unsupported` rows) and, under --mode fwd, one that differs from another "
+                        "only in the backward")
+    add_case_arguments(parser.add_argument_group(
+        "the case", "what each profiled call computes, in compare's flags with their meaning "
+        "(default: the case of the compare run in --out, else compare's on CUDA: the blog's "
+        "prefill shape, bf16); flags that give another case than that run's are refused: its "
+        "rows describe another call's kernels"))
     parser.add_argument("--mode", choices=MODES, default=None,
                         help="what each profiled call runs: fwd, the forward under no_grad; "
                         "fwd_bwd, the forward and its backward (torch.autograd.grad), as "
@@ -107,25 +115,87 @@ def source_page_command(ncu: str, report: Path) -> list[str]:
     return [ncu, "-i", str(report), "--page", "source", "--csv", "--print-source", "sass"]
 
 
-def child_args(args: argparse.Namespace, impl: str, mode: str = "fwd") -> list[str]:
+# compare's flags that say what is profiled, as argparse names them (--dtype apart: it is checked
+# on its own, so a compare run's dtype is kept when only the shape is given)
+CASE_FLAGS = ("batch", "heads", "seq", "head_dim", "scenario", "q_len", "kv_len", "kv_heads",
+              "page_size", "window", "softcap")
+
+
+def case_flags(case: Case, dtype: str) -> list[str]:
+    """compare's flags that make resolve_case(..., "cuda") give `case` back (a varlen case's
+    packed lengths are the scenario's own on CUDA), and --dtype."""
+    flags = ["--scenario", case.scenario, "--heads", str(case.heads), "--head-dim",
+             str(case.head_dim), "--kv-heads", str(case.kv_heads)]
+    if case.seqlens is None:
+        flags += ["--batch", str(case.batch), "--q-len", str(case.seq), "--kv-len",
+                  str(case.keys)]
+    if case.page_size is not None:
+        flags += ["--page-size", str(case.page_size)]
+    if case.window is not None:
+        flags.append(f"--window={case.window[0]},{case.window[1]}")  # "=": a left of -1
+    if case.softcap is not None:
+        flags += ["--softcap", repr(case.softcap)]
+    return [*flags, "--dtype", dtype]
+
+
+def child_args(args: argparse.Namespace, impl: str, case: Case, dtype: str,
+               mode: str = "fwd") -> list[str]:
+    """The child's command line: the case as explicit flags, so it needs no results.json."""
     return [sys.executable, "-m", "attnscope.profile.ncu", "--target", impl,
-            "--batch", str(args.batch), "--heads", str(args.heads), "--seq", str(args.seq),
-            "--head-dim", str(args.head_dim), "--dtype", args.dtype,
-            "--forwards", str(args.forwards), "--mode", mode]
+            *case_flags(case, dtype), "--forwards", str(args.forwards), "--mode", mode]
+
+
+def _compare_run(results: Path):
+    """The parsed results.json of a compare run, or None when there is none or it is unreadable."""
+    if not results.exists():
+        return None
+    try:
+        return json.loads(results.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_case(args: argparse.Namespace, results: Path) -> tuple[Case, str]:
+    """(the case, the dtype name) to profile: the flags given, resolved as compare resolves them
+    on CUDA, or with none given the case of the compare run whose results.json is `results`,
+    else compare's CUDA default. Likewise --dtype, else the run's, else bf16. ValueError naming
+    both when the flags ask for another case or dtype than the run's: the counters would be
+    merged into rows of another call."""
+    made = recorded_case(_compare_run(results))
+    asked = any(getattr(args, flag) is not None for flag in CASE_FLAGS)
+    if made is not None and not asked:
+        case = made[0]
+    else:
+        case = resolve_case(args, "cuda")
+    dtype = args.dtype or (made[1] if made is not None else DEFAULT_DTYPE["cuda"])
+    where = f"the compare run in {results.parent}"
+    if made is not None and case != made[0]:
+        raise ValueError(f"{where} profiled {scenarios.describe(made[0])}; the flags give "
+                         f"{scenarios.describe(case)}: drop the case flags to profile the run's "
+                         f"case, or pass another --out")
+    if made is not None and dtype != made[1]:
+        raise ValueError(f"{where} profiled {made[1]} inputs; --dtype {dtype} asks for other "
+                         f"ones: pass --dtype {made[1]} or none, or another --out")
+    rebuilt = resolve_case(_case_namespace(case_flags(case, dtype)), "cuda")
+    if rebuilt != case:  # a CPU run's packed lengths, which compare's flags cannot name
+        raise ValueError(f"{where} profiled {scenarios.describe(case)}; compare's flags, which "
+                         f"ncu's child takes, give {scenarios.describe(rebuilt)} on CUDA: run "
+                         f"compare on CUDA into another --out")
+    return case, dtype
+
+
+def _case_namespace(flags: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_case_arguments(parser)
+    return parser.parse_args(flags)
 
 
 def run_mode(asked: str | None, results: Path) -> tuple[str | None, str]:
     """(the mode to profile in, or None; the reason when None): `asked` (--mode) or the mode of
     the compare run whose results.json is `results` (fwd when it has none or there is none).
     Counters profiled in one mode are not merged into a run of the other: its kernels differ."""
-    made = None  # the compare run's mode
-    if results.exists():
-        try:
-            data = json.loads(results.read_text())
-        except (OSError, ValueError):
-            data = None
-        if isinstance(data, dict):
-            made = data.get("mode") or "fwd"
+    data = _compare_run(results)
+    made = (data.get("mode") or "fwd") if isinstance(data, dict) else None  # the run's mode
     if asked is None:
         return made or "fwd", ""
     if made is not None and asked != made:
@@ -140,7 +210,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from attnscope.attention import IMPLEMENTATIONS, get
-    from attnscope.profile.scenarios import forward_elsewhere
 
     ncu = find_ncu(args.ncu)
     if ncu is None:
@@ -165,11 +234,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {why}", file=sys.stderr)
         return 2
     try:
+        case, dtype = run_case(args, results)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         (out / "ncu").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         print(f"error: cannot write to --out {out}: {e.strerror or e}", file=sys.stderr)
         return 2
 
+    print(f"attnscope ncu: {len(impls)} implementations, {scenarios.describe(case)}, {dtype}, "
+          f"{mode}, into {out}", file=sys.stderr)
     verdicts: dict[str, dict[str, dict]] = {}
     stalls_failed = 0  # implementations whose --stalls run gave nothing
     for i, impl in enumerate(impls, 1):
@@ -177,15 +253,17 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             print(f"[{i}/{len(impls)}] {impl.name}: skipped ({reason})", file=sys.stderr)
             continue
-        # a forward alone would be another entry's (its backward is what differs)
-        elsewhere = forward_elsewhere(impl) if mode == "fwd" else None
-        if elsewhere:
-            print(f"[{i}/{len(impls)}] {impl.name}: skipped ({elsewhere})", file=sys.stderr)
+        # as compare's `unsupported` rows: the case asks what the entry cannot express, or under
+        # --mode fwd its forward alone would be another entry's (its backward is what differs)
+        cannot = scenarios.unsupported(impl, case, mode)
+        if cannot:
+            print(f"[{i}/{len(impls)}] {impl.name}: skipped ({cannot})", file=sys.stderr)
             continue
         print(f"[{i}/{len(impls)}] {impl.name}: profiling under ncu ({mode}) ...",
               file=sys.stderr, flush=True)
+        child = child_args(args, impl.name, case, dtype, mode)
         csv_path = out / "ncu" / f"{impl.name}.csv"
-        proc = subprocess.run(ncu_command(ncu, csv_path, child_args(args, impl.name, mode), mode),
+        proc = subprocess.run(ncu_command(ncu, csv_path, child, mode),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         text = csv_path.read_text() if csv_path.exists() else ""
         launches = _launches(text) or _launches(proc.stdout)
@@ -204,8 +282,8 @@ def run(args: argparse.Namespace) -> int:
         if results.exists():  # after each implementation: a run cut short keeps what it measured
             merge_into_results(results, {impl.name: verdicts[impl.name]}, {impl.name: launches})
         if args.stalls:
-            summaries = profile_stalls(ncu, out / "ncu", impl.name,
-                                       child_args(args, impl.name, mode), mode, args.stall_lines)
+            summaries = profile_stalls(ncu, out / "ncu", impl.name, child, mode,
+                                       args.stall_lines)
             stalls_failed += not summaries
             if summaries and results.exists():
                 for name in merge_stalls_into_results(results, impl.name, summaries):
@@ -508,13 +586,19 @@ def run_target(args: argparse.Namespace) -> int:
 
     impl = get(args.target)
     backward = (args.mode or "fwd") == "fwd_bwd"
-    # The same inputs compare profiles, so the counters describe the kernels in its traces.
-    q, k, v = make_inputs(args.batch, args.heads, args.seq, args.head_dim, DTYPES[args.dtype],
-                          "cuda")
+    # The inputs and the call compare profiles (compare._run, capture), so the counters describe
+    # the kernels in its traces: the case from the parent's explicit flags, seed 0.
+    case = resolve_case(args, "cuda")
+    inputs = scenarios.case_inputs(case, DTYPES[args.dtype or DEFAULT_DTYPE["cuda"]], "cuda",
+                                   seed=0)
+    q, k, v = inputs.qkv
     if backward:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     with torch.enable_grad() if backward else torch.no_grad():
-        call = profiled_call(impl.name, impl.prepare(q, k, v), (q, k, v), backward)
+        forward = scenarios.prepare(impl, scenarios.Inputs((q, k, v), inputs.packing,
+                                                           inputs.paging),
+                                    causal=True, **scenarios.options(case))
+        call = profiled_call(impl.name, forward, (q, k, v), backward)
         for _ in range(WARMUP_CALLS):
             call()
         torch.cuda.synchronize()
@@ -533,7 +617,8 @@ def run_target(args: argparse.Namespace) -> int:
                 torch.cuda.nvtx.range_pop()
         torch.cuda.synchronize()
     what = "forward(s) with their backward" if backward else "forward(s)"
-    print(f"{impl.name}: {args.forwards} {what} inside NVTX range {RANGE!r}", file=sys.stderr)
+    print(f"{impl.name}: {args.forwards} {what} inside NVTX range {RANGE!r}, "
+          f"{scenarios.describe(case)}", file=sys.stderr)
     return 0
 
 

@@ -157,6 +157,16 @@ def describe_options(c: Case) -> str:
                    for k, v in options(c).items())
 
 
+def describe(c: Case) -> str:
+    """The case as the progress lines name it: scenario, shape, keys, K/V heads, the packed
+    lengths, the page size, the window and the softcap (those it has)."""
+    return (f"{c.scenario} shape {tuple(c.shape)} [batch, heads, q_len, head_dim], {c.keys} keys, "
+            f"{c.kv_heads} K/V heads"
+            f"{', packed lengths ' + str(list(c.seqlens)) if c.seqlens else ''}"
+            f"{f', pages of {c.page_size} keys' if c.page_size is not None else ''}"
+            f"{describe_options(c)}")
+
+
 def _kv_heads(kv_heads, preset: Case, heads: int) -> int:
     if kv_heads is None:
         # The preset's grouping where it divides the heads asked for, else one K/V head each.
