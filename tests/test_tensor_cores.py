@@ -832,15 +832,34 @@ def test_ncu_child_args_carry_the_case(flags, dtype):
 
 @pytest.fixture(scope="module")
 def paged_run(tmp_path_factory):
-    """A compare run on the CPU, written by compare itself: paged, a window and a softcap (naive
-    takes no GQA, so its row is `unsupported` and nothing is profiled)."""
+    """A compare run written by compare itself on the CPU: paged, a window and a softcap (naive
+    takes no GQA, so its row is `unsupported` and nothing is profiled), its results.json then
+    marked as made on CUDA (ncu refuses a CPU run's: test_ncu_refuses_a_cpu_run)."""
     from attnscope.profile import runs
     from attnscope.profile.cli import main
 
     out = tmp_path_factory.mktemp("paged_run")
     argv = ["--scenario", "paged", "--window", "5,0", "--softcap", "4", "--impl", "naive"]
     assert main(["compare", "--device", "cpu", *argv, "--out", str(out)]) == 0
-    return out, runs.resolve(out) / runs.RESULTS
+    results = runs.resolve(out) / runs.RESULTS
+    data = json.loads(results.read_text())
+    assert data["device"] == "cpu"
+    results.write_text(json.dumps(dict(data, device="cuda")))
+    return out, results
+
+
+def test_ncu_refuses_a_cpu_run(paged_run, tmp_path):
+    """A compare run made on the CPU has no GPU kernels in its rows: ncu refuses it, whatever
+    the flags, rather than merge counters of another device's call."""
+    from attnscope.profile import ncu
+
+    _, results = paged_run
+    cpu = tmp_path / "results.json"
+    cpu.write_text(json.dumps(dict(json.loads(results.read_text()), device="cpu")))
+    for flags in ([], PAGED_CPU):
+        with pytest.raises(ValueError, match=re.escape(f"the compare run in {tmp_path} ran on "
+                                                       "the CPU")):
+            ncu.run_case(_ncu_args(*flags), cpu)
 
 
 # The CPU preset of paged with its window and softcap, in explicit flags (ncu resolves on CUDA)

@@ -5,8 +5,8 @@ results.json records scenario, shape, K/V length and heads, packed lengths, page
 softcap, dtype), the same seeded inputs (scenarios.case_inputs) and the same prepared call
 (scenarios.prepare, capture's). compare's case flags (`--scenario`, `--q-len`, `--window`, ...)
 mean here what they mean there; given with a run whose case they do not give, they are refused,
-since the run's rows describe another call's kernels; with no run, they default as compare's do
-on CUDA. An implementation the case does not suit is skipped with compare's reason
+since the run's rows describe another call's kernels (a run made on the CPU is refused too: its
+rows hold no GPU kernels); with no run, they default as compare's do on CUDA. An implementation the case does not suit is skipped with compare's reason
 (scenarios.unsupported).
 
 Each implementation runs in its own child process (this module with `--target`, the case as
@@ -160,8 +160,14 @@ def run_case(args: argparse.Namespace, results: Path) -> tuple[Case, str]:
     on CUDA, or with none given the case of the compare run whose results.json is `results`,
     else compare's CUDA default. Likewise --dtype, else the run's, else bf16. ValueError naming
     both when the flags ask for another case or dtype than the run's: the counters would be
-    merged into rows of another call."""
-    made = recorded_case(_compare_run(results))
+    merged into rows of another call; likewise for a run made on the CPU, whose rows hold no GPU
+    kernels for the counters to describe."""
+    data = _compare_run(results)
+    made = recorded_case(data)
+    if made is not None and data.get("device") == "cpu":
+        raise ValueError(f"the compare run in {results.parent} ran on the CPU: its rows hold no "
+                         f"GPU kernels for counters to describe; run compare on CUDA, or pass "
+                         f"another --out")
     asked = any(getattr(args, flag) is not None for flag in CASE_FLAGS)
     if made is not None and not asked:
         case = made[0]
