@@ -6,8 +6,8 @@ softcap, dtype), the same seeded inputs (scenarios.case_inputs) and the same pre
 (scenarios.prepare, capture's). compare's case flags (`--scenario`, `--q-len`, `--window`, ...)
 mean here what they mean there; given with a run whose case they do not give, they are refused,
 since the run's rows describe another call's kernels (a run made on the CPU is refused too: its
-rows hold no GPU kernels); with no run, they default as compare's do on CUDA. An implementation the case does not suit is skipped with compare's reason
-(scenarios.unsupported).
+rows hold no GPU kernels); with no run, they default as compare's do on CUDA. An implementation
+the case does not suit is skipped with compare's reason (scenarios.unsupported).
 
 Each implementation runs in its own child process (this module with `--target`, the case as
 explicit flags) under `ncu --nvtx --nvtx-include <RANGE>`: warm-up calls (compilation,
