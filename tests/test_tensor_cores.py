@@ -541,8 +541,7 @@ def test_ncu_run_cut_short_keeps_the_implementations_it_finished(tmp_path, monke
     from attnscope.profile import ncu
 
     path = _compare_output(tmp_path)
-    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _ncu_present(monkeypatch)
     for name in ("sdpa_cudnn", "fused"):
         monkeypatch.setitem(registry.IMPLEMENTATIONS, name, types.SimpleNamespace(
             name=name, available=lambda device: (True, ""), backward_variant_of=None))
@@ -565,35 +564,53 @@ def test_ncu_run_cut_short_keeps_the_implementations_it_finished(tmp_path, monke
     assert rows["fused"]["kernels"][0]["tensor_cores"]["evidence"] != "counters"
 
 
-def test_ncu_skips_an_entry_whose_forward_is_anothers(tmp_path, monkeypatch, capsys):
-    """ncu profiles forwards: fused_nondeterministic's is fused's (backward_variant_of), so it is
-    skipped with the reason, and fused is profiled."""
-    import argparse
+def _ncu_present(monkeypatch):
+    """ncu on PATH and a CUDA GPU, as ncu.run asks for them (neither is real here)."""
+    from attnscope.profile import ncu
+
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def _ncu_faked(monkeypatch, names, csv=None):
+    """ncu.run's Nsight Compute faked: `names`, real registry entries, available as on a GPU;
+    each ncu command writes the recorded CSV `csv` (default: its implementation's own) to its
+    log file. Returns the list the commands are appended to."""
     import subprocess
 
     from attnscope.attention import registry
     from attnscope.profile import ncu
 
-    _compare_output(tmp_path)
-    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name in ("fused", "fused_nondeterministic"):  # the real entries, available as on a GPU
+    _ncu_present(monkeypatch)
+    for name in names:
         monkeypatch.setitem(registry.IMPLEMENTATIONS, name, dataclasses.replace(
             registry.IMPLEMENTATIONS[name], available=lambda device: (True, "")))
-    profiled = []
+    commands = []
 
     def fake_ncu(command, **kwargs):
+        commands.append(command)
         log = Path(command[command.index("--log-file") + 1])
-        profiled.append(log.stem)
-        log.write_text((NCU / f"{log.stem}.csv").read_text())
+        log.write_text((NCU / f"{csv or log.stem}.csv").read_text())
         return subprocess.CompletedProcess(command, 0, stdout="")
 
     monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+    return commands
+
+
+def test_ncu_skips_an_entry_whose_forward_is_anothers(tmp_path, monkeypatch, capsys):
+    """ncu profiles forwards: fused_nondeterministic's is fused's (backward_variant_of), so it is
+    skipped with the reason, and fused is profiled."""
+    import argparse
+
+    from attnscope.profile import ncu
+
+    _compare_output(tmp_path)
+    commands = _ncu_faked(monkeypatch, ("fused", "fused_nondeterministic"))
     parser = argparse.ArgumentParser()
     ncu.add_arguments(parser)
     args = parser.parse_args(["--out", str(tmp_path), "--impl", "fused", "fused_nondeterministic"])
     assert ncu.run(args) == 0
-    assert profiled == ["fused"]
+    assert [c[c.index("--target") + 1] for c in commands] == ["fused"]
     err = capsys.readouterr().err
     assert "[2/2] fused_nondeterministic: skipped (its forward is fused's" in err
 
@@ -612,28 +629,12 @@ def test_ncu_profiles_forward_and_backward_in_a_fwd_bwd_compare_run(tmp_path, mo
     that differs only in its backward too, each child runs forward and backward, and ncu takes a
     start/end range (the backward's kernels come from autograd's device thread, which a push/pop
     range of the calling thread does not cover)."""
-    import subprocess
-
-    from attnscope.attention import registry
     from attnscope.profile import ncu
 
     path = _compare_output(tmp_path)
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "mode": "fwd_bwd"}))
-    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name in ("fused", "fused_nondeterministic"):
-        monkeypatch.setitem(registry.IMPLEMENTATIONS, name, dataclasses.replace(
-            registry.IMPLEMENTATIONS[name], available=lambda device: (True, "")))
-    commands = []
-
-    def fake_ncu(command, **kwargs):
-        commands.append(command)
-        log = Path(command[command.index("--log-file") + 1])
-        log.write_text((NCU / "fused.csv").read_text())
-        return subprocess.CompletedProcess(command, 0, stdout="")
-
-    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+    commands = _ncu_faked(monkeypatch, ("fused", "fused_nondeterministic"), csv="fused")
     args = _ncu_args("--out", str(tmp_path), "--impl", "fused", "fused_nondeterministic")
     assert ncu.run(args) == 0
     assert [c[c.index("--target") + 1] for c in commands] == ["fused", "fused_nondeterministic"]
@@ -646,8 +647,7 @@ def test_ncu_refuses_a_mode_other_than_the_compare_runs(tmp_path, monkeypatch, c
     from attnscope.profile import ncu
 
     _compare_output(tmp_path)  # a forward-only compare run (its results.json says mode fwd)
-    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _ncu_present(monkeypatch)
     monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **kw: pytest.fail("ncu ran"))
     assert ncu.run(_ncu_args("--out", str(tmp_path), "--impl", "fused", "--mode",
                              "fwd_bwd")) == 2
@@ -954,26 +954,10 @@ def test_ncu_refuses_packed_lengths_its_child_cannot_rebuild(tmp_path):
 def test_ncu_run_profiles_the_compare_runs_case(paged_run, monkeypatch, capsys):
     """The command end to end, ncu faked: the progress names the case, an entry the case does
     not suit is skipped with compare's reason, and the child gets the run's case."""
-    import subprocess
-
-    from attnscope.attention import registry
     from attnscope.profile import compare, ncu
 
     out, results = paged_run
-    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name in ("naive", "sdpa_math", "fused"):  # available as on a GPU
-        monkeypatch.setitem(registry.IMPLEMENTATIONS, name, dataclasses.replace(
-            registry.IMPLEMENTATIONS[name], available=lambda device: (True, "")))
-    commands = []
-
-    def fake_ncu(command, **kwargs):
-        commands.append(command)
-        log = Path(command[command.index("--log-file") + 1])
-        log.write_text((NCU / f"{log.stem}.csv").read_text())
-        return subprocess.CompletedProcess(command, 0, stdout="")
-
-    monkeypatch.setattr(ncu.subprocess, "run", fake_ncu)
+    commands = _ncu_faked(monkeypatch, ("naive", "sdpa_math", "fused"))
     assert ncu.run(_ncu_args("--out", str(out), "--impl", "naive", "sdpa_math", "fused")) == 0
     err = capsys.readouterr().err
     assert ("attnscope ncu: 3 implementations, paged shape (2, 4, 1, 32) [batch, heads, q_len, "
@@ -991,8 +975,7 @@ def test_ncu_run_refuses_case_flags_of_another_case(paged_run, monkeypatch, caps
     from attnscope.profile import ncu
 
     out, _ = paged_run
-    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: "ncu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _ncu_present(monkeypatch)
     monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **kw: pytest.fail("ncu ran"))
     assert ncu.run(_ncu_args("--out", str(out), "--impl", "fused", "--scenario", "decode")) == 2
     err = capsys.readouterr().err
