@@ -8,7 +8,7 @@ venv; the code generated differs by version.
 
     python benchmarks/sass_offline.py --head-dim 128 --config 128,64,8,3 [--pipeline] [--tma]
         [--maxnreg N] [--sass out.sass]
-    python benchmarks/sass_offline.py --gluon --head-dim 128 [--config 128,2,240]
+    python benchmarks/sass_offline.py --gluon --head-dim 128 [--config 128,2,240,2]
 
 --gluon compiles the Hopper kernel (attention_fwd_hopper.py) instead; its --config is that
 module's CONFIG_FIELDS (default: its table's entry for --head-dim). --gluon-bwd and
@@ -286,7 +286,7 @@ def main():
     p.add_argument("--config", default=None,
                    help="BLOCK_M,BLOCK_N,num_warps,num_stages (default 128,64,8,3, the "
                         "long-sequence entry; causal head_dim-64 calls of <= 2048 queries run "
-                        "64,64,4,3); with --gluon BLOCK_N,STAGES,REGS")
+                        "64,64,4,3); with --gluon BLOCK_N,STAGES,REGS,CONSUMERS")
     p.add_argument("--gluon", action="store_true", help="the Gluon Hopper kernel instead")
     p.add_argument("--gluon-bwd", action="store_true",
                    help="the Gluon dK/dV backward kernel (attention_bwd_hopper.py) instead")
@@ -382,8 +382,8 @@ def main():
         compiled = compile_decode(args.head_dim, config, args.dtype, args.page_size, args.splits)
     elif args.gluon:
         config = args.config and tuple(int(x) for x in args.config.split(","))
-        if config and len(config) != 3:
-            p.error("--gluon --config takes BLOCK_N,STAGES,REGS")
+        if config and len(config) != 4:
+            p.error("--gluon --config takes BLOCK_N,STAGES,REGS,CONSUMERS")
         parts = args.parts and tuple(int(x) for x in args.parts.split(","))
         window = tuple(int(x) for x in args.window.split(",")) if args.window else (-1, -1)
         compiled = compile_gluon(args.head_dim, config, args.dtype, args.varlen, parts,

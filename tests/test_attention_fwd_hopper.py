@@ -409,9 +409,9 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
     assert call(128, 96, loops=2) == (2, 2) and call(1024, 128, loops=2) == (2, 2)
     assert call(128, 128, loops=0) == (0, 0)
     assert keys[-1] != keys[-2]  # a forced form is its own launch
-    assert call(64, 96, config=(64, 2, 240), loops=0) == (0, 0)  # a lab's 64-key blocks
+    assert call(64, 96, config=(64, 2, 240, 2), loops=0) == (0, 0)  # a lab's 64-key blocks
     for seq, loops, config in ((129, 0, None), (1024, 0, None), (128, 3, None),
-                               (100, 0, (64, 2, 240))):
+                               (100, 0, (64, 2, 240, 2))):
         with pytest.raises(ValueError, match="loops must be"):
             call(seq, 96, loops=loops, config=config)
     # a window takes the same loops (its left edge's blocks a masked loop of their own, within

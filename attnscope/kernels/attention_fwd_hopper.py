@@ -97,7 +97,6 @@ from attnscope.kernels.tile_schedule import tile_schedule
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
-NUM_WG = gl.constexpr(2)  # consumer warpgroups: 128-row tiles
 # The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
 # at a time (_packed_tile): at 24 it spilled at head_dim 256 (offline, Triton 3.6); the dense
 # kernel's code is the same at 24, 32 and 40.
@@ -242,6 +241,7 @@ def _load_q(q_desc, q_desc1, b, hz, row, q_ready, q_empty, q_smem, q_smem1, ti, 
     # The loader's Q blocks of tile number ti (this program's), one per consumer from `row`,
     # each once its consumer has freed its buffer (q_empty). A fresh mbarrier is in phase 0, so
     # a wait for parity 1 passes at once: the first loads wait for nobody.
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # the consumers, one Q block each
     for wg in gl.static_range(NUM_WG):
         mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
         mbarrier.expect(q_ready.index(wg), q_bytes)
@@ -320,7 +320,7 @@ def _receive(ids, ids_ready, ids_empty, fetched, WARPS: gl.constexpr):
 @gluon.jit
 def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_ready, ids_empty,
                  n_tiles, batch, H, num_m, head_group, CuQ, FIRST: gl.constexpr,
-                 VARLEN: gl.constexpr, LOADER: gl.constexpr):
+                 VARLEN: gl.constexpr, LOADER: gl.constexpr, BLOCK_M: gl.constexpr):
     # Tile r of this program's walk, as the loader (LOADER) and the consumers both take it, so
     # they walk the same tiles. Dense: entry r of the host's schedule, row `sched` (its count,
     # FIRST reads it, then its tile numbers). Packed: the loader takes hand-out number
@@ -336,7 +336,7 @@ def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_rea
             else:
                 k = gl.atomic_add(Counter, 1) + gl.num_programs(0)
             t, seq, seq_first = _packed_tile(k, seq, seq_first, batch, H, num_m, head_group,
-                                             CuQ, n_tiles, NUM_WG * ROWS)
+                                             CuQ, n_tiles, BLOCK_M)
             fetched = _publish(t, ids, ids_ready, ids_empty, fetched, 1)
         else:
             t, fetched = _receive(ids, ids_ready, ids_empty, fetched, 4)
@@ -375,6 +375,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
     D0: gl.constexpr = q_smem.shape[2]
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
+    TILE_M: gl.constexpr = q_smem.shape[0] * ROWS  # a tile's rows: one Q block per consumer
     kv_bytes: gl.constexpr = BLOCK_N * (D0 + D1) * elem
     it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
@@ -386,11 +387,11 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
     batch = n_hz // H
     t, count, fetched, seq, seq_first, more = _tile_number(
         r, 0, 0, 0, 0, sched, Counter, ids, ids_ready, ids_empty, n_tiles, batch, H, num_m,
-        head_group, CuQ, True, VARLEN, True)
+        head_group, CuQ, True, VARLEN, True, TILE_M)
     while more:
         off_hz, first_row, lo, n_blocks, q_start, q_len, k_start, k_len, offset, left = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-            LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, NUM_WG * ROWS, BLOCK_N)
+            LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N)
         batch_of, q_head = _view_head(off_hz, H, VARLEN, STRIDED)
         if VARLEN or STRIDED:  # heads within a packed row or a batch
             kv_head = q_head // GROUP
@@ -429,7 +430,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
         r += 1
         t, count, fetched, seq, seq_first, more = _tile_number(
             r, count, fetched, seq, seq_first, sched, Counter, ids, ids_ready, ids_empty,
-            n_tiles, batch, H, num_m, head_group, CuQ, False, VARLEN, True)
+            n_tiles, batch, H, num_m, head_group, CuQ, False, VARLEN, True, TILE_M)
 
 
 @gluon.jit
@@ -504,6 +505,7 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     # ring: the consumer's Q buffers, the K/V ring's buffers and barriers, the ping-pong's turn
     # barriers.
     q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
+    NUM_WG: gl.constexpr = turn.shape[0]  # the consumers, one turn barrier each
     slot = g % STAGES
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
@@ -631,6 +633,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     D0: gl.constexpr = q_smem.shape[2]
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # the consumers, one Q block each
+    TILE_M: gl.constexpr = NUM_WG * ROWS
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D0, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -663,11 +667,11 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     r = 0
     t, count, fetched, seq, seq_first, more = _tile_number(
         r, 0, 0, 0, 0, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0, H, num_m, head_group,
-        CuQ, True, VARLEN, False)
+        CuQ, True, VARLEN, False, TILE_M)
     while more:
         off_hz, first_row, lo, n_blocks, q_start, q_len, k_start, k_len, offset, left = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-            LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, NUM_WG * ROWS, BLOCK_N)
+            LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N)
         m0 = first_row + WG * ROWS
         rows = m0 + gl.arange(0, ROWS, layout=row_layout)
         # K blocks [first_full, full_blocks) are fully visible to every row of this warpgroup:
@@ -788,7 +792,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         r += 1
         t, count, fetched, seq, seq_first, more = _tile_number(
             r, count, fetched, seq, seq_first, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0,
-            H, num_m, head_group, CuQ, False, VARLEN, False)
+            H, num_m, head_group, CuQ, False, VARLEN, False, TILE_M)
     if TMA_STORE:
         tma.store_wait(0)  # the last store must have read shared memory before the exit
 
@@ -805,7 +809,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
                      CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
                      TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-                     O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr):
+                     O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, NUM_WG: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
@@ -884,14 +888,26 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
              ids_empty, Counter)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
-    gl.warp_specialize([
-        (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                     TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
-        (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                     TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
-        (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
-                   STRIDED, O_IN_Q)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    if NUM_WG == 3:
+        gl.warp_specialize([
+            (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+            (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+            (_consumer, (shared, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+            (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
+                       STRIDED, O_IN_Q)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+            (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+            (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
+                       STRIDED, O_IN_Q)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # (BLOCK_N, STAGES, consumer registers) per head_dim, measured on the H200 with
@@ -910,9 +926,10 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
 # 256 (8 B) and, on 3.6, 128 (16 B); 3.9 at 96-256 (32-88 B: at 128 mostly kernel arguments
 # stored on entry and reloaded in the partitions). Timed against the Triton kernel and cuDNN in
 # notes/forward.md ("Which calls it takes", "Column parts instead of padding").
-CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs")
-CONFIGS = {64: (128, 3, 240), 80: (128, 2, 240), 96: (128, 2, 240), 112: (128, 2, 240),
-           128: (128, 2, 240), 192: (64, 2, 240), 256: (64, 2, 240)}
+CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs", "consumers")
+CONFIGS = {64: (128, 3, 240, 2), 80: (128, 2, 240, 2), 96: (128, 2, 240, 2),
+           112: (128, 2, 240, 2), 128: (128, 2, 240, 2), 192: (64, 2, 240, 2),
+           256: (64, 2, 240, 2)}
 # head_dim 64 takes this kernel from MIN_QUERIES queries on: below, the Triton kernel is faster
 # (0.0604 against 0.0745 ms at (8,16,1024,64), Triton 3.6); above, the two are within 1 % on
 # Triton 3.6 (0.6816 against 0.6878 ms at (4,32,4096,64)), but the Triton kernel's code is
@@ -964,7 +981,7 @@ SHORT_KEYS = 512
 # Not where the column parts pad head_dim (112: a box would read the neighbouring head's columns).
 PACKED_HEAD_DIMS = frozenset({64, 80, 96, 128, 192, 256})
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
-TILE_ROWS = NUM_WG.value * ROWS.value  # query rows a tile covers
+TILE_ROWS = 2 * ROWS.value  # query rows of a tile of two consumers, the fewest a config has
 # Shared memory one program may take on sm_90 (227 KB), less 1 KB for the mbarriers and what
 # the compiler adds (504 B at head_dim 128).
 SHARED_MEMORY_BYTES = 227 * 1024 - 1024
@@ -1003,7 +1020,8 @@ def supports(q, k, v, out, varlen=None):
 def _short(q, k):
     # SHORT_WORK's rule: short tiles, no more than the SMs (q on an sm_90 device)
     batch, heads, q_len, head_dim = q.shape
-    return (k.shape[2] * head_dim <= SHORT_WORK and batch * heads * -(-q_len // TILE_ROWS)
+    rows = ROWS.value * CONFIGS[head_dim][3]
+    return (k.shape[2] * head_dim <= SHORT_WORK and batch * heads * -(-q_len // rows)
             <= device_properties(q.device).multi_processor_count)
 
 
@@ -1048,17 +1066,19 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     bounded, offset, has_window, left_offset = visibility(causal, causal_offset, window)
     qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
-    num_m = -(-max_q // TILE_ROWS)
+    consumers = (config or CONFIGS[head_dim])[3]
+    tile_rows = ROWS.value * consumers
+    num_m = -(-max_q // tile_rows)
     tiles = batch * heads * num_m
     grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
     chosen, table = layout_for(head_dim, kv_len, varlen is None and tiles > grid[0])
     config = table if config is None else config
     parts = chosen if parts is None else tuple(parts)
-    block_n, stages, regs = config
+    block_n, stages, regs, consumers = config
     # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
     group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
     if varlen is None:
-        sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], TILE_ROWS, block_n,
+        sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
                               kv_len, bounded, offset, left_offset if has_window else None)
         sched_width, counter = sched.shape[1], None
     else:  # tiles handed out on the device (_loader), counted from zero at every launch
@@ -1097,13 +1117,13 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
                          f"-key block a tile; got {loops!r} at {kv_len} keys"
                          f"{' (packed)' if varlen else ''}")
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
-    smem = NUM_WG.value * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
+    smem = consumers * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
     if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
         raise ValueError(f"config {config} with column parts {(d0, d1)} needs {smem} B of shared "
                          f"memory for Q and the K/V ring, more than {SHARED_MEMORY_BYTES}")
     stored_by_copy = ((_packed(out) if varlen else out.is_contiguous() or out_strided)
                       and out.data_ptr() % 16 == 0)
-    staging_fits = smem + NUM_WG.value * tile_bytes <= SHARED_MEMORY_BYTES
+    staging_fits = smem + consumers * tile_bytes <= SHARED_MEMORY_BYTES
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_N=block_n, STAGES=stages,
                   CAUSAL=bounded, HAS_WINDOW=has_window, SOFTCAP=has_softcap, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, d0, dtype),
@@ -1111,7 +1131,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
-                  VARLEN=varlen is not None, STRIDED=strided, BLOCK_LOOPS=loops, num_warps=4)
+                  VARLEN=varlen is not None, STRIDED=strided, BLOCK_LOOPS=loops, NUM_WG=consumers,
+                  num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, q.stride(), k.stride(),

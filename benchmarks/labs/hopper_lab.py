@@ -4,7 +4,8 @@ Two parts, each optional (--loops varies both):
   --check: the kernel against the float64 reference on odd shapes (causal and not, both causal
            alignments, GQA, fp16/bf16, output poisoned with NaN first); prints max errors.
   --time:  median times (triton.testing.do_bench, L2 flushed) of the Gluon kernel under each
-           --configs entry (its CONFIG_FIELDS: BLOCK_N,STAGES,consumer registers) and its
+           --configs entry (its CONFIG_FIELDS: BLOCK_N,STAGES,consumer registers,consumer
+           warpgroups) and its
            table's (layout_for's), each with layout_for's column parts and with each --parts
            entry, the Triton kernel (its table's config) and cuDNN (not under --window or
            --softcap, which it lacks), in --repeat interleaved rounds; JSON lines to --out.
@@ -13,8 +14,8 @@ Two parts, each optional (--loops varies both):
            cases of one K/V block a tile); --time adds the table's config with each.
 
     python benchmarks/labs/hopper_lab.py --check --time --shapes 8,16,1024,128 \
-        --configs 128,2,240 128,3,232 --out lab.jsonl
-    python benchmarks/labs/hopper_lab.py --time --shapes 1024,16,128,80,4 --configs 64,2,240 \
+        --configs 128,2,240,2 128,3,232,2 --out lab.jsonl
+    python benchmarks/labs/hopper_lab.py --time --shapes 1024,16,128,80,4 --configs 64,2,240,2 \
         --parts 64,16    # head_dim 80 as its two parts, against layout_for's padded part
     python benchmarks/labs/hopper_lab.py --check --time --layout bshd --shapes 4,32,4096,128
         # bshd views (STRIDED) against the Triton kernel on them and the Gluon kernel on copies
@@ -296,7 +297,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"],
                    help="B,H,S,D[,KV_HEADS] causal bf16 shapes to time")
     p.add_argument("--configs", nargs="*", default=[],
-                   help="Gluon configs BLOCK_N,STAGES,REGS to run next to the table's")
+                   help="Gluon configs BLOCK_N,STAGES,REGS,CONSUMERS (consumer warpgroups: 2, or 3 for "
+                        "192-row tiles) to run next to the table's")
     p.add_argument("--parts", nargs="*", default=[],
                    help="with --time: column parts D0,D1 (powers of two from 16 to 256, D0 >= D1, "
                         "D1 may be 0, covering head_dim) to time each config with besides "
