@@ -477,12 +477,13 @@ def test_the_short_tile_rule_counts_keys_times_head_dim_and_tiles(monkeypatch):
     monkeypatch.setattr(hopper, "device_properties", lambda device: props)
     monkeypatch.setattr(hopper, "SHORT_WORK", 256 * 128)
     meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    rows_64 = hopper.ROWS.value * hopper.CONFIGS[64][3]  # a tile's rows at head_dim 64
     for (batch, heads, q_len, kv_len, head_dim), short in [
             ((1, 8, 256, 256, 128), True), ((1, 8, 256, 257, 128), False),
             ((1, 8, 128, 128, 256), True), ((1, 8, 128, 129, 256), False),
             ((1, 8, 409, 409, 80), True), ((1, 8, 410, 410, 80), False),
             ((66, 2, 128, 128, 128), True), ((67, 2, 128, 128, 128), False),
-            ((1, 2, 8448, 100, 64), True), ((1, 2, 8449, 100, 64), False)]:
+            ((1, 2, 66 * rows_64, 100, 64), True), ((1, 2, 66 * rows_64 + 1, 100, 64), False)]:
         q, k = meta(batch, heads, q_len, head_dim), meta(batch, 2, kv_len, head_dim)
         assert hopper._short(q, k) == short, (batch, heads, q_len, kv_len, head_dim)
 

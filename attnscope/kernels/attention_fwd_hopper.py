@@ -122,7 +122,6 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
         m = t % num_m
     else:
         off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
-    first_row = m * BLOCK_M
     if VARLEN:
         b = off_hz // H
         q_start = gl.load(CuQ + b)
@@ -140,6 +139,11 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
         k_len = N_CTX_K
         offset = CAUSAL_OFFSET
         left = LEFT_OFFSET
+    # The tiles end at the sequence's last query, so the first one holds the rows a length that
+    # is not a multiple of BLOCK_M leaves over, from below row 0: under a causal mask those rows
+    # cost the shortest tile's blocks, not the longest's. (Rows below 0 are read as the copy
+    # engine's zeros, or a packed batch's previous rows, and never stored.)
+    first_row = m * BLOCK_M - (gl.cdiv(q_len, BLOCK_M) * BLOCK_M - q_len)
     if CAUSAL:  # keys the tile's last row sees
         hi = gl.maximum(gl.minimum(first_row + BLOCK_M + offset, k_len), 0)
     else:
@@ -593,14 +597,15 @@ def _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, b, hz, r
 
 @gluon.jit
 def _store_part(acc, l_safe, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
-    # Register stores of one column part (columns col0 on) of a consumer's rows; rows past the
-    # sequence's n_rows and padding columns past HEAD_DIM are not out's.
+    # Register stores of one column part (columns col0 on) of a consumer's rows; rows below 0
+    # or past the sequence's n_rows and padding columns past HEAD_DIM are not out's.
     layout: gl.constexpr = acc.type.layout
     o_rows = m0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     o_cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
               + gl.expand_dims(o_cols, 0))
-    o_mask = gl.expand_dims(o_rows < n_rows, 1) & gl.expand_dims(o_cols < HEAD_DIM, 0)
+    o_mask = (gl.expand_dims((o_rows >= 0) & (o_rows < n_rows), 1)
+              & gl.expand_dims(o_cols < HEAD_DIM, 0))
     gl.store(o_ptrs, _normalized(acc, l_safe).to(o_base.dtype.element_ty), mask=o_mask)
 
 
@@ -767,12 +772,12 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
         else:
             lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
-        gl.store(lse_row + rows, lse, mask=rows < q_len)
+        gl.store(lse_row + rows, lse, mask=(rows >= 0) & (rows < q_len))
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
         if TMA_STORE and VARLEN:
             # the copy engine may store only a block wholly inside its sequence
-            if m0 + ROWS <= q_len:
+            if (m0 >= 0) & (m0 + ROWS <= q_len):
                 _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch,
                                o_head, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             else:
@@ -927,7 +932,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
 # stored on entry and reloaded in the partitions). Timed against the Triton kernel and cuDNN in
 # notes/forward.md ("Which calls it takes", "Column parts instead of padding").
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs", "consumers")
-CONFIGS = {64: (128, 3, 240, 2), 80: (128, 2, 240, 2), 96: (128, 2, 240, 2),
+CONFIGS = {64: (128, 2, 160, 3), 80: (128, 2, 240, 2), 96: (128, 2, 240, 2),
            112: (128, 2, 240, 2), 128: (128, 2, 240, 2), 192: (64, 2, 240, 2),
            256: (64, 2, 240, 2)}
 # head_dim 64 takes this kernel from MIN_QUERIES queries on: below, the Triton kernel is faster
@@ -1078,8 +1083,12 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
     group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
     if varlen is None:
+        # (the tiles end at the last query, _tile: tile m's first row is m * tile_rows - pad,
+        # which the schedule's cost model takes as offsets moved by -pad)
+        pad = num_m * tile_rows - q_len
         sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
-                              kv_len, bounded, offset, left_offset if has_window else None)
+                              kv_len, bounded, offset - pad,
+                              left_offset - pad if has_window else None)
         sched_width, counter = sched.shape[1], None
     else:  # tiles handed out on the device (_loader), counted from zero at every launch
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)

@@ -114,7 +114,13 @@ def check(config, layout="bhsd", loops=None):
             continue
         torch.manual_seed(lq * 7 + d)
         q, k, v = _inputs(b, h, hkv, lq, lk, d, dtype, layout)
-        out, lse = _run(q, k, v, causal, br, config, loops)
+        try:
+            out, lse = _run(q, k, v, causal, br, config, loops)
+        except ValueError as e:  # a lab's config whose buffers this head_dim's do not fit
+            if "shared memory" not in str(e):
+                raise
+            print(f"check {b},{h},{hkv},{lq},{lk},{d}: skipped ({e})", flush=True)
+            continue
         torch.cuda.synchronize()
         ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=causal,
                                            causal_alignment="bottom_right" if br else "top_left",
