@@ -122,6 +122,7 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
         m = t % num_m
     else:
         off_hz, m = _grouped_tile(t, n_hz, num_m, head_group)
+    first_row = m * BLOCK_M
     if VARLEN:
         b = off_hz // H
         q_start = gl.load(CuQ + b)
@@ -139,11 +140,6 @@ def _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFS
         k_len = N_CTX_K
         offset = CAUSAL_OFFSET
         left = LEFT_OFFSET
-    # The tiles end at the sequence's last query, so the first one holds the rows a length that
-    # is not a multiple of BLOCK_M leaves over, from below row 0: under a causal mask those rows
-    # cost the shortest tile's blocks, not the longest's. (Rows below 0 are read as the copy
-    # engine's zeros, or a packed batch's previous rows, and never stored.)
-    first_row = m * BLOCK_M - (gl.cdiv(q_len, BLOCK_M) * BLOCK_M - q_len)
     if CAUSAL:  # keys the tile's last row sees
         hi = gl.maximum(gl.minimum(first_row + BLOCK_M + offset, k_len), 0)
     else:
@@ -552,6 +548,24 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
 
 
 @gluon.jit
+def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr):
+    # A consumer's part in the barriers of a tile's n_blocks K/V blocks (the ring's from `it`)
+    # without their products: its turns passed on, the slots released once loaded (an arrival
+    # before the slot's load would count toward the release of the block before).
+    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
+    NUM_WG: gl.constexpr = turn.shape[0]
+    for j in range(n_blocks):
+        g = it + j
+        slot = g % STAGES
+        mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+        mbarrier.wait(turn.index(WG), g & 1)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        mbarrier.arrive(k_empty.index(slot))
+        mbarrier.wait(v_ready.index(slot), (g // STAGES) & 1)
+        mbarrier.arrive(v_empty.index(slot))
+
+
+@gluon.jit
 def _normalized(acc, l_safe):
     # O / l in the output's dtype (acc in its wgmma layout, l per row in the scores' layout)
     l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, acc.type.layout))
@@ -597,15 +611,14 @@ def _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, b, hz, r
 
 @gluon.jit
 def _store_part(acc, l_safe, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
-    # Register stores of one column part (columns col0 on) of a consumer's rows; rows below 0
-    # or past the sequence's n_rows and padding columns past HEAD_DIM are not out's.
+    # Register stores of one column part (columns col0 on) of a consumer's rows; rows past the
+    # sequence's n_rows and padding columns past HEAD_DIM are not out's.
     layout: gl.constexpr = acc.type.layout
     o_rows = m0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     o_cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
               + gl.expand_dims(o_cols, 0))
-    o_mask = (gl.expand_dims((o_rows >= 0) & (o_rows < n_rows), 1)
-              & gl.expand_dims(o_cols < HEAD_DIM, 0))
+    o_mask = gl.expand_dims(o_rows < n_rows, 1) & gl.expand_dims(o_cols < HEAD_DIM, 0)
     gl.store(o_ptrs, _normalized(acc, l_safe).to(o_base.dtype.element_ty), mask=o_mask)
 
 
@@ -693,105 +706,112 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             first_full = 0
         vis = (k_len, offset, left, first_full, qk_scale, softcap_log2)
 
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([ROWS], gl.float32, row_layout)
-        acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
-        p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
-        if SPLIT:
-            acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
-        else:  # unused
-            acc1 = acc
-
-        mbarrier.wait(q_ready.index(WG), ti & 1)
-        if n_blocks > 0:
-            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-            # turn k waits for phase k of this warpgroup's turn barrier
-            mbarrier.wait(turn.index(WG), it & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            if SPLIT:
-                s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
-                                      s_tok, is_async=True)
-            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            mbarrier.arrive(k_empty.index(it % STAGES))
-            p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
-                                                HAS_WINDOW, SOFTCAP, BLOCK_N)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-
-        # The blocks past the first, as BLOCK_LOOPS says (the launch's rule, `block_loops`):
-        # none (every tile holds one K/V block), one loop choosing each block's mask at run
-        # time, or two loops: the blocks every row of this warpgroup sees in full, then those it
-        # sees in part (the causal diagonal, the keys' end), so the first loop holds no mask
-        # arithmetic and no column indices in its registers. Under a window a masked loop
-        # comes before them: the blocks its left edge cuts for some row of this warpgroup.
-        if BLOCK_LOOPS == 1:
-            for j in range(1, n_blocks):
-                acc, acc1, p_op, l_i, m_i = _next_block(
-                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                    vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
-        elif BLOCK_LOOPS == 2:
-            # (j counts the tile's blocks, lo + j is the sequence's; lo is 0 without a window)
-            if HAS_WINDOW:
-                edge_end = gl.minimum(gl.maximum(first_full - lo, 1), n_blocks)
-                for j in range(1, edge_end):
-                    acc, acc1, p_op, l_i, m_i = _next_block(
-                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j,
-                        full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
-            else:
-                edge_end = 1
-            full_end = gl.maximum(gl.minimum(full_blocks - lo, n_blocks), edge_end)
-            for j in range(edge_end, full_end):
-                acc, acc1, p_op, l_i, m_i = _next_block(
-                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                    vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
-            for j in range(full_end, n_blocks):
-                acc, acc1, p_op, l_i, m_i = _next_block(
-                    ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                    vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
-        # Q is no longer read: the loader may bring in the next tile's while this one ends
-        # (O_IN_Q: once the output staged in Q's buffer has left, below)
-        if not O_IN_Q:
+        if m0 >= q_len:
+            # Every row of this warpgroup is past the sequence's end (a ragged last tile): no
+            # product, no store, only its part in the ring's and the ping-pong's barriers.
+            mbarrier.wait(q_ready.index(WG), ti & 1)
             mbarrier.arrive(q_empty.index(WG))
-
-        if n_blocks > 0:
-            last = (it + n_blocks - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            if SPLIT:
-                acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
-                                     v_smem1.index(last), acc1, is_async=True)
-                acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-            else:
-                acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(v_empty.index(last))
-
-        # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
-        lse = (m_i + gl.log2(l_i)) * LN2
-        if VARLEN:  # flash-attn's [heads, total_q]
-            lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
+            _pass_blocks(ring, it, n_blocks, WG, STAGES)
         else:
-            lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
-        gl.store(lse_row + rows, lse, mask=(rows >= 0) & (rows < q_len))
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
-        if TMA_STORE and VARLEN:
-            # the copy engine may store only a block wholly inside its sequence
-            if (m0 >= 0) & (m0 + ROWS <= q_len):
-                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch,
-                               o_head, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+            l_i = gl.zeros([ROWS], gl.float32, row_layout)
+            acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
+            p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+            if SPLIT:
+                acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
+            else:  # unused
+                acc1 = acc
+
+            mbarrier.wait(q_ready.index(WG), ti & 1)
+            if n_blocks > 0:
+                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+                # turn k waits for phase k of this warpgroup's turn barrier
+                mbarrier.wait(turn.index(WG), it & 1)
+                s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                if SPLIT:
+                    s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
+                                          s_tok, is_async=True)
+                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                s = warpgroup_mma_wait(0, deps=[s_tok])
+                mbarrier.arrive(k_empty.index(it % STAGES))
+                p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
+                                                    HAS_WINDOW, SOFTCAP, BLOCK_N)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+            # The blocks past the first, as BLOCK_LOOPS says (the launch's rule, `block_loops`):
+            # none (every tile holds one K/V block), one loop choosing each block's mask at run
+            # time, or two loops: the blocks every row of this warpgroup sees in full, then those it
+            # sees in part (the causal diagonal, the keys' end), so the first loop holds no mask
+            # arithmetic and no column indices in its registers. Under a window a masked loop
+            # comes before them: the blocks its left edge cuts for some row of this warpgroup.
+            if BLOCK_LOOPS == 1:
+                for j in range(1, n_blocks):
+                    acc, acc1, p_op, l_i, m_i = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
+                        vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+            elif BLOCK_LOOPS == 2:
+                # (j counts the tile's blocks, lo + j is the sequence's; lo is 0 without a window)
+                if HAS_WINDOW:
+                    edge_end = gl.minimum(gl.maximum(first_full - lo, 1), n_blocks)
+                    for j in range(1, edge_end):
+                        acc, acc1, p_op, l_i, m_i = _next_block(
+                            ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j,
+                            full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                else:
+                    edge_end = 1
+                full_end = gl.maximum(gl.minimum(full_blocks - lo, n_blocks), edge_end)
+                for j in range(edge_end, full_end):
+                    acc, acc1, p_op, l_i, m_i = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
+                        vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                for j in range(full_end, n_blocks):
+                    acc, acc1, p_op, l_i, m_i = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
+                        vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+            # Q is no longer read: the loader may bring in the next tile's while this one ends
+            # (O_IN_Q: once the output staged in Q's buffer has left, below)
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(WG))
+
+            if n_blocks > 0:
+                last = (it + n_blocks - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
+                acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+                if SPLIT:
+                    acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
+                                         v_smem1.index(last), acc1, is_async=True)
+                    acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+                else:
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(v_empty.index(last))
+
+            # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
+            lse = (m_i + gl.log2(l_i)) * LN2
+            if VARLEN:  # flash-attn's [heads, total_q]
+                lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
             else:
-                _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om,
-                            off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
-        elif TMA_STORE:  # it drops the rows past a head's end
-            _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
-                           m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-        else:  # an out the copy engine cannot address
-            _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H,
-                        q_start, m0, q_len, HEAD_DIM, SPLIT)
-        if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
-            tma.store_wait(0)
-            mbarrier.arrive(q_empty.index(WG))
+                lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
+            gl.store(lse_row + rows, lse, mask=rows < q_len)
+            l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+            o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
+            if TMA_STORE and VARLEN:
+                # the copy engine may store only a block wholly inside its sequence
+                if m0 + ROWS <= q_len:
+                    _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch,
+                                   o_head, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+                else:
+                    _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om,
+                                off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
+            elif TMA_STORE:  # it drops the rows past a head's end
+                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
+                               m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+            else:  # an out the copy engine cannot address
+                _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H,
+                            q_start, m0, q_len, HEAD_DIM, SPLIT)
+            if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty.index(WG))
         it += n_blocks
         ti += 1
         r += 1
@@ -1083,12 +1103,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
     group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
     if varlen is None:
-        # (the tiles end at the last query, _tile: tile m's first row is m * tile_rows - pad,
-        # which the schedule's cost model takes as offsets moved by -pad)
-        pad = num_m * tile_rows - q_len
         sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
-                              kv_len, bounded, offset - pad,
-                              left_offset - pad if has_window else None)
+                              kv_len, bounded, offset, left_offset if has_window else None)
         sched_width, counter = sched.shape[1], None
     else:  # tiles handed out on the device (_loader), counted from zero at every launch
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
