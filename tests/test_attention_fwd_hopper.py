@@ -113,6 +113,26 @@ def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, m
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("shape", OTHER_HEAD_DIM_SHAPES + [
+    (1, 5, 5, 4100, 4100, True, "top_left"),      # a last tile of 4 rows: two consumers idle
+    (2, 4, 2, 400, 400, True, "top_left"),        # 208 rows past the end in the last tile
+    (1, 2, 2, 700, 1000, True, "bottom_right")])  # keys past a 192-row tile's diagonal
+def test_hopper_kernel_three_consumers(shape, dtype, floor, lse_tol, monkeypatch):
+    # head_dim 64 on three consumers (192-row tiles) at any length and tile count: consumers
+    # whose rows are all past the sequence's end pass the ring's and turns' barriers on
+    hopper = dispatch._hopper()
+    monkeypatch.setattr(hopper, "MIN_QUERIES", {})
+    monkeypatch.setattr(hopper, "MIN_TILES_PER_PROGRAM", 0)
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 64, dtype, "cuda")
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), 64 ** -0.5)
+    assert hopper.three_consumers(64, batch * heads, q_len, 132)
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+
+
 WINDOW_CASES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale): a
     # window's left edge inside K/V blocks; on block edges for every tile's first row (256 keys,
@@ -477,15 +497,51 @@ def test_the_short_tile_rule_counts_keys_times_head_dim_and_tiles(monkeypatch):
     monkeypatch.setattr(hopper, "device_properties", lambda device: props)
     monkeypatch.setattr(hopper, "SHORT_WORK", 256 * 128)
     meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
-    rows_64 = hopper.ROWS.value * hopper.CONFIGS[64][3]  # a tile's rows at head_dim 64
     for (batch, heads, q_len, kv_len, head_dim), short in [
             ((1, 8, 256, 256, 128), True), ((1, 8, 256, 257, 128), False),
             ((1, 8, 128, 128, 256), True), ((1, 8, 128, 129, 256), False),
             ((1, 8, 409, 409, 80), True), ((1, 8, 410, 410, 80), False),
             ((66, 2, 128, 128, 128), True), ((67, 2, 128, 128, 128), False),
-            ((1, 2, 66 * rows_64, 100, 64), True), ((1, 2, 66 * rows_64 + 1, 100, 64), False)]:
+            ((1, 2, 8448, 100, 64), True), ((1, 2, 8449, 100, 64), False)]:
         q, k = meta(batch, heads, q_len, head_dim), meta(batch, 2, kv_len, head_dim)
         assert hopper._short(q, k) == short, (batch, heads, q_len, kv_len, head_dim)
+
+
+def test_three_consumers_where_every_program_has_many_tiles(monkeypatch):
+    # THREE_CONSUMERS' config (192-row tiles) for dense head_dim-64 calls of at least
+    # MIN_TILES_PER_PROGRAM such tiles a program, on CPU tensors up to the launch (an H200's
+    # properties, the launch recorded); two consumers otherwise, and for packed batches
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    from attnscope.attention.varlen import _as_batched
+    from attnscope.kernels import common
+    assert hopper.MIN_TILES_PER_PROGRAM == 8 and hopper.THREE_CONSUMERS[64][3] == 3
+    assert hopper.three_consumers(64, 8 * 16, 16384, 132)  # 86 tiles a head
+    assert hopper.three_consumers(64, 1056, 192, 132) and not hopper.three_consumers(
+        64, 1055, 192, 132)
+    assert not hopper.three_consumers(64, 2 * 16, 2500, 132)  # 448 tiles: 3.4 a program
+    assert not hopper.three_consumers(128, 8 * 16, 16384, 132)
+    h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
+    monkeypatch.setattr(hopper, "device_properties", lambda device: h200)
+    monkeypatch.setattr(common, "device_properties", lambda device: h200)
+    launched = []
+    monkeypatch.setattr(hopper, "_launch", lambda key, grid, args, kwargs, **kw: launched.append(
+        (kwargs["NUM_WG"], args[-1], grid[0])))
+    monkeypatch.setattr(hopper, "_launch_packed", hopper._launch)
+
+    def call(batch, heads, seq, varlen=None):
+        q = torch.empty(batch, heads, seq, 64, dtype=torch.bfloat16)
+        hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(batch, heads, seq),
+                                    causal=True, scale=0.1, causal_offset=0, varlen=varlen)
+        return launched[-1]
+    assert call(8, 16, 16384) == (3, 86, 132)  # NUM_WG, query tiles a head (NUM_M), programs
+    assert call(2, 16, 2500) == (2, 20, 132)
+    cu = torch.tensor([0, 9000, 16384], dtype=torch.int32)
+    packed = torch.empty(16384, 64, 64, dtype=torch.bfloat16)
+    q = _as_batched(packed, 2)
+    hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(64, 16384),
+                                causal=True, scale=0.1, causal_offset=0,
+                                varlen=(cu, cu, 9000, 9000))
+    assert launched[-1][0] == 2  # packed batches keep two
 
 
 @pytest.mark.cuda

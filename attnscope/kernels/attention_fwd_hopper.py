@@ -952,7 +952,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
 # stored on entry and reloaded in the partitions). Timed against the Triton kernel and cuDNN in
 # notes/forward.md ("Which calls it takes", "Column parts instead of padding").
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs", "consumers")
-CONFIGS = {64: (128, 2, 160, 3), 80: (128, 2, 240, 2), 96: (128, 2, 240, 2),
+CONFIGS = {64: (128, 3, 240, 2), 80: (128, 2, 240, 2), 96: (128, 2, 240, 2),
            112: (128, 2, 240, 2), 128: (128, 2, 240, 2), 192: (64, 2, 240, 2),
            256: (64, 2, 240, 2)}
 # head_dim 64 takes this kernel from MIN_QUERIES queries on: below, the Triton kernel is faster
@@ -961,6 +961,19 @@ CONFIGS = {64: (128, 2, 160, 3), 80: (128, 2, 240, 2), 96: (128, 2, 240, 2),
 # the compiler's and lost 4.6 % there under Triton 3.9 (0.714 against 0.683 ms), where this
 # kernel's schedule is its own (notes/forward.md, "Triton releases").
 MIN_QUERIES = {64: 2049}
+# Three consumer warpgroups (192-row tiles, FA3's and FA4's shape at head_dim 64) instead of the
+# table's two, at 160 registers each (the register file's share of four warpgroups, the loader's
+# included), for dense calls that give every program at least MIN_TILES_PER_PROGRAM of those
+# tiles (`three_consumers`). At 128-key blocks a consumer holds S, P and O within 160 registers
+# in the unmasked loop; the masked one spills 20 values a block (Triton 3.6, offline). H200,
+# Triton 3.6, against two consumers (notes/lab/gluon_three_consumers_h200.txt): 6.5-7.6 % faster
+# at long rows ((8,16,16384,64): 9.05 against 9.79 ms, (21,16,6000,64,kv4) 3.45 against 3.69,
+# (43,16,3000,64,kv2) 1.95 against 2.09; with a 4096-key window at (4,32,8192,64,kv8) 1.89
+# against 1.98 in the record), level at 4096 queries (a 192-row tile of 4096 holds 64 rows),
+# 11 % slower at (2,16,2500,64) (3.4 such tiles a program) and 22 % at (1,8,4096,64) (1.3): with
+# few tiles a program, the longest tile, half as long again as a 128-row one, sets the end.
+THREE_CONSUMERS = {64: (128, 2, 160, 3)}
+MIN_TILES_PER_PROGRAM = 8
 # A dense call whose tiles fit in one program each (no more than the SMs) and whose tiles are
 # short, keys x head_dim <= SHORT_WORK (256 keys at head_dim 128, 128 at 256, 409 at 80), takes
 # the Triton kernel: each program then pays this kernel's fixed costs (its partitions' start,
@@ -1006,7 +1019,7 @@ SHORT_KEYS = 512
 # Not where the column parts pad head_dim (112: a box would read the neighbouring head's columns).
 PACKED_HEAD_DIMS = frozenset({64, 80, 96, 128, 192, 256})
 _GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16}
-TILE_ROWS = 2 * ROWS.value  # query rows of a tile of two consumers, the fewest a config has
+TILE_ROWS = 2 * ROWS.value  # query rows of a tile of two consumers (CONFIGS')
 # Shared memory one program may take on sm_90 (227 KB), less 1 KB for the mbarriers and what
 # the compiler adds (504 B at head_dim 128).
 SHARED_MEMORY_BYTES = 227 * 1024 - 1024
@@ -1045,9 +1058,16 @@ def supports(q, k, v, out, varlen=None):
 def _short(q, k):
     # SHORT_WORK's rule: short tiles, no more than the SMs (q on an sm_90 device)
     batch, heads, q_len, head_dim = q.shape
-    rows = ROWS.value * CONFIGS[head_dim][3]
-    return (k.shape[2] * head_dim <= SHORT_WORK and batch * heads * -(-q_len // rows)
+    return (k.shape[2] * head_dim <= SHORT_WORK and batch * heads * -(-q_len // TILE_ROWS)
             <= device_properties(q.device).multi_processor_count)
+
+
+def three_consumers(head_dim, pairs, q_len, programs):
+    """Whether a dense call of `pairs` (batch, head) pairs of q_len queries on `programs`
+    persistent programs runs THREE_CONSUMERS' config: its head_dim has one, and its 192-row tiles
+    number MIN_TILES_PER_PROGRAM a program or more."""
+    return (head_dim in THREE_CONSUMERS and pairs * -(-q_len // (3 * ROWS.value))
+            >= MIN_TILES_PER_PROGRAM * programs)
 
 
 def packed_tiles_ok(batch, heads, max_q):
@@ -1091,13 +1111,17 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     bounded, offset, has_window, left_offset = visibility(causal, causal_offset, window)
     qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
-    consumers = (config or CONFIGS[head_dim])[3]
+    sms = device_properties(q.device).multi_processor_count
+    wide = config is None and varlen is None and three_consumers(head_dim, batch * heads, q_len,
+                                                                 sms)
+    consumers = (config or (THREE_CONSUMERS[head_dim] if wide else CONFIGS[head_dim]))[3]
     tile_rows = ROWS.value * consumers
     num_m = -(-max_q // tile_rows)
     tiles = batch * heads * num_m
-    grid = (min(tiles, device_properties(q.device).multi_processor_count),)  # one per SM
+    grid = (min(tiles, sms),)  # one per SM
     chosen, table = layout_for(head_dim, kv_len, varlen is None and tiles > grid[0])
-    config = table if config is None else config
+    if config is None:
+        config = THREE_CONSUMERS[head_dim] if wide else table
     parts = chosen if parts is None else tuple(parts)
     block_n, stages, regs, consumers = config
     # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
