@@ -53,6 +53,10 @@ for name in sys.argv[2:]:
         compiled = sass_offline.compile_gluon(head_dim, config, "bf16", parts=parts, keys=keys)
     elif name.startswith("s"):  # "s{head_dim}": bshd inputs, the STRIDED kernel
         compiled = sass_offline.compile_gluon(int(name[1:]), None, "bf16", bshd=True)
+    elif name.startswith("t"):  # "t{head_dim}": THREE_CONSUMERS' config (192-row tiles)
+        from attnscope.kernels.attention_fwd_hopper import THREE_CONSUMERS
+        head_dim = int(name[1:])
+        compiled = sass_offline.compile_gluon(head_dim, THREE_CONSUMERS[head_dim], "bf16")
     elif name.startswith("o"):  # "o{head_dim}": 128 keys, one K/V block a tile
         compiled = sass_offline.compile_gluon(int(name[1:]), None, "bf16", keys=128)
     else:
@@ -107,11 +111,14 @@ COMPILED_ONE_BLOCK = ("o96",)
 # and a call with a sliding window and a softcap ("w{head_dim}"), whose block loops are the
 # dense rule's (two at 64: the left edge's masked blocks, the unmasked, the masked)
 COMPILED_WINDOW = ("w64",)
+# and head_dim 64 on three consumer warpgroups ("t64": THREE_CONSUMERS, dense calls of many
+# tiles)
+COMPILED_THREE_CONSUMERS = ("t64",)
 # the block loops (block_loops) each of those launches passes: two at 64, 96 and 192, at their
 # few-key layouts but 80's padded one, and in packed batches at 64, 80, 96 and 192; one at one
 # part of 128 or 256 columns, packed or not; none where a tile holds one block
 BLOCK_LOOPS = {"128": 1, "64": 2, "96": 2, "192": 2, "256": 1, "o96": 0, "f80k100": 1,
-               "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1, "w64": 2,
+               "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1, "w64": 2, "t64": 2,
                **{f"p{d}": 1 if d in (128, 256) else 2 for d in COMPILED_PACKED_HEAD_DIMS}}
 
 
@@ -128,7 +135,7 @@ def hopper_compile():
                           *(f"bq{d}" for d in COMPILED_BWD_HEAD_DIMS), "bn128", "bqn128", "bd128",
                           "bs128", "bqs128", "bds128", "bs64", "bqs64", "bw128", "bqw128",
                           "bdw128", "bw64", "bqw64", *COMPILED_FEW_KEYS, *COMPILED_STRIDED,
-                          *COMPILED_ONE_BLOCK, *COMPILED_WINDOW],
+                          *COMPILED_ONE_BLOCK, *COMPILED_WINDOW, *COMPILED_THREE_CONSUMERS],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

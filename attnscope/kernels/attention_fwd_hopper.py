@@ -6,12 +6,15 @@ Same contract and math as attention_fwd.py (online softmax in the exp2 domain, c
 LSE in natural log, rows that see no key written as zeros with LSE -inf), but written one level
 lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of the compiler's:
 
-- Persistent: one program per SM walks 128-row query tiles of (batch, head) pairs, in groups
-  of heads whose K/V fit in L2 together and longest (last under a causal mask) first within a
-  group. Which program runs which tiles is a table made on the host once per launch shape
-  (tile_schedule.py: list scheduling, so the programs' work evens out). Three warp partitions: a
-  1-warp loader and two 4-warp consumer warpgroups (NUM_WG), each owning 64 query rows of
-  the tile.
+- Persistent: one program per SM walks query tiles of (batch, head) pairs, in groups of heads
+  whose K/V fit in L2 together and longest (last under a causal mask) first within a group.
+  Which program runs which tiles is a table made on the host once per launch shape
+  (tile_schedule.py: list scheduling, so the programs' work evens out). Warp partitions: a
+  1-warp loader and two 4-warp consumer warpgroups (NUM_WG, the config's `consumers`), each
+  owning 64 query rows of a 128-row tile; at head_dim 64, where every program has many tiles
+  (`three_consumers`), three of them at 160 registers on 192-row tiles, as FA3 and FA4 run it.
+  A consumer whose rows all lie past the sequence's end (a ragged last tile) only passes the
+  barriers on (`_pass_blocks`).
   The loader brings in the next tile's Q as soon as the consumers' last Q K^T of the current
   one is done, so a tile's start-up and epilogue overlap its neighbours' work.
 - The loader makes the copy engine's descriptors on the device (no host-side descriptor per
@@ -25,10 +28,10 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   first (`block_loops`): at one column part of 128 columns or more, one loop choosing each
   block's mask; elsewhere none where every tile of a dense call holds one block, else two
   loops, the blocks every row of the consumer sees in full and then the masked ones.
-- The two consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its
-  wgmma pair for block j only after the other one has issued its pair for block j - 1 (warp-
-  group 0) or j (warpgroup 1), through two mbarriers, so one warpgroup's softmax tends to run
-  while the other's matrix multiplies do.
+- The consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its wgmma
+  pair for block j only after the one before it has issued its pair for block j (warpgroup 0:
+  the last one, block j - 1), through one mbarrier each, so one warpgroup's softmax tends to
+  run while another's matrix multiplies do.
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU, Triton >=
 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from MIN_QUERIES = 2049
@@ -935,12 +938,12 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-# (BLOCK_N, STAGES, consumer registers) per head_dim, measured on the H200 with
-# benchmarks/labs/hopper_lab.py (notes/forward.md, "The Gluon kernel"). The schedule's other
-# choices are constants of the kernel: persistent (one program per SM), NUM_WG = 2 consumer
-# warpgroups, and their ping-pong (without it 0.6913 against 0.6842 ms at (4,32,4096,64); three
-# warpgroups measured slower). head_dim 80, 96 (two column parts) and 112 (padded to 128) take
-# the head_dim-128 config; a third ring stage, which their smaller tiles leave room for,
+# (BLOCK_N, STAGES, consumer registers, consumer warpgroups) per head_dim, measured on the H200
+# with benchmarks/labs/hopper_lab.py (notes/forward.md, "The Gluon kernel"); THREE_CONSUMERS
+# below for head_dim 64's calls of many tiles. The schedule's other choices are constants of the
+# kernel: persistent (one program per SM) and the consumers' ping-pong (without it 0.6913
+# against 0.6842 ms at (4,32,4096,64)). head_dim 80, 96 (two column parts) and 112 (padded to
+# 128) take the head_dim-128 config; a third ring stage, which their smaller tiles leave room for,
 # measured within 2 % either way. At 256 and 192 (128 + 64) a consumer's fp32 O accumulator
 # takes 128 or 96 registers a thread, so K/V blocks are 64 keys (S: 32 registers); at 256 two
 # ring stages of 64 keys and Q take 192 KB of shared memory, which leaves no room for the
@@ -963,15 +966,17 @@ CONFIGS = {64: (128, 3, 240, 2), 80: (128, 2, 240, 2), 96: (128, 2, 240, 2),
 MIN_QUERIES = {64: 2049}
 # Three consumer warpgroups (192-row tiles, FA3's and FA4's shape at head_dim 64) instead of the
 # table's two, at 160 registers each (the register file's share of four warpgroups, the loader's
-# included), for dense calls that give every program at least MIN_TILES_PER_PROGRAM of those
-# tiles (`three_consumers`). At 128-key blocks a consumer holds S, P and O within 160 registers
-# in the unmasked loop; the masked one spills 20 values a block (Triton 3.6, offline). H200,
-# Triton 3.6, against two consumers (notes/lab/gluon_three_consumers_h200.txt): 6.5-7.6 % faster
-# at long rows ((8,16,16384,64): 9.05 against 9.79 ms, (21,16,6000,64,kv4) 3.45 against 3.69,
+# padded to one), for dense calls that give every program at least MIN_TILES_PER_PROGRAM of
+# those tiles (`three_consumers`). At 128-key blocks a consumer holds S, P and O within 160
+# registers in the unmasked loop; the masked one spills 20 values a block (Triton 3.6, offline).
+# H200, Triton 3.6, through the op against two consumers
+# (notes/lab/gluon_three_consumers_rule_h200.txt): 6.5-7.6 % faster at long rows
+# ((8,16,16384,64): 9.05 against 9.79 ms, (21,16,6000,64,kv4) 3.45 against 3.69,
 # (43,16,3000,64,kv2) 1.95 against 2.09; with a 4096-key window at (4,32,8192,64,kv8) 1.89
-# against 1.98 in the record), level at 4096 queries (a 192-row tile of 4096 holds 64 rows),
-# 11 % slower at (2,16,2500,64) (3.4 such tiles a program) and 22 % at (1,8,4096,64) (1.3): with
-# few tiles a program, the longest tile, half as long again as a 128-row one, sets the end.
+# against 1.98 in the record), level to 2 % slower at 4096 queries (whose last 192-row tile holds
+# 64 rows), 11 % slower at (2,16,2500,64) (3.4 such tiles a program) and 22 % at (1,8,4096,64)
+# (1.3): with few tiles a program, the longest tile, half as long again as a 128-row one, sets
+# the end. 64-key blocks measured 15-19 % slower on two consumers and level on three.
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
 MIN_TILES_PER_PROGRAM = 8
 # A dense call whose tiles fit in one program each (no more than the SMs) and whose tiles are

@@ -303,8 +303,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,64"],
                    help="B,H,S,D[,KV_HEADS] causal bf16 shapes to time")
     p.add_argument("--configs", nargs="*", default=[],
-                   help="Gluon configs BLOCK_N,STAGES,REGS,CONSUMERS (consumer warpgroups: 2, or 3 for "
-                        "192-row tiles) to run next to the table's")
+                   help="Gluon configs BLOCK_N,STAGES,REGS,CONSUMERS (consumer warpgroups: 2, or 3 "
+                        "for 192-row tiles) to run next to the table's")
     p.add_argument("--parts", nargs="*", default=[],
                    help="with --time: column parts D0,D1 (powers of two from 16 to 256, D0 >= D1, "
                         "D1 may be 0, covering head_dim) to time each config with besides "
