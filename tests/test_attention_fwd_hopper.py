@@ -117,19 +117,20 @@ def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, m
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("shape", OTHER_HEAD_DIM_SHAPES + [
-    (1, 5, 5, 4100, 4100, True, "top_left"),      # a last tile of 4 rows: two consumers idle
-    (2, 4, 2, 400, 400, True, "top_left"),        # 208 rows past the end in the last tile
+    (1, 5, 5, 4100, 4100, True, "top_left"),      # a last tile of 68 rows: one consumer idle
+    (2, 4, 2, 400, 400, True, "top_left"),        # a last tile of 16 rows: two consumers idle
     (1, 2, 2, 700, 1000, True, "bottom_right")])  # keys past a 192-row tile's diagonal
 def test_hopper_kernel_three_consumers(shape, dtype, floor, lse_tol, monkeypatch):
-    # head_dim 64 on three consumers (192-row tiles) at any length and tile count: consumers
-    # whose rows are all past the sequence's end pass the ring's and turns' barriers on
+    # head_dim 64 on three consumers (192-row tiles) at any length and tile count (the rule's
+    # bound at 0; test_three_consumers_where_every_program_has_many_tiles checks what the launch
+    # is given): consumers whose rows are all past the sequence's end pass the ring's and
+    # turns' barriers on
     hopper = dispatch._hopper()
     monkeypatch.setattr(hopper, "MIN_QUERIES", {})
     monkeypatch.setattr(hopper, "MIN_TILES_PER_PROGRAM", 0)
     batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 64, dtype, "cuda")
     assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), 64 ** -0.5)
-    assert hopper.three_consumers(64, batch * heads, q_len, 132)
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
@@ -535,6 +536,19 @@ def test_three_consumers_where_every_program_has_many_tiles(monkeypatch):
         return launched[-1]
     assert call(8, 16, 16384) == (3, 86, 132)  # NUM_WG, query tiles a head (NUM_M), programs
     assert call(2, 16, 2500) == (2, 20, 132)
+    q = torch.empty(8, 16, 16384, 64, dtype=torch.bfloat16)
+    for kw in (dict(window=(4096, 0)), dict(softcap=30.0)):  # (not yet run on three on a GPU)
+        hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(8, 16, 16384),
+                                    causal=True, scale=0.1, causal_offset=0, **kw)
+        assert launched[-1][0] == 2, kw
+    bshd = torch.empty(8, 16384, 16, 64, dtype=torch.bfloat16).transpose(1, 2)
+    hopper.attention_fwd_hopper(bshd, bshd, bshd, torch.empty_like(q), torch.empty(8, 16, 16384),
+                                causal=True, scale=0.1, causal_offset=0)
+    assert launched[-1][0] == 2
+    for config in ((128, 2, 240, 3), (128, 2, 160, 4), (128, 2, 240, 1)):
+        with pytest.raises(ValueError, match="2 or 3 consumers"):
+            hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(8, 16, 16384),
+                                        causal=True, scale=0.1, causal_offset=0, config=config)
     cu = torch.tensor([0, 9000, 16384], dtype=torch.int32)
     packed = torch.empty(16384, 64, 64, dtype=torch.bfloat16)
     q = _as_batched(packed, 2)

@@ -20,7 +20,7 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - The loader makes the copy engine's descriptors on the device (no host-side descriptor per
   launch) and streams K and V tiles through a STAGES-deep shared-memory ring with TMA. Each slot
   has a "ready" mbarrier (the copy engine signals it when the bytes land) and an "empty"
-  mbarrier (both consumers arrive on it when their wgmma no longer reads the slot).
+  mbarrier (every consumer arrives on it when its wgmma no longer reads the slot).
 - Each consumer overlaps its softmax with its tensor cores (FA3's intra-warpgroup pipeline):
   it issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as asynchronous wgmma, waits only for S_j,
   runs the softmax of block j while the P V wgmma is still running, then waits for it and
@@ -71,8 +71,9 @@ by the copy engine as [total, heads * head_dim] and a tile reads its sequence's 
 cumulative lengths, aligned bottom-right under the causal mask. A block that runs past its
 sequence's end reads the next sequence's rows: keys past the end are masked to -inf (their V rows
 are multiplied by zero, so only an inf or NaN there would reach this sequence), query rows past it
-are computed and never stored. Output blocks wholly inside their sequence leave by TMA store (at
-head_dim 256 staged in Q's buffer), a sequence's ragged last block by register stores. The tiles are
+are computed and never stored (a consumer whose rows all lie past it skips the work). Output
+blocks wholly inside their sequence leave by TMA store (at head_dim 256 staged in Q's buffer), a
+sequence's ragged last block by register stores. The tiles are
 handed out on the device as programs ask for them, from a counter zeroed at each launch, since the
 host does not know the lengths (they are on the GPU) to schedule by: the loader takes the next
 number, finds the sequence and tile it stands for (_packed_tile: the numbers count only tiles that
@@ -299,7 +300,7 @@ def _packed_tile(k, seq, seq_first, batch, H, num_m, head_group, CuQ, n_tiles,
 @gluon.jit
 def _publish(t, ids, ids_ready, ids_empty, fetched, WARPS: gl.constexpr):
     # The loader hands tile number t to the consumers through slot `fetched` % 2 of ids (a
-    # two-slot ring: ids_ready signals the number is there, ids_empty that both consumers read
+    # two-slot ring: ids_ready signals the number is there, ids_empty that the consumers read
     # it). Returns the count of numbers handed out. WARPS: the calling partition's warps.
     slot = fetched % 2
     mbarrier.wait(ids_empty.index(slot), ((fetched // 2) & 1) ^ 1)
@@ -968,7 +969,7 @@ MIN_QUERIES = {64: 2049}
 # table's two, at 160 registers each (the register file's share of four warpgroups, the loader's
 # padded to one), for dense calls that give every program at least MIN_TILES_PER_PROGRAM of
 # those tiles (`three_consumers`). At 128-key blocks a consumer holds S, P and O within 160
-# registers in the unmasked loop; the masked one spills 20 values a block (Triton 3.6, offline).
+# registers in the unmasked loop; the masked one has 20 spill loads a block (Triton 3.6, offline).
 # H200, Triton 3.6, through the op against two consumers
 # (notes/lab/gluon_three_consumers_rule_h200.txt): 6.5-7.6 % faster at long rows
 # ((8,16,16384,64): 9.05 against 9.79 ms, (21,16,6000,64,kv4) 3.45 against 3.69,
@@ -976,7 +977,9 @@ MIN_QUERIES = {64: 2049}
 # against 1.98 in the record), level to 2 % slower at 4096 queries (whose last 192-row tile holds
 # 64 rows), 11 % slower at (2,16,2500,64) (3.4 such tiles a program) and 22 % at (1,8,4096,64)
 # (1.3): with few tiles a program, the longest tile, half as long again as a 128-row one, sets
-# the end. 64-key blocks measured 15-19 % slower on two consumers and level on three.
+# the end. 64-key blocks measured 14-19 % slower on two consumers and level on three. Windowed,
+# softcapped and strided calls and outputs the copy engine cannot store keep two consumers until
+# the GPU tests have run them on three (`attention_fwd_hopper`'s `plain`).
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
 MIN_TILES_PER_PROGRAM = 8
 # A dense call whose tiles fit in one program each (no more than the SMs) and whose tiles are
@@ -1117,8 +1120,12 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
     sms = device_properties(q.device).multi_processor_count
-    wide = config is None and varlen is None and three_consumers(head_dim, batch * heads, q_len,
-                                                                 sms)
+    # Three consumers only where the GPU tests have run them so far: dense calls of contiguous
+    # tensors, the output stored by the copy engine, no window and no softcap
+    plain = (not has_window and not has_softcap and out.data_ptr() % 16 == 0
+             and all(t.is_contiguous() for t in (q, k, v, out)))
+    wide = (config is None and varlen is None and plain
+            and three_consumers(head_dim, batch * heads, q_len, sms))
     consumers = (config or (THREE_CONSUMERS[head_dim] if wide else CONFIGS[head_dim]))[3]
     tile_rows = ROWS.value * consumers
     num_m = -(-max_q // tile_rows)
@@ -1129,6 +1136,11 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
         config = THREE_CONSUMERS[head_dim] if wide else table
     parts = chosen if parts is None else tuple(parts)
     block_n, stages, regs, consumers = config
+    # (a lab's config: the kernel has two or three consumer partitions, and their registers and
+    # the loader warpgroup's must fit the SM's 64K)
+    if consumers not in (2, 3) or consumers * regs + LOADER_REGS.value > 65536 // 128:
+        raise ValueError(f"config {config}: 2 or 3 consumers of at most "
+                         f"{(65536 // 128 - LOADER_REGS.value) // max(consumers, 1)} registers")
     # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
     group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
     if varlen is None:
