@@ -25,7 +25,8 @@
 #   host     `benchmarks/host_cost.py`: the op's host time a call by layer (head_dim 64 and 128,
 #            with cProfile), and the decode route's at 1 and 8 queries
 #   lab      `benchmarks/labs/hopper_lab.py --time` (the Gluon forward launched directly, with
-#            the Triton kernel and cuDNN) at LAB_SHAPES (B,H,S,D[,KV] ...), LAB_REPEAT rounds
+#            the Triton kernel and cuDNN) at LAB_SHAPES (B,H,S,D[,KV] ...) with LAB_ARGS (e.g.
+#            "--configs 128,3,240,2" or "--window 4096,0"), LAB_REPEAT rounds
 #            (default 2), into lab_after.jsonl; with BEFORE_TREE, interleaved: this tree, the
 #            before tree (into lab_before.jsonl), this tree again, then the Gluon rows' ratios
 #            (mean of this tree's two runs / before's)
@@ -39,7 +40,7 @@
 #            NAME_before_<folder name>.jsonl, and the ratios are this tree's against each
 # Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_SHAPES, BENCH_MODES, BENCH_IMPLS (forward
 # peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; COMPARE_ARGS,
-# NCU_ARGS; LAB_SHAPES, LAB_REPEAT; BWDLAB_SHAPES, BWDLAB_ARGS; STEP_TIMEOUT (seconds per
+# NCU_ARGS; LAB_SHAPES, LAB_ARGS, LAB_REPEAT; BWDLAB_SHAPES, BWDLAB_ARGS; STEP_TIMEOUT (seconds per
 # command, default 280).
 set -uo pipefail
 # The scripts under benchmarks/ import this tree's attnscope even where `pip install -e` cannot
@@ -195,7 +196,7 @@ step_lab() {
   [ -n "${LAB_SHAPES:-}" ] || { echo "lab: set LAB_SHAPES (B,H,S,D[,KV] ...)"; return 2; }
   # shellcheck disable=SC2086  # the shapes are separate arguments
   labs_in_turn lab "after ${BEFORE_TREE:+$BEFORE_TREE after}" hopper_lab.py --time \
-    --repeat "${LAB_REPEAT:-2}" --shapes $LAB_SHAPES || rc=$?
+    ${LAB_ARGS:-} --repeat "${LAB_REPEAT:-2}" --shapes $LAB_SHAPES || rc=$?
   [ -z "${BEFORE_TREE:-}" ] || each_before lab lab_ratios || rc=$?
   return $rc
 }

@@ -134,6 +134,38 @@ def test_hopper_kernel_three_consumers(shape, dtype, floor, lse_tol, monkeypatch
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
+THREE_CONSUMER_MORE_CASES = [
+    # (batch, heads, kv_heads, q_len, kv_len, alignment, window, softcap, layout): the calls
+    # three consumers do not take yet (_plain), forced: windows cutting 192-row tiles, a ragged
+    # last tile, softcaps, bshd views (STRIDED)
+    (1, 4, 2, 1000, 1000, "top_left", (300, -1), 0.0, "bhsd"),
+    (2, 2, 2, 700, 1500, "bottom_right", (62, -1), 0.0, "bhsd"),
+    (1, 4, 4, 4100, 4100, "top_left", (1000, 0), 30.0, "bhsd"),
+    (1, 2, 2, 400, 400, "top_left", (-1, -1), 50.0, "bhsd"),
+    (2, 4, 2, 1000, 1000, "top_left", (-1, -1), 0.0, "bshd"),
+    (1, 4, 4, 700, 1000, "bottom_right", (256, 0), 0.0, "bshd"),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("case", THREE_CONSUMER_MORE_CASES)
+def test_hopper_kernel_three_consumers_more_calls(case, dtype, floor, lse_tol, monkeypatch):
+    # windows, softcaps and bshd views on three consumers, which the launch does not give them
+    # until these tests have passed on a GPU (_plain)
+    hopper = dispatch._hopper()
+    monkeypatch.setattr(hopper, "MIN_QUERIES", {})
+    monkeypatch.setattr(hopper, "MIN_TILES_PER_PROGRAM", 0)
+    monkeypatch.setattr(hopper, "_plain", lambda *_: True)
+    batch, heads, kv_heads, q_len, kv_len, alignment, window, softcap, layout = case
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 64, dtype, "cuda", layout)
+    check(q, k, v, floor, lse_tol, causal=True, causal_alignment=alignment, window=window,
+          softcap=softcap, layout=layout)
+    ran = dispatch.launched_forward_kernels()[0]
+    assert ran["name"] == "_attn_fwd_hopper" and ran["config"]["consumers"] == 3
+
+
 WINDOW_CASES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale): a
     # window's left edge inside K/V blocks; on block edges for every tile's first row (256 keys,

@@ -979,7 +979,8 @@ MIN_QUERIES = {64: 2049}
 # (1.3): with few tiles a program, the longest tile, half as long again as a 128-row one, sets
 # the end. 64-key blocks measured 14-19 % slower on two consumers and level on three. Windowed,
 # softcapped and strided calls and outputs the copy engine cannot store keep two consumers until
-# the GPU tests have run them on three (`attention_fwd_hopper`'s `plain`).
+# the GPU tests have run them on three (`_plain`; test_hopper_kernel_three_consumers_more_calls
+# has those tests, not yet run on a GPU).
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
 MIN_TILES_PER_PROGRAM = 8
 # A dense call whose tiles fit in one program each (no more than the SMs) and whose tiles are
@@ -1078,6 +1079,13 @@ def three_consumers(head_dim, pairs, q_len, programs):
             >= MIN_TILES_PER_PROGRAM * programs)
 
 
+def _plain(q, k, v, out, has_window, has_softcap):
+    # The dense calls three consumers take so far, those the GPU tests have run on them:
+    # contiguous tensors, the output stored by the copy engine, no window and no softcap
+    return (not has_window and not has_softcap and out.data_ptr() % 16 == 0
+            and all(t.is_contiguous() for t in (q, k, v, out)))
+
+
 def packed_tiles_ok(batch, heads, max_q):
     """Whether the tile numbers of a packed batch of `batch` sequences, the longest max_q, fit
     the kernel's int32: (batch * heads + head) * query blocks of the longest + query block
@@ -1120,11 +1128,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
     sms = device_properties(q.device).multi_processor_count
-    # Three consumers only where the GPU tests have run them so far: dense calls of contiguous
-    # tensors, the output stored by the copy engine, no window and no softcap
-    plain = (not has_window and not has_softcap and out.data_ptr() % 16 == 0
-             and all(t.is_contiguous() for t in (q, k, v, out)))
-    wide = (config is None and varlen is None and plain
+    wide = (config is None and varlen is None and _plain(q, k, v, out, has_window, has_softcap)
             and three_consumers(head_dim, batch * heads, q_len, sms))
     consumers = (config or (THREE_CONSUMERS[head_dim] if wide else CONFIGS[head_dim]))[3]
     tile_rows = ROWS.value * consumers
