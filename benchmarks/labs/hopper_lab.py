@@ -5,10 +5,11 @@ Two parts, each optional (--loops varies both):
            alignments, GQA, fp16/bf16, output poisoned with NaN first); prints max errors.
   --time:  median times (triton.testing.do_bench, L2 flushed) of the Gluon kernel under each
            --configs entry (its CONFIG_FIELDS: BLOCK_N,STAGES,consumer registers,consumer
-           warpgroups) and its
-           table's (layout_for's), each with layout_for's column parts and with each --parts
-           entry, the Triton kernel (its table's config) and cuDNN (not under --window or
-           --softcap, which it lacks), in --repeat interleaved rounds; JSON lines to --out.
+           warpgroups) and under the launch's own choice ("gluonNone": layout_for's, or
+           THREE_CONSUMERS' where three_consumers says so), each with layout_for's column parts
+           and with each --parts entry, the Triton kernel (its table's config) and cuDNN (not
+           under --window or --softcap, which it lacks), in --repeat interleaved rounds; JSON
+           lines to --out.
   --loops N ...: the kernel's BLOCK_LOOPS forced (0 none, 1 one loop, 2 two loops; block_loops
            says which the launch picks): --check runs block_loops' choice, then each (0 only on
            cases of one K/V block a tile); --time adds the table's config with each.
