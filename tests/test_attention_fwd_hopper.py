@@ -434,6 +434,14 @@ def test_block_loops_by_column_parts_and_keys():
         assert hopper.block_loops(*parts, config[0], kv_len) == loops, (head_dim, kv_len)
 
 
+def _as_an_h200(monkeypatch, hopper):
+    # the Gluon forward's launch on CPU tensors sees an H200's properties
+    from attnscope.kernels import common
+    h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
+    monkeypatch.setattr(hopper, "device_properties", lambda device: h200)
+    monkeypatch.setattr(common, "device_properties", lambda device: h200)
+
+
 def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_blocks(monkeypatch):
     # attention_fwd_hopper on CPU tensors up to its launch (an H200's properties, the launch
     # recorded): BLOCK_LOOPS as block_loops says, or as a lab forces it; no loop forced where a
@@ -441,10 +449,7 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
     # fill a ring nobody reads).
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     from attnscope.attention.varlen import _as_batched
-    from attnscope.kernels import common
-    h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
-    monkeypatch.setattr(hopper, "device_properties", lambda device: h200)
-    monkeypatch.setattr(common, "device_properties", lambda device: h200)
+    _as_an_h200(monkeypatch, hopper)
     launched, keys = [], []
 
     def record(key, grid, args, kwargs, **kw):
@@ -546,16 +551,15 @@ def test_three_consumers_where_every_program_has_many_tiles(monkeypatch):
     # properties, the launch recorded); two consumers otherwise, and for packed batches
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     from attnscope.attention.varlen import _as_batched
-    from attnscope.kernels import common
     assert hopper.MIN_TILES_PER_PROGRAM == 8 and hopper.THREE_CONSUMERS[64][3] == 3
     assert hopper.three_consumers(64, 8 * 16, 16384, 132)  # 86 tiles a head
     assert hopper.three_consumers(64, 1056, 192, 132) and not hopper.three_consumers(
         64, 1055, 192, 132)
     assert not hopper.three_consumers(64, 2 * 16, 2500, 132)  # 448 tiles: 3.4 a program
     assert not hopper.three_consumers(128, 8 * 16, 16384, 132)
-    h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=60 << 20)
-    monkeypatch.setattr(hopper, "device_properties", lambda device: h200)
-    monkeypatch.setattr(common, "device_properties", lambda device: h200)
+    assert all(map(hopper._config_fits, [*hopper.CONFIGS.values(),
+                                         *hopper.THREE_CONSUMERS.values()]))
+    _as_an_h200(monkeypatch, hopper)
     launched = []
     monkeypatch.setattr(hopper, "_launch", lambda key, grid, args, kwargs, **kw: launched.append(
         (kwargs["NUM_WG"], args[-1], grid[0])))

@@ -1079,6 +1079,13 @@ def three_consumers(head_dim, pairs, q_len, programs):
             >= MIN_TILES_PER_PROGRAM * programs)
 
 
+def _config_fits(config):
+    # A config the kernel can run: two or three consumer partitions, whose registers and the
+    # loader warpgroup's fit the SM's 64K (the tables' all do; a lab's may not)
+    consumers, regs = config[3], config[2]
+    return consumers in (2, 3) and consumers * regs + LOADER_REGS.value <= 65536 // 128
+
+
 def _plain(q, k, v, out, has_window, has_softcap):
     # The dense calls three consumers take so far, those the GPU tests have run on them:
     # contiguous tensors, the output stored by the copy engine, no window and no softcap
@@ -1117,6 +1124,9 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is not None and len(config) != len(CONFIG_FIELDS):
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
+    if config is not None and not _config_fits(config):
+        raise ValueError(f"config {config}: 2 or 3 consumers of at most "
+                         f"{(65536 // 128 - LOADER_REGS.value) // max(config[3], 1)} registers")
     if parts is not None and not _parts_ok(parts, head_dim, varlen is not None):
         raise ValueError(f"parts must be (D0, D1), powers of two from 16 to 256 with D0 >= D1 (D1 "
                          f"may be 0), covering head_dim {head_dim}{' exactly' if varlen else ''}, "
@@ -1128,23 +1138,17 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
     sms = device_properties(q.device).multi_processor_count
-    wide = (config is None and varlen is None and _plain(q, k, v, out, has_window, has_softcap)
-            and three_consumers(head_dim, batch * heads, q_len, sms))
-    consumers = (config or (THREE_CONSUMERS[head_dim] if wide else CONFIGS[head_dim]))[3]
-    tile_rows = ROWS.value * consumers
+    if (config is None and varlen is None and _plain(q, k, v, out, has_window, has_softcap)
+            and three_consumers(head_dim, batch * heads, q_len, sms)):
+        config = THREE_CONSUMERS[head_dim]
+    tile_rows = ROWS.value * (config or CONFIGS[head_dim])[3]
     num_m = -(-max_q // tile_rows)
     tiles = batch * heads * num_m
     grid = (min(tiles, sms),)  # one per SM
     chosen, table = layout_for(head_dim, kv_len, varlen is None and tiles > grid[0])
-    if config is None:
-        config = THREE_CONSUMERS[head_dim] if wide else table
+    config = table if config is None else config
     parts = chosen if parts is None else tuple(parts)
     block_n, stages, regs, consumers = config
-    # (a lab's config: the kernel has two or three consumer partitions, and their registers and
-    # the loader warpgroup's must fit the SM's 64K)
-    if consumers not in (2, 3) or consumers * regs + LOADER_REGS.value > 65536 // 128:
-        raise ValueError(f"config {config}: 2 or 3 consumers of at most "
-                         f"{(65536 // 128 - LOADER_REGS.value) // max(consumers, 1)} registers")
     # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
     group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
     if varlen is None:
