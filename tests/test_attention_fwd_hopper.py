@@ -135,9 +135,8 @@ def test_hopper_kernel_three_consumers(shape, dtype, floor, lse_tol, monkeypatch
 
 
 THREE_CONSUMER_MORE_CASES = [
-    # (batch, heads, kv_heads, q_len, kv_len, alignment, window, softcap, layout): the calls
-    # three consumers do not take yet (_plain), forced: windows cutting 192-row tiles, a ragged
-    # last tile, softcaps, bshd views (STRIDED)
+    # (batch, heads, kv_heads, q_len, kv_len, alignment, window, softcap, layout): windows
+    # cutting 192-row tiles, a ragged last tile, softcaps, bshd views (STRIDED)
     (1, 4, 2, 1000, 1000, "top_left", (300, -1), 0.0, "bhsd"),
     (2, 2, 2, 700, 1500, "bottom_right", (62, -1), 0.0, "bhsd"),
     (1, 4, 4, 4100, 4100, "top_left", (1000, 0), 30.0, "bhsd"),
@@ -152,12 +151,10 @@ THREE_CONSUMER_MORE_CASES = [
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("case", THREE_CONSUMER_MORE_CASES)
 def test_hopper_kernel_three_consumers_more_calls(case, dtype, floor, lse_tol, monkeypatch):
-    # windows, softcaps and bshd views on three consumers, which the launch does not give them
-    # until these tests have passed on a GPU (_plain)
+    # windows, softcaps and bshd views on three consumers at any tile count
     hopper = dispatch._hopper()
     monkeypatch.setattr(hopper, "MIN_QUERIES", {})
     monkeypatch.setattr(hopper, "MIN_TILES_PER_PROGRAM", 0)
-    monkeypatch.setattr(hopper, "_plain", lambda *_: True)
     batch, heads, kv_heads, q_len, kv_len, alignment, window, softcap, layout = case
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 64, dtype, "cuda", layout)
     check(q, k, v, floor, lse_tol, causal=True, causal_alignment=alignment, window=window,
@@ -573,12 +570,18 @@ def test_three_consumers_where_every_program_has_many_tiles(monkeypatch):
     assert call(8, 16, 16384) == (3, 86, 132)  # NUM_WG, query tiles a head (NUM_M), programs
     assert call(2, 16, 2500) == (2, 20, 132)
     q = torch.empty(8, 16, 16384, 64, dtype=torch.bfloat16)
-    for kw in (dict(window=(4096, 0)), dict(softcap=30.0)):  # (not yet run on three on a GPU)
+    for kw in (dict(window=(4096, 0)), dict(softcap=30.0)):
         hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(8, 16, 16384),
                                     causal=True, scale=0.1, causal_offset=0, **kw)
-        assert launched[-1][0] == 2, kw
+        assert launched[-1][0] == 3, kw
     bshd = torch.empty(8, 16384, 16, 64, dtype=torch.bfloat16).transpose(1, 2)
-    hopper.attention_fwd_hopper(bshd, bshd, bshd, torch.empty_like(q), torch.empty(8, 16, 16384),
+    hopper.attention_fwd_hopper(bshd, bshd, bshd, torch.empty_like(bshd), torch.empty(8, 16, 16384),
+                                causal=True, scale=0.1, causal_offset=0)
+    assert launched[-1][0] == 3  # q, k, v and out at their strides (STRIDED)
+    # an out the copy engine cannot address (rows 8 bytes apart from a 16-byte boundary) keeps
+    # two consumers: its register stores have not run on three
+    odd = torch.empty(8 * 16 * 16384 * 64 + 4, dtype=torch.bfloat16)[4:].view(q.shape)
+    hopper.attention_fwd_hopper(q, q, q, odd, torch.empty(8, 16, 16384),
                                 causal=True, scale=0.1, causal_offset=0)
     assert launched[-1][0] == 2
     for config in ((128, 2, 240, 3), (128, 2, 160, 4), (128, 2, 240, 1)):

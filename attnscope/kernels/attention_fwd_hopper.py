@@ -510,6 +510,9 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     # barriers.
     q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     NUM_WG: gl.constexpr = turn.shape[0]  # the consumers, one turn barrier each
+    # SERIAL: a masked block on three consumers waits for P_{j-1} V_{j-1} before its softmax;
+    # at 160 registers, P_{j-1} held through the masked softmax spills
+    SERIAL: gl.constexpr = (NUM_WG == 3) and (MASKED is not None) and (MASKED is True)
     slot = g % STAGES
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
@@ -527,6 +530,11 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
         mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done (wgmma retire in order); the P V pair may still run
         s, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
+    elif SERIAL:
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        # both done: P_{j-1} dies before this block's masked softmax
+        s, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
     else:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
@@ -543,7 +551,7 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
         acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
         alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
         acc1 = acc1 * gl.expand_dims(alpha1, 1)
-    else:
+    elif not SERIAL:
         acc = warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(v_empty.index(prev))
     alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
@@ -1086,13 +1094,6 @@ def _config_fits(config):
     return consumers in (2, 3) and consumers * regs + LOADER_REGS.value <= 65536 // 128
 
 
-def _plain(q, k, v, out, has_window, has_softcap):
-    # The dense calls three consumers take so far, those the GPU tests have run on them:
-    # contiguous tensors, the output stored by the copy engine, no window and no softcap
-    return (not has_window and not has_softcap and out.data_ptr() % 16 == 0
-            and all(t.is_contiguous() for t in (q, k, v, out)))
-
-
 def packed_tiles_ok(batch, heads, max_q):
     """Whether the tile numbers of a packed batch of `batch` sequences, the longest max_q, fit
     the kernel's int32: (batch * heads + head) * query blocks of the longest + query block
@@ -1138,7 +1139,12 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     cu_q, cu_k, max_q, max_k = (None, None, q_len, kv_len) if varlen is None else varlen
     sms = device_properties(q.device).multi_processor_count
-    if (config is None and varlen is None and _plain(q, k, v, out, has_window, has_softcap)
+    # the output leaves by the copy engine where it can address out: contiguous, or at its
+    # strides (out_strided, with the inputs' STRIDED view below); else by register stores
+    out_strided = not out.is_contiguous() and tma_strided_ok(out) and out.data_ptr() % 16 == 0
+    stored_by_copy = ((_packed(out) if varlen else out.is_contiguous() or out_strided)
+                      and out.data_ptr() % 16 == 0)
+    if (config is None and varlen is None and stored_by_copy
             and three_consumers(head_dim, batch * heads, q_len, sms)):
         config = THREE_CONSUMERS[head_dim]
     tile_rows = ROWS.value * (config or CONFIGS[head_dim])[3]
@@ -1161,7 +1167,6 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     # A dense call whose q, k or v is not contiguous, or whose out is not but the copy engine
     # can store it, views all four at their strides (STRIDED; an out it cannot address takes
     # the register stores either way)
-    out_strided = not out.is_contiguous() and tma_strided_ok(out) and out.data_ptr() % 16 == 0
     strided = varlen is None and (out_strided or not (
         q.is_contiguous() and k.is_contiguous() and v.is_contiguous()))
     # (batch, head and row strides; without STRIDED the batch and head ones of q, k, v unused)
@@ -1195,8 +1200,6 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
         raise ValueError(f"config {config} with column parts {(d0, d1)} needs {smem} B of shared "
                          f"memory for Q and the K/V ring, more than {SHARED_MEMORY_BYTES}")
-    stored_by_copy = ((_packed(out) if varlen else out.is_contiguous() or out_strided)
-                      and out.data_ptr() % 16 == 0)
     staging_fits = smem + consumers * tile_bytes <= SHARED_MEMORY_BYTES
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_N=block_n, STAGES=stages,
                   CAUSAL=bounded, HAS_WINDOW=has_window, SOFTCAP=has_softcap, CONSUMER_REGS=regs,
