@@ -991,6 +991,7 @@ MIN_QUERIES = {64: 2049}
 # has those tests, not yet run on a GPU).
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
 MIN_TILES_PER_PROGRAM = 8
+MIN_WINDOW_KEYS = 2048
 # A dense call whose tiles fit in one program each (no more than the SMs) and whose tiles are
 # short, keys x head_dim <= SHORT_WORK (256 keys at head_dim 128, 128 at 256, 409 at 80), takes
 # the Triton kernel: each program then pays this kernel's fixed costs (its partitions' start,
@@ -1079,12 +1080,14 @@ def _short(q, k):
             <= device_properties(q.device).multi_processor_count)
 
 
-def three_consumers(head_dim, pairs, q_len, programs):
+def three_consumers(head_dim, pairs, q_len, programs, left=-1, softcap=False):
     """Whether a dense call of `pairs` (batch, head) pairs of q_len queries on `programs`
-    persistent programs runs THREE_CONSUMERS' config: its head_dim has one, and its 192-row tiles
-    number MIN_TILES_PER_PROGRAM a program or more."""
-    return (head_dim in THREE_CONSUMERS and pairs * -(-q_len // (3 * ROWS.value))
-            >= MIN_TILES_PER_PROGRAM * programs)
+    persistent programs runs THREE_CONSUMERS' config: its head_dim has one, its 192-row tiles
+    number MIN_TILES_PER_PROGRAM a program or more, it has no softcap, and a window's left
+    reach (`left` keys, -1 unbounded) is MIN_WINDOW_KEYS or more."""
+    return (head_dim in THREE_CONSUMERS and not softcap
+            and (left < 0 or left >= MIN_WINDOW_KEYS)
+            and pairs * -(-q_len // (3 * ROWS.value)) >= MIN_TILES_PER_PROGRAM * programs)
 
 
 def _config_fits(config):
@@ -1145,7 +1148,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     stored_by_copy = ((_packed(out) if varlen else out.is_contiguous() or out_strided)
                       and out.data_ptr() % 16 == 0)
     if (config is None and varlen is None and stored_by_copy
-            and three_consumers(head_dim, batch * heads, q_len, sms)):
+            and three_consumers(head_dim, batch * heads, q_len, sms, window[0], has_softcap)):
         config = THREE_CONSUMERS[head_dim]
     tile_rows = ROWS.value * (config or CONFIGS[head_dim])[3]
     num_m = -(-max_q // tile_rows)
