@@ -991,7 +991,7 @@ MIN_QUERIES = {64: 2049}
 # has those tests, not yet run on a GPU).
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
 MIN_TILES_PER_PROGRAM = 8
-MIN_WINDOW_KEYS = 2048
+MIN_WINDOW_KEYS = 3072
 # A dense call whose tiles fit in one program each (no more than the SMs) and whose tiles are
 # short, keys x head_dim <= SHORT_WORK (256 keys at head_dim 128, 128 at 256, 409 at 80), takes
 # the Triton kernel: each program then pays this kernel's fixed costs (its partitions' start,
