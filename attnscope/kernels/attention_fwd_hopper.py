@@ -512,7 +512,7 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     NUM_WG: gl.constexpr = turn.shape[0]  # the consumers, one turn barrier each
     # SERIAL: a masked block on three consumers waits for P_{j-1} V_{j-1} before its softmax;
     # at 160 registers, P_{j-1} held through the masked softmax spills
-    SERIAL: gl.constexpr = (NUM_WG == 3) and (MASKED is not None) and (MASKED is True)
+    SERIAL: gl.constexpr = (NUM_WG == 3) and (MASKED is True)
     slot = g % STAGES
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
@@ -976,19 +976,18 @@ MIN_QUERIES = {64: 2049}
 # Three consumer warpgroups (192-row tiles, FA3's and FA4's shape at head_dim 64) instead of the
 # table's two, at 160 registers each (the register file's share of four warpgroups, the loader's
 # padded to one), for dense calls that give every program at least MIN_TILES_PER_PROGRAM of
-# those tiles (`three_consumers`). At 128-key blocks a consumer holds S, P and O within 160
-# registers in the unmasked loop; the masked one has 20 spill loads a block (Triton 3.6, offline).
-# H200, Triton 3.6, through the op against two consumers
-# (notes/lab/gluon_three_consumers_rule_h200.txt): 6.5-7.6 % faster at long rows
-# ((8,16,16384,64): 9.05 against 9.79 ms, (21,16,6000,64,kv4) 3.45 against 3.69,
-# (43,16,3000,64,kv2) 1.95 against 2.09; with a 4096-key window at (4,32,8192,64,kv8) 1.89
-# against 1.98 in the record), level to 2 % slower at 4096 queries (whose last 192-row tile holds
-# 64 rows), 11 % slower at (2,16,2500,64) (3.4 such tiles a program) and 22 % at (1,8,4096,64)
-# (1.3): with few tiles a program, the longest tile, half as long again as a 128-row one, sets
-# the end. 64-key blocks measured 14-19 % slower on two consumers and level on three. Windowed,
-# softcapped and strided calls and outputs the copy engine cannot store keep two consumers until
-# the GPU tests have run them on three (`_plain`; test_hopper_kernel_three_consumers_more_calls
-# has those tests, not yet run on a GPU).
+# those tiles, have no softcap and whose window, if any, reaches MIN_WINDOW_KEYS keys left or
+# more (`three_consumers`), with an output the copy engine stores. At 128-key blocks a consumer
+# holds S, P and O within 160 registers in the unmasked loop; a masked block waits for the P V
+# product before its softmax (`_next_block`'s SERIAL), which else spills (Triton 3.6, offline).
+# H200, Triton 3.6, against two consumers (notes/lab/gluon_three_consumers_rule_h200.txt, before
+# SERIAL): 6.5-7.6 % faster at long rows ((8,16,16384,64): 9.05 against 9.79 ms), 11 % slower
+# at (2,16,2500,64) (3.4 such tiles a program) and 22 % at (1,8,4096,64) (1.3): with few tiles
+# a program, the longest tile, half as long again as a 128-row one, sets the end. SERIAL took
+# 0.5-4 % more off (notes/lab/gluon_three_consumers_serial_window_h200.txt): (4,32,4096,64)
+# 0.654 against 0.676 ms on two consumers. Windows (same file): 0.94 of two consumers' time at
+# a 4096-key window, 1.05 at 2048, 1.31 at 1024, 1.58 at 512 ((4,32,8192,64,kv8)); softcap 30
+# 1.45 at (8,16,8192,64) (its softmax spills at 160 registers); bshd views 0.93.
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
 MIN_TILES_PER_PROGRAM = 8
 MIN_WINDOW_KEYS = 3072
