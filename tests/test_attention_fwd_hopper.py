@@ -548,10 +548,10 @@ def test_three_consumers_where_every_program_has_many_tiles(monkeypatch):
     # properties, the launch recorded); two consumers otherwise, and for packed batches
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     from attnscope.attention.varlen import _as_batched
-    assert hopper.MIN_TILES_PER_PROGRAM == 8 and hopper.THREE_CONSUMERS[64][3] == 3
+    assert hopper.MIN_TILES_PER_PROGRAM == 4 and hopper.THREE_CONSUMERS[64][3] == 3
     assert hopper.three_consumers(64, 8 * 16, 16384, 132)  # 86 tiles a head
-    assert hopper.three_consumers(64, 1056, 192, 132) and not hopper.three_consumers(
-        64, 1055, 192, 132)
+    assert hopper.three_consumers(64, 528, 192, 132) and not hopper.three_consumers(
+        64, 527, 192, 132)
     assert not hopper.three_consumers(64, 2 * 16, 2500, 132)  # 448 tiles: 3.4 a program
     assert not hopper.three_consumers(128, 8 * 16, 16384, 132)
     assert hopper.MIN_WINDOW_KEYS == 3072

@@ -987,9 +987,12 @@ MIN_QUERIES = {64: 2049}
 # 0.5-4 % more off (notes/lab/gluon_three_consumers_serial_window_h200.txt): (4,32,4096,64)
 # 0.654 against 0.676 ms on two consumers. Windows (same file): 0.94 of two consumers' time at
 # a 4096-key window, 1.05 at 2048, 1.31 at 1024, 1.58 at 512 ((4,32,8192,64,kv8)); softcap 30
-# 1.45 at (8,16,8192,64) (its softmax spills at 160 registers); bshd views 0.93.
+# 1.45 at (8,16,8192,64) (its softmax spills at 160 registers); bshd views 0.93. The bound of
+# 4 tiles a program (same file, SERIAL on): 0.93-0.98 of two consumers' time at 5.2-7.8 tiles a
+# program at 8192 queries, level at 5.3 at 4096 ((2,16,4096,64)); 0.95 at 3.9 ((1,12,8192,64))
+# but 1.11 at 3.4 ((2,16,2500,64), before SERIAL).
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
-MIN_TILES_PER_PROGRAM = 8
+MIN_TILES_PER_PROGRAM = 4
 MIN_WINDOW_KEYS = 3072
 # A dense call whose tiles fit in one program each (no more than the SMs) and whose tiles are
 # short, keys x head_dim <= SHORT_WORK (256 keys at head_dim 128, 128 at 256, 409 at 80), takes
