@@ -571,13 +571,19 @@ def test_three_consumers_where_every_program_has_many_tiles(monkeypatch):
     assert call(8, 16, 16384) == (3, 86, 132)  # NUM_WG, query tiles a head (NUM_M), programs
     assert call(2, 16, 2500) == (2, 20, 132)
     q = torch.empty(8, 16, 16384, 64, dtype=torch.bfloat16)
-    # a window reaching MIN_WINDOW_KEYS keys left or more takes three; a narrower one and a
-    # softcap keep two
+    # a window reaching MIN_WINDOW_KEYS keys left or more takes three, on causal calls and
+    # non-causal ones with a right edge; a narrower one, one without a right edge and a softcap
+    # keep two
     for kw, consumers in ((dict(window=(3072, 0)), 3), (dict(window=(3071, 0)), 2),
                           (dict(window=(512, -1)), 2), (dict(window=(-1, 100)), 3),
+                          (dict(window=(-1, 100), causal=False), 3),
+                          (dict(window=(4000, 100), causal=False), 3),
+                          (dict(window=(300, 100), causal=False), 2),
+                          (dict(window=(4000, -1), causal=False), 2),
+                          (dict(causal=False), 3),
                           (dict(softcap=30.0), 2), (dict(window=(4096, 0), softcap=30.0), 2)):
         hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(8, 16, 16384),
-                                    causal=True, scale=0.1, causal_offset=0, **kw)
+                                    scale=0.1, causal_offset=0, **{"causal": True, **kw})
         assert launched[-1][0] == consumers, kw
     bshd = torch.empty(8, 16384, 16, 64, dtype=torch.bfloat16).transpose(1, 2)
     hopper.attention_fwd_hopper(bshd, bshd, bshd, torch.empty_like(bshd), torch.empty(8, 16, 16384),

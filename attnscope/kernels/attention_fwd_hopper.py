@@ -511,7 +511,8 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     NUM_WG: gl.constexpr = turn.shape[0]  # the consumers, one turn barrier each
     # SERIAL: a masked block on three consumers waits for P_{j-1} V_{j-1} before its softmax;
-    # at 160 registers, P_{j-1} held through the masked softmax spills
+    # at 160 registers, P_{j-1} held through the masked softmax spills. (Not under SPLIT, whose
+    # branch comes first, nor in BLOCK_LOOPS 1's loop, whose blocks' MASKED is None.)
     SERIAL: gl.constexpr = (NUM_WG == 3) and (MASKED is True)
     slot = g % STAGES
     prev = (g - 1) % STAGES
@@ -985,12 +986,13 @@ MIN_QUERIES = {64: 2049}
 # at (2,16,2500,64) (3.4 such tiles a program) and 22 % at (1,8,4096,64) (1.3): with few tiles
 # a program, the longest tile, half as long again as a 128-row one, sets the end. SERIAL took
 # 0.5-4 % more off (notes/lab/gluon_three_consumers_serial_window_h200.txt): (4,32,4096,64)
-# 0.654 against 0.676 ms on two consumers. Windows (same file): 0.94 of two consumers' time at
-# a 4096-key window, 1.05 at 2048, 1.31 at 1024, 1.58 at 512 ((4,32,8192,64,kv8)); softcap 30
-# 1.45 at (8,16,8192,64) (its softmax spills at 160 registers); bshd views 0.93. The bound of
-# 4 tiles a program (same file, SERIAL on): 0.93-0.98 of two consumers' time at 5.2-7.8 tiles a
-# program at 8192 queries, level at 5.3 at 4096 ((2,16,4096,64)); 0.95 at 3.9 ((1,12,8192,64))
-# but 1.11 at 3.4 ((2,16,2500,64), before SERIAL).
+# 0.654 against 0.676 ms without it (two consumers: 0.665-0.669 in other jobs). Windows (same
+# file): 0.94 of two consumers' time at a 4096-key window, 1.05 at 2048, 1.31 at 1024, 1.58 at
+# 512 ((4,32,8192,64,kv8)); softcap 30 1.45 at (8,16,8192,64) (its softmax spills at 160
+# registers); bshd views 0.93; a window without a right edge (non-causal) keeps two, not yet
+# run on three. The bound of 4 tiles a program (same file, SERIAL on): 0.93-0.98 of two
+# consumers' time at 5.2-7.8 tiles a program at 8192 queries, level at 5.3 at 4096
+# ((2,16,4096,64)); 0.95 at 3.9 ((1,12,8192,64)) but 1.11 at 3.4 ((2,16,2500,64), before SERIAL).
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
 MIN_TILES_PER_PROGRAM = 4
 MIN_WINDOW_KEYS = 3072
@@ -1149,7 +1151,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     out_strided = not out.is_contiguous() and tma_strided_ok(out) and out.data_ptr() % 16 == 0
     stored_by_copy = ((_packed(out) if varlen else out.is_contiguous() or out_strided)
                       and out.data_ptr() % 16 == 0)
-    if (config is None and varlen is None and stored_by_copy
+    # (a window without a right edge, non-causal, has not run on three consumers: two)
+    if (config is None and varlen is None and stored_by_copy and (bounded or not has_window)
             and three_consumers(head_dim, batch * heads, q_len, sms, window[0], has_softcap)):
         config = THREE_CONSUMERS[head_dim]
     tile_rows = ROWS.value * (config or CONFIGS[head_dim])[3]
