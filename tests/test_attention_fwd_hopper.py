@@ -163,6 +163,24 @@ def test_hopper_kernel_three_consumers_more_calls(case, dtype, floor, lse_tol, m
     assert ran["name"] == "_attn_fwd_hopper" and ran["config"]["consumers"] == 3
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("window", [(300, -1), (1000, -1), (200, 150), (-1, 70)])
+def test_hopper_kernel_three_consumers_non_causal_windows(window, dtype, floor, lse_tol,
+                                                           monkeypatch):
+    # non-causal windows, with and without a right edge, on three consumers (the table's
+    # head_dim-64 config made THREE_CONSUMERS'): the launch gives a window without a right edge
+    # two consumers until this has run on a GPU
+    hopper = dispatch._hopper()
+    monkeypatch.setattr(hopper, "MIN_QUERIES", {})
+    monkeypatch.setattr(hopper, "CONFIGS", {**hopper.CONFIGS, 64: hopper.THREE_CONSUMERS[64]})
+    q, k, v = make_qkv(1, 4, 2, 1000, 1300, 64, dtype, "cuda")
+    check(q, k, v, floor, lse_tol, causal=False, causal_alignment="bottom_right", window=window)
+    ran = dispatch.launched_forward_kernels()[0]
+    assert ran["name"] == "_attn_fwd_hopper" and ran["config"]["consumers"] == 3
+
+
 WINDOW_CASES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale): a
     # window's left edge inside K/V blocks; on block edges for every tile's first row (256 keys,
