@@ -996,6 +996,9 @@ MIN_QUERIES = {64: 2049}
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
 MIN_TILES_PER_PROGRAM = 4
 MIN_WINDOW_KEYS = 3072
+# A thread's registers over the consumer warpgroups together: the SM's 64K over 128 threads a
+# warpgroup, less the loader warpgroup's
+CONSUMER_REGISTERS = 65536 // 128 - LOADER_REGS.value
 # A dense call whose tiles fit in one program each (no more than the SMs) and whose tiles are
 # short, keys x head_dim <= SHORT_WORK (256 keys at head_dim 128, 128 at 256, 409 at 80), takes
 # the Triton kernel: each program then pays this kernel's fixed costs (its partitions' start,
@@ -1084,21 +1087,24 @@ def _short(q, k):
             <= device_properties(q.device).multi_processor_count)
 
 
-def three_consumers(head_dim, pairs, q_len, programs, left=-1, softcap=False):
+def three_consumers(head_dim, pairs, q_len, programs, left=-1, right_edge=True, softcap=False):
     """Whether a dense call of `pairs` (batch, head) pairs of q_len queries on `programs`
-    persistent programs runs THREE_CONSUMERS' config: its head_dim has one, its 192-row tiles
+    persistent programs runs THREE_CONSUMERS' config: its head_dim has one, its tiles (192 rows)
     number MIN_TILES_PER_PROGRAM a program or more, it has no softcap, and a window's left
-    reach (`left` keys, -1 unbounded) is MIN_WINDOW_KEYS or more."""
-    return (head_dim in THREE_CONSUMERS and not softcap
-            and (left < 0 or left >= MIN_WINDOW_KEYS)
-            and pairs * -(-q_len // (3 * ROWS.value)) >= MIN_TILES_PER_PROGRAM * programs)
+    reach (`left` keys, -1 unbounded) is MIN_WINDOW_KEYS or more with a right edge (causal, or
+    bounded on the right: a window without one has not run on three consumers)."""
+    if head_dim not in THREE_CONSUMERS or softcap:
+        return False
+    tile_rows = ROWS.value * THREE_CONSUMERS[head_dim][3]
+    return ((left < 0 or (right_edge and left >= MIN_WINDOW_KEYS))
+            and pairs * -(-q_len // tile_rows) >= MIN_TILES_PER_PROGRAM * programs)
 
 
 def _config_fits(config):
-    # A config the kernel can run: two or three consumer partitions, whose registers and the
-    # loader warpgroup's fit the SM's 64K (the tables' all do; a lab's may not)
+    # A config the kernel can run: two or three consumer partitions, whose registers fit beside
+    # the loader warpgroup's (CONSUMER_REGISTERS; the tables' all do; a lab's may not)
     consumers, regs = config[3], config[2]
-    return consumers in (2, 3) and consumers * regs + LOADER_REGS.value <= 65536 // 128
+    return consumers in (2, 3) and consumers * regs <= CONSUMER_REGISTERS
 
 
 def packed_tiles_ok(batch, heads, max_q):
@@ -1134,7 +1140,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
         raise ValueError(f"config must be a tuple of {CONFIG_FIELDS}, got {config!r}")
     if config is not None and not _config_fits(config):
         raise ValueError(f"config {config}: 2 or 3 consumers of at most "
-                         f"{(65536 // 128 - LOADER_REGS.value) // max(config[3], 1)} registers")
+                         f"{CONSUMER_REGISTERS // max(config[3], 1)} registers")
     if parts is not None and not _parts_ok(parts, head_dim, varlen is not None):
         raise ValueError(f"parts must be (D0, D1), powers of two from 16 to 256 with D0 >= D1 (D1 "
                          f"may be 0), covering head_dim {head_dim}{' exactly' if varlen else ''}, "
@@ -1151,9 +1157,9 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     out_strided = not out.is_contiguous() and tma_strided_ok(out) and out.data_ptr() % 16 == 0
     stored_by_copy = ((_packed(out) if varlen else out.is_contiguous() or out_strided)
                       and out.data_ptr() % 16 == 0)
-    # (a window without a right edge, non-causal, has not run on three consumers: two)
-    if (config is None and varlen is None and stored_by_copy and (bounded or not has_window)
-            and three_consumers(head_dim, batch * heads, q_len, sms, window[0], has_softcap)):
+    if (config is None and varlen is None and stored_by_copy
+            and three_consumers(head_dim, batch * heads, q_len, sms, window[0], bounded,
+                                has_softcap)):
         config = THREE_CONSUMERS[head_dim]
     tile_rows = ROWS.value * (config or CONFIGS[head_dim])[3]
     num_m = -(-max_q // tile_rows)
