@@ -989,8 +989,8 @@ MIN_QUERIES = {64: 2049}
 # 0.654 against 0.676 ms without it (two consumers: 0.665-0.669 in other jobs). Windows (same
 # file): 0.94 of two consumers' time at a 4096-key window, 1.05 at 2048, 1.31 at 1024, 1.58 at
 # 512 ((4,32,8192,64,kv8)); softcap 30 1.45 at (8,16,8192,64) (its softmax spills at 160
-# registers); bshd views 0.93; a window without a right edge (non-causal) keeps two, not yet
-# run on three. The bound of 4 tiles a program (same file, SERIAL on): 0.93-0.98 of two
+# registers); bshd views 0.93. Non-causal calls, windowed or not, follow the causal rule (their
+# GPU tests ran on three consumers; their speed there was not timed). The bound of 4 tiles a program (same file, SERIAL on): 0.93-0.98 of two
 # consumers' time at 5.2-7.8 tiles a program at 8192 queries, level at 5.3 at 4096
 # ((2,16,4096,64)); 0.95 at 3.9 ((1,12,8192,64)) but 1.11 at 3.4 ((2,16,2500,64), before SERIAL).
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
@@ -1087,16 +1087,15 @@ def _short(q, k):
             <= device_properties(q.device).multi_processor_count)
 
 
-def three_consumers(head_dim, pairs, q_len, programs, left=-1, right_edge=True, softcap=False):
+def three_consumers(head_dim, pairs, q_len, programs, left=-1, softcap=False):
     """Whether a dense call of `pairs` (batch, head) pairs of q_len queries on `programs`
     persistent programs runs THREE_CONSUMERS' config: its head_dim has one, its tiles (192 rows)
     number MIN_TILES_PER_PROGRAM a program or more, it has no softcap, and a window's left
-    reach (`left` keys, -1 unbounded) is MIN_WINDOW_KEYS or more with a right edge (causal, or
-    bounded on the right: a window without one has not run on three consumers)."""
+    reach (`left` keys, -1 unbounded) is MIN_WINDOW_KEYS or more."""
     if head_dim not in THREE_CONSUMERS or softcap:
         return False
     tile_rows = ROWS.value * THREE_CONSUMERS[head_dim][3]
-    return ((left < 0 or (right_edge and left >= MIN_WINDOW_KEYS))
+    return ((left < 0 or left >= MIN_WINDOW_KEYS)
             and pairs * -(-q_len // tile_rows) >= MIN_TILES_PER_PROGRAM * programs)
 
 
@@ -1158,8 +1157,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     stored_by_copy = ((_packed(out) if varlen else out.is_contiguous() or out_strided)
                       and out.data_ptr() % 16 == 0)
     if (config is None and varlen is None and stored_by_copy
-            and three_consumers(head_dim, batch * heads, q_len, sms, window[0], bounded,
-                                has_softcap)):
+            and three_consumers(head_dim, batch * heads, q_len, sms, window[0], has_softcap)):
         config = THREE_CONSUMERS[head_dim]
     tile_rows = ROWS.value * (config or CONFIGS[head_dim])[3]
     num_m = -(-max_q // tile_rows)
