@@ -113,7 +113,7 @@ def _offline_driver():
 
 
 def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd=False,
-                  keys=1024, window=(-1, -1), softcap=0.0, p_smem=False):
+                  keys=1024, window=(-1, -1), softcap=0.0):
     """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
     (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
     a warm-up compile (_offline_driver). `varlen`: the packed-sequence (VARLEN) kernel, as
@@ -121,8 +121,7 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
     (a dense call of 1024 keys: column_parts'); `bshd`: a dense call of [batch, seq, heads,
     head_dim] tensors, which the kernel views at their strides (STRIDED); `keys`: a dense call's
     query and key length (at most one K/V block: no block loop where block_loops says so);
-    `window` and `softcap`: a causal call's, as fused_attention takes them; `p_smem`: P through
-    shared memory (the launch's p_smem)."""
+    `window` and `softcap`: a causal call's, as fused_attention takes them."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_fwd_hopper as module
@@ -143,7 +142,7 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
                                            causal=True, scale=head_dim ** -0.5, causal_offset=0,
                                            window=window, softcap=softcap,
                                            varlen=(cu, cu, 724, 724), config=config,
-                                           parts=parts, p_smem=p_smem)
+                                           parts=parts)
     if bshd:
         q = torch.empty(2, keys, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
     else:
@@ -151,7 +150,7 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
     return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, keys),
                                        causal=True, scale=head_dim ** -0.5, causal_offset=0,
                                        window=window, softcap=softcap, config=config,
-                                       parts=parts, p_smem=p_smem)
+                                       parts=parts)
 
 
 def compile_gluon_bwd(head_dim, dtype="bf16", dq=False, causal=True, fused_dq=False,
@@ -331,8 +330,6 @@ def main():
     p.add_argument("--parts", default=None,
                    help="with --gluon: column parts D0,D1 instead of the layout a 1024-key call "
                         "gets (e.g. 128,0: head_dim 80 as one part padded to 128 columns)")
-    p.add_argument("--p-smem", action="store_true",
-                   help="with --gluon: P through shared memory (the A operand of P V from there)")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
     args = p.parse_args()
     if args.parts and not args.gluon:
@@ -390,7 +387,7 @@ def main():
         parts = args.parts and tuple(int(x) for x in args.parts.split(","))
         window = tuple(int(x) for x in args.window.split(",")) if args.window else (-1, -1)
         compiled = compile_gluon(args.head_dim, config, args.dtype, args.varlen, parts,
-                                 args.bshd, args.keys or 1024, window, args.softcap, args.p_smem)
+                                 args.bshd, args.keys or 1024, window, args.softcap)
     else:
         config = tuple(int(x) for x in (args.config or "128,64,8,3").split(","))
         if len(config) != 4:

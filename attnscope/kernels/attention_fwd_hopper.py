@@ -500,7 +500,7 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL: gl.constexpr,
 def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, vis,
                 WG: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                 CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                SPLIT: gl.constexpr, P_SMEM: gl.constexpr):
+                SPLIT: gl.constexpr):
     # The consumer's K/V block g (block j of the sequence, past the tile's first): S_j = Q K_j^T
     # and O += P_{j-1} V_{j-1} issued as asynchronous wgmma in this warpgroup's turn, block j's
     # softmax while the P V product runs, then O rescaled. With a split head_dim (SPLIT) each
@@ -508,12 +508,12 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     # False), or None: chosen at run time (_block_softmax). vis: what its rows see (_softmax).
     # ring: the consumer's Q buffers, the K/V ring's buffers and barriers, the ping-pong's turn
     # barriers.
-    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn, pbuf = ring
+    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     NUM_WG: gl.constexpr = turn.shape[0]  # the consumers, one turn barrier each
     # SERIAL: a masked block on three consumers waits for P_{j-1} V_{j-1} before its softmax;
     # at 160 registers, P_{j-1} held through the masked softmax spills. (Not under SPLIT, whose
     # branch comes first, nor in BLOCK_LOOPS 1's loop, whose blocks' MASKED is None.)
-    SERIAL: gl.constexpr = (NUM_WG == 3) and (MASKED is True) and not P_SMEM
+    SERIAL: gl.constexpr = (NUM_WG == 3) and (MASKED is True)
     slot = g % STAGES
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
@@ -523,15 +523,11 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
                           is_async=True)
     if SPLIT:
         s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok, is_async=True)
-        if P_SMEM:
-            acc = warpgroup_mma(pbuf, v_smem.index(prev), acc, is_async=True)
-            acc1 = warpgroup_mma(pbuf, v_smem1.index(prev), acc1, is_async=True)
-        else:
-            acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0,
-                                                          parent=acc1.type.layout, k_width=2)
-            acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(prev), acc1,
-                                 is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0,
+                                                      parent=acc1.type.layout, k_width=2)
+        acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(prev), acc1,
+                             is_async=True)
         mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done (wgmma retire in order); the P V pair may still run
         s, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
@@ -541,7 +537,7 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
         # both done: P_{j-1} dies before this block's masked softmax
         s, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
     else:
-        acc = warpgroup_mma(pbuf if P_SMEM else p_op, v_smem.index(prev), acc, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
         s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
@@ -561,10 +557,6 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     mbarrier.arrive(v_empty.index(prev))
     alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
     acc = acc * gl.expand_dims(alpha0, 1)
-    if P_SMEM:  # P_j for the next block's product, once P_{j-1} V_{j-1} has read the buffer
-        pbuf.store(p.to(pbuf.dtype))
-        fence_async_shared()
-        return acc, acc1, p_op, l_i, m_i
     return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i
 
 
@@ -573,7 +565,7 @@ def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr):
     # A consumer's part in the barriers of a tile's n_blocks K/V blocks (the ring's from `it`)
     # without their products: its turns passed on, the slots released once loaded (an arrival
     # before the slot's load would count toward the release of the block before).
-    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn, pbuf = ring
+    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     NUM_WG: gl.constexpr = turn.shape[0]
     for j in range(n_blocks):
         g = it + j
@@ -660,14 +652,14 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-              O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, P_SMEM: gl.constexpr):
+              O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
     (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
      k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
-     softcap_log2, ids, ids_ready, ids_empty, p_smem) = args
+     softcap_log2, ids, ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -690,9 +682,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         q1 = q_smem1.index(WG)
     else:  # unused
         q1 = q
-    pbuf = p_smem.index(WG)  # P_SMEM: this consumer's P, the A operand of P V
-    ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn,
-            pbuf)
+    ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn)
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM], or [batch, heads, seq,
         # HEAD_DIM] at 16-byte aligned strides for STRIDED (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end. A packed out is
@@ -760,11 +750,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 mbarrier.arrive(k_empty.index(it % STAGES))
                 p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
                                                     HAS_WINDOW, SOFTCAP, BLOCK_N)
-                if P_SMEM:
-                    pbuf.store(p.to(dtype))
-                    fence_async_shared()
-                else:
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
 
             # The blocks past the first, as BLOCK_LOOPS says (the launch's rule, `block_loops`):
             # none (every tile holds one K/V block), one loop choosing each block's mask at run
@@ -776,7 +762,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 for j in range(1, n_blocks):
                     acc, acc1, p_op, l_i, m_i = _next_block(
                         ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                        vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT, P_SMEM)
+                        vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
             elif BLOCK_LOOPS == 2:
                 # (j counts the tile's blocks, lo + j is the sequence's; lo is 0 without a window)
                 if HAS_WINDOW:
@@ -784,19 +770,18 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                     for j in range(1, edge_end):
                         acc, acc1, p_op, l_i, m_i = _next_block(
                             ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j,
-                            full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
-                            P_SMEM)
+                            full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
                 else:
                     edge_end = 1
                 full_end = gl.maximum(gl.minimum(full_blocks - lo, n_blocks), edge_end)
                 for j in range(edge_end, full_end):
                     acc, acc1, p_op, l_i, m_i = _next_block(
                         ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                        vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT, P_SMEM)
+                        vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
                 for j in range(full_end, n_blocks):
                     acc, acc1, p_op, l_i, m_i = _next_block(
                         ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                        vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT, P_SMEM)
+                        vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
             # Q is no longer read: the loader may bring in the next tile's while this one ends
             # (O_IN_Q: once the output staged in Q's buffer has left, below)
             if not O_IN_Q:
@@ -805,10 +790,9 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             if n_blocks > 0:
                 last = (it + n_blocks - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-                acc = warpgroup_mma(pbuf if P_SMEM else p_op, v_smem.index(last), acc,
-                                    is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
                 if SPLIT:
-                    acc1 = warpgroup_mma(pbuf if P_SMEM else gl.convert_layout(p_op, p_layout1),
+                    acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
                                          v_smem1.index(last), acc1, is_async=True)
                     acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
                 else:
@@ -863,8 +847,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
                      CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
                      TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-                     O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, NUM_WG: gl.constexpr,
-                     P_SMEM: gl.constexpr, P_LAYOUT: gl.constexpr):
+                     O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, NUM_WG: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
@@ -932,14 +915,10 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
         if BLOCK_D1 > 0:
             o_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
-    p_smem = q_smem  # unused without P_SMEM: P, the A operand of P V, through shared memory
-    if P_SMEM:
-        p_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_N], P_LAYOUT)
     shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
               q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
               stride_om, sched, n_hz, num_m, HEAD_GROUP, H, CuQ, CuK, N_CTX_Q, N_CTX_K,
-              CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, ids, ids_ready, ids_empty,
-              p_smem)
+              CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, ids, ids_ready, ids_empty)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty,
              k_ready, k_empty, v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP, CuQ,
              CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm,
@@ -950,20 +929,20 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     if NUM_WG == 3:
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS, P_SMEM)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS, P_SMEM)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
             (_consumer, (shared, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS, P_SMEM)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
                        STRIDED, O_IN_Q)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS, P_SMEM)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS, P_SMEM)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
                        STRIDED, O_IN_Q)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -1144,8 +1123,7 @@ def _packed(t):
 
 
 def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1, -1),
-                         softcap=0.0, varlen=None, config=None, parts=None, loops=None, key=None,
-                         p_smem=False):
+                         softcap=0.0, varlen=None, config=None, parts=None, loops=None, key=None):
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
     attention_fwd.attention_fwd_triton's (`window` and `softcap` as fused_attention's; `varlen`:
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for a packed batch, q/k/v/out its
@@ -1231,8 +1209,6 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
                          f"{' (packed)' if varlen else ''}")
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
     smem = consumers * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
-    if p_smem:
-        smem += consumers * ROWS.value * block_n * q.element_size()
     if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
         raise ValueError(f"config {config} with column parts {(d0, d1)} needs {smem} B of shared "
                          f"memory for Q and the K/V ring, more than {SHARED_MEMORY_BYTES}")
@@ -1245,12 +1221,12 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
                   VARLEN=varlen is not None, STRIDED=strided, BLOCK_LOOPS=loops, NUM_WG=consumers,
-                  P_SMEM=p_smem, P_LAYOUT=_smem_layout(ROWS.value, block_n, dtype), num_warps=4)
+                  num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
         key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, q.stride(), k.stride(),
                v.stride(), out.stride(), aligned(out, lse), stored_by_copy, sched_width,
-               causal, causal_offset, scale, window, softcap, grid, config, parts, loops, p_smem)
+               causal, causal_offset, scale, window, softcap, grid, config, parts, loops)
         if varlen is not None:
             key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
     launch = _launch if varlen is None else _launch_packed

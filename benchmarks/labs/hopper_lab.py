@@ -90,21 +90,13 @@ def _inputs(b, h, hkv, lq, lk, d, dtype, layout="bhsd"):
     return rand(h, lq), rand(hkv, lk), rand(hkv, lk)
 
 
-def _config_args(config):
-    # a --configs entry's launch arguments: its CONFIG_FIELDS, and P through shared memory where
-    # it ends in ",p" (the launch's p_smem)
-    if config is None:
-        return {}
-    return dict(config=config[:len(hop.CONFIG_FIELDS)], p_smem=config[-1] == "p")
-
-
 def _run(q, k, v, causal, bottom_right, config=None, loops=None):
     b, h, lq, d = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, h, lq), float("nan"), device="cuda")
     offset = k.shape[2] - lq if bottom_right else 0
     hop.attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=d ** -0.5,
-                             causal_offset=offset, loops=loops, **_config_args(config))
+                             causal_offset=offset, config=config, loops=loops)
     return out, lse
 
 
@@ -219,8 +211,8 @@ def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loop
         lse = torch.empty(b, h, s, device="cuda")
         cands = {f"gluon{c}" + (f" parts{p}" if p else ""): (
             lambda c=c, p=p: hop.attention_fwd_hopper(
-                q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, parts=p,
-                **_config_args(c), **vis))
+                q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c,
+                parts=p, **vis))
             for c in configs if c is not None or d in hop.CONFIGS for p in (None, *parts)}
         for n in loops if d in hop.CONFIGS else ():  # the table's config, BLOCK_LOOPS forced
             if n == 0 and not _one_block(None, d, s):
@@ -316,8 +308,7 @@ def main(argv=None):
                    help="B,H,S,D[,KV_HEADS] causal bf16 shapes to time")
     p.add_argument("--configs", nargs="*", default=[],
                    help="Gluon configs BLOCK_N,STAGES,REGS,CONSUMERS (consumer warpgroups: 2, or 3 "
-                        "for 192-row tiles) to run next to the table's; ending in ,p: with P "
-                        "through shared memory (the launch's p_smem)")
+                        "for 192-row tiles) to run next to the table's")
     p.add_argument("--parts", nargs="*", default=[],
                    help="with --time: column parts D0,D1 (powers of two from 16 to 256, D0 >= D1, "
                         "D1 may be 0, covering head_dim) to time each config with besides "
@@ -342,14 +333,10 @@ def main(argv=None):
                         "runs each, --time adds the table's config with each (0: no block loop, "
                         "only where every tile holds one K/V block; not for packed batches)")
     a = p.parse_args(argv)
-    configs = [None]
-    for c in a.configs:
-        fields = c.split(",")
-        n = len(hop.CONFIG_FIELDS)
-        if not (len(fields) == n or len(fields) == n + 1 and fields[-1] == "p") or not all(
-                x.isdigit() for x in fields[:n]):
-            p.error(f"a Gluon config is {','.join(hop.CONFIG_FIELDS)}[,p], got {c!r}")
-        configs.append(tuple(int(x) for x in fields[:n]) + tuple(fields[n:]))
+    configs = [None] + [tuple(int(x) for x in c.split(",")) for c in a.configs]
+    for c in configs[1:]:
+        if len(c) != len(hop.CONFIG_FIELDS):
+            p.error(f"a Gluon config is {','.join(hop.CONFIG_FIELDS)}, got {c}")
     if a.layout == "bshd" and a.varlen:
         p.error("--layout bshd goes with dense calls, not --varlen")
     if a.parts and (a.varlen or not a.time):
