@@ -598,6 +598,7 @@ def test_three_consumers_where_every_program_has_many_tiles(monkeypatch):
                           (dict(window=(4000, 100), causal=False), 3),
                           (dict(window=(300, 100), causal=False), 2),
                           (dict(window=(4000, -1), causal=False), 3),
+                          (dict(window=(3071, -1), causal=False), 2),
                           (dict(causal=False), 3),
                           (dict(softcap=30.0), 2), (dict(window=(4096, 0), softcap=30.0), 2)):
         hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(8, 16, 16384),

@@ -990,9 +990,10 @@ MIN_QUERIES = {64: 2049}
 # file): 0.94 of two consumers' time at a 4096-key window, 1.05 at 2048, 1.31 at 1024, 1.58 at
 # 512 ((4,32,8192,64,kv8)); softcap 30 1.45 at (8,16,8192,64) (its softmax spills at 160
 # registers); bshd views 0.93. Non-causal calls, windowed or not, follow the causal rule (their
-# GPU tests ran on three consumers; their speed there was not timed). The bound of 4 tiles a program (same file, SERIAL on): 0.93-0.98 of two
-# consumers' time at 5.2-7.8 tiles a program at 8192 queries, level at 5.3 at 4096
-# ((2,16,4096,64)); 0.95 at 3.9 ((1,12,8192,64)) but 1.11 at 3.4 ((2,16,2500,64), before SERIAL).
+# GPU tests ran on three consumers; their speed there was not timed). The bound of 4 tiles a
+# program (same file, SERIAL on): 0.93-0.98 of two consumers' time at 5.2-7.8 tiles a program
+# at 8192 queries, level at 5.3 at 4096 ((2,16,4096,64)); 0.95 at 3.9 ((1,12,8192,64)) but
+# 1.11 at 3.4 ((2,16,2500,64), before SERIAL).
 THREE_CONSUMERS = {64: (128, 2, 160, 3)}
 MIN_TILES_PER_PROGRAM = 4
 MIN_WINDOW_KEYS = 3072
