@@ -146,23 +146,32 @@ THREE_CONSUMER_MORE_CASES = [
 ]
 
 
+def _three_consumers_everywhere(monkeypatch):
+    # head_dim 64 on three consumers at any length and for any call: the table's config made
+    # THREE_CONSUMERS' (the launch's rule keeps narrow windows and softcaps on two, where three
+    # measured slower)
+    hopper = dispatch._hopper()
+    monkeypatch.setattr(hopper, "MIN_QUERIES", {})
+    monkeypatch.setattr(hopper, "CONFIGS", {**hopper.CONFIGS, 64: hopper.THREE_CONSUMERS[64]})
+
+
+def _ran_on_three_consumers():
+    ran = dispatch.launched_forward_kernels()[0]
+    return ran["name"] == "_attn_fwd_hopper" and ran["config"]["consumers"] == 3
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("case", THREE_CONSUMER_MORE_CASES)
 def test_hopper_kernel_three_consumers_more_calls(case, dtype, floor, lse_tol, monkeypatch):
-    # windows, softcaps and bshd views on three consumers at any tile count (the table's
-    # head_dim-64 config made THREE_CONSUMERS': the launch's rule keeps narrow windows and
-    # softcaps on two, where three measured slower)
-    hopper = dispatch._hopper()
-    monkeypatch.setattr(hopper, "MIN_QUERIES", {})
-    monkeypatch.setattr(hopper, "CONFIGS", {**hopper.CONFIGS, 64: hopper.THREE_CONSUMERS[64]})
+    # windows, softcaps and bshd views on three consumers at any tile count
+    _three_consumers_everywhere(monkeypatch)
     batch, heads, kv_heads, q_len, kv_len, alignment, window, softcap, layout = case
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, 64, dtype, "cuda", layout)
     check(q, k, v, floor, lse_tol, causal=True, causal_alignment=alignment, window=window,
           softcap=softcap, layout=layout)
-    ran = dispatch.launched_forward_kernels()[0]
-    assert ran["name"] == "_attn_fwd_hopper" and ran["config"]["consumers"] == 3
+    assert _ran_on_three_consumers()
 
 
 @pytest.mark.cuda
@@ -171,15 +180,11 @@ def test_hopper_kernel_three_consumers_more_calls(case, dtype, floor, lse_tol, m
 @pytest.mark.parametrize("window", [(300, -1), (1000, -1), (200, 150), (-1, 70)])
 def test_hopper_kernel_three_consumers_non_causal_windows(window, dtype, floor, lse_tol,
                                                            monkeypatch):
-    # non-causal windows, with and without a right edge, on three consumers (the table's
-    # head_dim-64 config made THREE_CONSUMERS')
-    hopper = dispatch._hopper()
-    monkeypatch.setattr(hopper, "MIN_QUERIES", {})
-    monkeypatch.setattr(hopper, "CONFIGS", {**hopper.CONFIGS, 64: hopper.THREE_CONSUMERS[64]})
+    # non-causal windows, with and without a right edge, on three consumers
+    _three_consumers_everywhere(monkeypatch)
     q, k, v = make_qkv(1, 4, 2, 1000, 1300, 64, dtype, "cuda")
     check(q, k, v, floor, lse_tol, causal=False, causal_alignment="bottom_right", window=window)
-    ran = dispatch.launched_forward_kernels()[0]
-    assert ran["name"] == "_attn_fwd_hopper" and ran["config"]["consumers"] == 3
+    assert _ran_on_three_consumers()
 
 
 WINDOW_CASES = [

@@ -120,11 +120,10 @@ def check(config, layout="bhsd", loops=None):
         except Exception as e:  # a lab's config whose buffers or registers this head_dim's
             # do not fit (the launch's check, or ptxas: "Insufficient registers"); the table's
             # configs must run
-            if config is None or ("shared memory" not in str(e)
-                                  and "Insufficient registers" not in str(e)):
+            why = next((line for line in str(e).splitlines()
+                        if "shared memory" in line or "Insufficient registers" in line), None)
+            if config is None or why is None:
                 raise
-            why = next(line for line in str(e).splitlines()
-                       if "shared memory" in line or "Insufficient registers" in line)
             print(f"check {b},{h},{hkv},{lq},{lk},{d}: skipped ({why.strip()})", flush=True)
             skipped += 1
             continue
