@@ -75,8 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attnscope.kernels.attention_fwd_hopper import _tanh_exp2
 from attnscope.kernels.common import (LOG2E, _grouped_tile, aligned, device_properties, l2_group,
                                       score_scales, tma_strided_ok, tma_view_strides)
-from attnscope.kernels.gluon_compat import (partition_barrier, release, tma_add, tma_load,
-                                            tma_store)
+from attnscope.kernels.gluon_compat import partition_barrier, tma_add, tma_load, tma_store
 from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup; the dQ kernel's query rows per warpgroup
@@ -400,7 +399,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                                    k_smem.index(1).slice(WG * ROWS, ROWS, dim=1), dq,
                                    is_async=True)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
-                release(empty.index(slot))
+                mbarrier.arrive(empty.index(slot))
                 # to the dQ writer (_dq_writer) through this warpgroup's half of its tile
                 mbarrier.wait(dq_empty, (it & 1) ^ 1)
                 dq_smem.index(WG).store(dq)
@@ -412,7 +411,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
                 dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk,
                                    is_async=True)
                 dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
-                release(empty.index(slot))
+                mbarrier.arrive(empty.index(slot))
             it += 1
     if FUSED:  # the other warpgroup's last dQ product reads this one's K tile, which stages dK
         mbarrier.arrive(kv_done)
@@ -694,7 +693,7 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
         # dQ += dS K
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=[dq])
-        release(empty.index(slot))
+        mbarrier.arrive(empty.index(slot))
     # dS was taken w.r.t. the scaled scores: the chain rule puts the scale on dQ. This warpgroup's
     # Q buffer is no longer read: it stages dQ for the loader's store (_store_staged).
     q.store((dq * sm_scale).to(dtype))

@@ -95,7 +95,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attnscope.kernels.common import (_grouped_tile, aligned, block_width, device_properties,
                                       head_group, score_scales, tma_strided_ok, tma_view_strides,
                                       visibility)
-from attnscope.kernels.gluon_compat import release, tma_load, tma_store
+from attnscope.kernels.gluon_compat import tma_load, tma_store
 from attnscope.kernels.launch import FORWARD_LAUNCHES, FastLaunch, ensure_scratch_allocator
 from attnscope.kernels.tile_schedule import tile_schedule
 
@@ -498,7 +498,7 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL: gl.constexpr,
 
 @gluon.jit
 def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, vis,
-                NUM_WG: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+                WG: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                 CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
                 SPLIT: gl.constexpr):
     # The consumer's K/V block g (block j of the sequence, past the tile's first): S_j = Q K_j^T
@@ -508,8 +508,8 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     # False), or None: chosen at run time (_block_softmax). vis: what its rows see (_softmax).
     # ring: the consumer's Q buffers, the K/V ring's buffers and barriers, the ping-pong's turn
     # barriers.
-    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn, nxt = ring
-    # (turn: this consumer's turn barrier, nxt: the next consumer's)
+    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
+    NUM_WG: gl.constexpr = turn.shape[0]  # the consumers, one turn barrier each
     # SERIAL: a masked block on three consumers waits for P_{j-1} V_{j-1} before its softmax;
     # at 160 registers, P_{j-1} held through the masked softmax spills. (Not under SPLIT, whose
     # branch comes first, nor in BLOCK_LOOPS 1's loop, whose blocks' MASKED is None.)
@@ -518,7 +518,7 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-    mbarrier.wait(turn.index(0), g & 1)
+    mbarrier.wait(turn.index(WG), g & 1)
     s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     if SPLIT:
@@ -528,21 +528,20 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
                                                       parent=acc1.type.layout, k_width=2)
         acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(prev), acc1,
                              is_async=True)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done (wgmma retire in order); the P V pair may still run
         s, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
     elif SERIAL:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # both done: P_{j-1} dies before this block's masked softmax
         s, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
     else:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
         s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
-    # S_j done means every warp of this warpgroup issued this block's products (wgmma is one
-    # operation of the four), so past every wait above: the next consumer's turn, and K_j's
-    # slot, are released by one thread without a sync of the warpgroup (release)
-    release(nxt.index(0))
-    release(k_empty.index(slot))
+    mbarrier.arrive(k_empty.index(slot))
     if MASKED is None:
         p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL,
                                             HAS_WINDOW, SOFTCAP, s.shape[1])
@@ -555,24 +554,25 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
         acc1 = acc1 * gl.expand_dims(alpha1, 1)
     elif not SERIAL:
         acc = warpgroup_mma_wait(0, deps=[acc])
-    release(v_empty.index(prev))
+    mbarrier.arrive(v_empty.index(prev))
     alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
     acc = acc * gl.expand_dims(alpha0, 1)
     return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i
 
 
 @gluon.jit
-def _pass_blocks(ring, it, n_blocks, STAGES: gl.constexpr):
+def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr):
     # A consumer's part in the barriers of a tile's n_blocks K/V blocks (the ring's from `it`)
     # without their products: its turns passed on, the slots released once loaded (an arrival
     # before the slot's load would count toward the release of the block before).
-    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn, nxt = ring
+    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
+    NUM_WG: gl.constexpr = turn.shape[0]
     for j in range(n_blocks):
         g = it + j
         slot = g % STAGES
         mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-        mbarrier.wait(turn.index(0), g & 1)
-        mbarrier.arrive(nxt.index(0))
+        mbarrier.wait(turn.index(WG), g & 1)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         mbarrier.arrive(k_empty.index(slot))
         mbarrier.wait(v_ready.index(slot), (g // STAGES) & 1)
         mbarrier.arrive(v_empty.index(slot))
@@ -657,7 +657,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
     (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
-     k_ready, k_empty, v_ready, v_empty, turns, Out, Lse, stride_oz, stride_oh, stride_om, sched,
+     k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
      softcap_log2, ids, ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
@@ -682,8 +682,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         q1 = q_smem1.index(WG)
     else:  # unused
         q1 = q
-    ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty,
-            turns[WG], turns[(WG + 1) % NUM_WG])
+    ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn)
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM], or [batch, heads, seq,
         # HEAD_DIM] at 16-byte aligned strides for STRIDED (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end. A packed out is
@@ -725,7 +724,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             # product, no store, only its part in the ring's and the ping-pong's barriers.
             mbarrier.wait(q_ready.index(WG), ti & 1)
             mbarrier.arrive(q_empty.index(WG))
-            _pass_blocks(ring, it, n_blocks, STAGES)
+            _pass_blocks(ring, it, n_blocks, WG, STAGES)
         else:
             m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
             l_i = gl.zeros([ROWS], gl.float32, row_layout)
@@ -740,15 +739,15 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             if n_blocks > 0:
                 mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
                 # turn k waits for phase k of this warpgroup's turn barrier
-                mbarrier.wait(turns[WG].index(0), it & 1)
+                mbarrier.wait(turn.index(WG), it & 1)
                 s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
                                       use_acc=False, is_async=True)
                 if SPLIT:
                     s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
                                           s_tok, is_async=True)
+                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
                 s = warpgroup_mma_wait(0, deps=[s_tok])
-                release(turns[(WG + 1) % NUM_WG].index(0))
-                release(k_empty.index(it % STAGES))
+                mbarrier.arrive(k_empty.index(it % STAGES))
                 p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
                                                     HAS_WINDOW, SOFTCAP, BLOCK_N)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -763,7 +762,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 for j in range(1, n_blocks):
                     acc, acc1, p_op, l_i, m_i = _next_block(
                         ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                        vis, NUM_WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                        vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
             elif BLOCK_LOOPS == 2:
                 # (j counts the tile's blocks, lo + j is the sequence's; lo is 0 without a window)
                 if HAS_WINDOW:
@@ -771,18 +770,18 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                     for j in range(1, edge_end):
                         acc, acc1, p_op, l_i, m_i = _next_block(
                             ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j,
-                            full_blocks, vis, NUM_WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                            full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
                 else:
                     edge_end = 1
                 full_end = gl.maximum(gl.minimum(full_blocks - lo, n_blocks), edge_end)
                 for j in range(edge_end, full_end):
                     acc, acc1, p_op, l_i, m_i = _next_block(
                         ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                        vis, NUM_WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                        vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
                 for j in range(full_end, n_blocks):
                     acc, acc1, p_op, l_i, m_i = _next_block(
                         ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                        vis, NUM_WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                        vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
             # Q is no longer read: the loader may bring in the next tile's while this one ends
             # (O_IN_Q: once the output staged in Q's buffer has left, below)
             if not O_IN_Q:
@@ -798,7 +797,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                     acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
                 else:
                     acc = warpgroup_mma_wait(0, deps=[acc])
-                release(v_empty.index(last))
+                mbarrier.arrive(v_empty.index(last))
 
             # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
             lse = (m_i + gl.log2(l_i)) * LN2
@@ -880,15 +879,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
-    # the ping-pong's turn barriers, one allocation each: a consumer waits on its own and
-    # releases the next one's, and Triton's shared-memory hazard analysis puts a bar.sync
-    # between the two where they are one allocation's (it takes `release`'s `expect` for a write)
-    turn0 = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
-    turn1 = gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout)
-    if NUM_WG == 3:
-        turns = (turn0, turn1, gl.allocate_shared_memory(gl.int64, [1, 1], bar_layout))
-    else:
-        turns = (turn0, turn1)
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -896,7 +887,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     for i in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
-        mbarrier.init(turns[i].index(0), count=1)
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -915,7 +906,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
             mbarrier.init(ids_ready.index(i), count=1)
             mbarrier.init(ids_empty.index(i), count=NUM_WG)
     # warpgroup 0 has the first turn: its turn barrier starts one phase ahead
-    mbarrier.arrive(turn0.index(0))
+    mbarrier.arrive(turn.index(0))
     fence_async_shared()
 
     o_smem = q_smem  # unused without TMA_STORE; with O_IN_Q, outputs are staged in Q's buffers
@@ -925,7 +916,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         if BLOCK_D1 > 0:
             o_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
     shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
-              q_empty, k_ready, k_empty, v_ready, v_empty, turns, Out, Lse, stride_oz, stride_oh,
+              q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
               stride_om, sched, n_hz, num_m, HEAD_GROUP, H, CuQ, CuK, N_CTX_Q, N_CTX_K,
               CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, ids, ids_ready, ids_empty)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty,

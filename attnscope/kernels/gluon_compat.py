@@ -54,20 +54,6 @@ if tma is not None and tma_add is None:
 partition_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier", None)
 
 
-if mbarrier is not None:
-    @gluon.jit
-    def release(bar):
-        """One arrival on `bar` by one thread of the calling warpgroup, without waiting for the
-        warpgroup's other warps. `mbarrier.arrive` lowers to a `bar.sync` of the partition's
-        warps before its one thread arrives, which a release of a buffer only wgmma read (and
-        waited for) does not need: wgmma is one operation of the whole warpgroup, so any warp's
-        wait covers it (CUTLASS's pipelines release so). An expect of no bytes is that arrival
-        (`mbarrier.arrive.expect_tx` with a count of 0) and has no sync before it. Not for
-        buffers that the warps read or wrote with their own loads and stores."""
-        mbarrier.expect(bar, 0)
-else:
-    release = None
-
 def missing():
     """What the Hopper kernel uses and the installed Triton lacks, as a list of names (empty:
     the kernel can compile here)."""
