@@ -74,7 +74,7 @@ def compile_fwd(head_dim, config, pipeline, tma, maxnreg, dtype="bf16"):
     constants.update(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                      CAUSAL=True, INPUT_PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n,
                      PIPELINE=pipeline, USE_TMA=tma, EVEN_N=True, EMPTY_ROWS=False,
-                     HAS_WINDOW=False, SOFTCAP=False, VARLEN=False)
+                     HAS_WINDOW=False, SOFTCAP=False, VARLEN=False, STORE_LSE=True)
     options = dict(num_warps=num_warps, num_stages=num_stages, **_launch_options())
     if maxnreg:
         options["maxnreg"] = maxnreg

@@ -12,6 +12,7 @@ import torch
 
 from attnscope import fused_attention
 from attnscope.attention import fused
+from attnscope.attention.reference import attention_reference
 from attnscope.kernels import attention_fwd, launch
 # nan_outputs: autouse, poisons every buffer the op allocates
 from fused_checks import CPU, check, keep_launches, make_qkv, nan_outputs  # noqa: F401
@@ -127,6 +128,20 @@ def test_gpu_repeated_launches_are_right(head_dim):
     base = torch.randn(q.numel() + 1, dtype=q.dtype, device="cuda")
     check(base[1:].view(q.shape), k, v, 4e-3, 1e-3)
 
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gpu_an_inference_call_without_the_lse_gives_the_same_output(head_dim):
+    # A call that returns no LSE launches its kernel without one (the Triton kernel at head_dim
+    # 64 and 384 queries; on sm_90 the Gluon one at 128 and 256, whose output is staged in Q's
+    # buffer, and three consumers at 64 and 4096 queries): the output of the call that returns
+    # the LSE, bit for bit, on the first call and on the repeat.
+    shapes = [(2, 4, 2, 384)] + ([(2, 16, 16, 4096)] if head_dim == 64 else [])
+    for batch, heads, kv_heads, seq in shapes:
+        q, k, v = make_qkv(batch, heads, kv_heads, seq, seq, head_dim, torch.bfloat16, "cuda")
+        outs = [fused_attention(q, k, v) for _ in range(2)]
+        expected, _ = check(q, k, v, 4e-3, 1e-3)
+        assert all(torch.equal(out, expected) for out in outs)
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", [64, 128, 256])  # Triton; Gluon on sm_90 (Triton with TMA
@@ -407,6 +422,48 @@ def test_training_calls_are_remembered_and_forget_launches_forgets(kept_forward,
     fused_attention(q, k, v, **case)
     assert len(validations) == 3 and kept_forward["fwd", "triton"] == 2
 
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_an_inference_call_without_the_lse_allocates_and_stores_none(kept_forward, validations,
+                                                                     monkeypatch, layout):
+    # fused_attention(q, k, v) returns no LSE: one allocation (the output; the kernel gets it in
+    # the LSE's place and stores no LSE), its own key (a call returning the LSE is validated and
+    # dispatched anew), and the output of the call that returns one, bit for bit, on its first
+    # call and on its repeat.
+    shapes = []
+    poisoned = fused._empty  # nan_outputs' NaN fill
+
+    def recording(like, shape, dtype):
+        shapes.append(tuple(shape))
+        return poisoned(like, shape, dtype)
+    monkeypatch.setattr(fused, "_empty", recording)
+    q, k, v = make_qkv(2, 4, 2, 33, 40, 16, torch.float16, CPU, layout)
+    outs = [fused_attention(q, k, v, layout=layout) for _ in range(2)]
+    assert shapes == [tuple(q.shape)] * 2
+    with_lse, lse = check(q, k, v, 1e-3, 1e-3, layout=layout)
+    assert all(torch.equal(out, with_lse) for out in outs)
+    assert len(validations) == 2 and kept_forward == {("fwd", "triton"): 2, ("fwd", "kept"): 1}
+    again, lse_again = fused_attention(q, k, v, layout=layout, return_lse=True)
+    assert torch.equal(again, with_lse) and torch.equal(lse_again, lse)
+    assert len(validations) == 2 and kept_forward["fwd", "kept"] == 2
+
+
+def test_inputs_that_require_grad_keep_their_lse_under_no_grad(kept_forward, validations):
+    # An inference call of inputs that require grad (under no_grad) stores the LSE all the
+    # same: its key is the one a training call repeats, whose backward reads the LSE.
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 16, torch.float32, CPU)
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        fused_attention(qg, k, v)
+    out = fused_attention(qg, k, v)  # the remembered call, under autograd's Function
+    assert len(validations) == 1 and kept_forward["fwd", "kept"] == 1
+    dout = torch.randn_like(q)
+    (grad,) = torch.autograd.grad(out, qg, dout)
+    q64 = q.double().requires_grad_()
+    ref = attention_reference(q64, k.double(), v.double())
+    (ref_grad,) = torch.autograd.grad(ref, q64, dout.double())
+    assert (grad.double() - ref_grad).abs().max().item() < 1e-4
 
 def test_inputs_that_require_grad_under_no_grad_have_their_own_key(kept_forward, validations):
     # Under no_grad such inputs take _forward's prefill path (it keeps them off the decode

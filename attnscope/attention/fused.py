@@ -195,26 +195,28 @@ def _check_interpreter(kernels, q):
                         "or float32 on CPU, bfloat16 on CUDA")
 
 
-def _outputs(q, k, v, layout):
+def _outputs(q, k, v, layout, lse=True):
     # The output, allocated contiguous in the caller's layout, its fp32 LSE [batch, heads,
-    # q_len], and (q, k, v, out) as the [batch, heads, seq, head_dim] views the kernels see,
-    # whatever their strides.
+    # q_len] (None without `lse`: an inference call that returns none, whose kernel then
+    # stores none; one allocation less, ~2-6 us of host time), and (q, k, v, out) as the
+    # [batch, heads, seq, head_dim] views the kernels see, whatever their strides.
     out = _empty(q, q.shape, q.dtype)
     views = tuple(_as_bhsd(t, layout) for t in (q, k, v, out))
-    return out, _empty(q, views[0].shape[:-1], torch.float32), views
+    return out, _empty(q, views[0].shape[:-1], torch.float32) if lse else None, views
 
 
 def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, window_right=-1,
-             softcap=0.0, wrap=None, repeat_key=None):
+             softcap=0.0, wrap=None, repeat_key=None, lse=True):
     # Eager calls at small shapes are bound by this function's host time (benchmarks/
     # host_cost.py), so it reads the device once. repeat_key: fused_attention's _repeat_key of
-    # a validated eager call, under which its launch is remembered (_repeats).
+    # a validated eager call, under which its launch is remembered (_repeats). lse=False: the
+    # call returns no LSE (an eager inference call), so the kernels store none and the
+    # returned lse is None (not on the decode route, whose kernel writes one).
     kernels = _kernels()
     device = q.device
     if device.type == "cpu":
         _check_interpreter(kernels, q)
-    out, lse, (q4, k4, v4, out4) = _outputs(q, k, v, layout)
-    q_len = q4.shape[2]
+    q_len = q.shape[2] if layout == "bhsd" else q.shape[1]
     # Eager CUDA inference with few queries: the split-KV decode kernel (all q heads of a KV head
     # in one program, keys split over programs) instead of one program per query block and head.
     # Its window is aligned bottom-right: a top-left window (or mask) takes the prefill kernel.
@@ -222,6 +224,7 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
     if (wrap is None and device.type == "cuda" and q_len <= _decode_kernels().MAX_Q_LEN
             and (bottom_right or not causal and window_left == window_right == -1)
             and not (q.requires_grad or k.requires_grad or v.requires_grad)):
+        out, lse, (q4, k4, v4, out4) = _outputs(q, k, v, layout)
         with _on_device(device):
             launched = _decode_kernels().attention_decode(
                 q4, k4, v4, out4, lse, causal=causal, scale=scale,
@@ -230,6 +233,7 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
             _remember(repeat_key, _repeat(layout, launched[2] or functools.partial(
                 _decode_kernels().attention_decode, causal=causal, scale=scale)))
         return out, lse
+    out, lse, (q4, k4, v4, out4) = _outputs(q, k, v, layout, lse)
     offset = k4.shape[2] - q_len if bottom_right else 0
     if _shapes_only(kernels, q):
         return out, lse
@@ -238,7 +242,7 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
                                      causal_offset=offset, window=(window_left, window_right),
                                      softcap=softcap, wrap=wrap, kept=repeat_key is not None)
     if repeat_key is not None and kept is not None:
-        _remember(repeat_key, _repeat(layout, lambda *tensors: kept(tensors)))
+        _remember(repeat_key, _repeat(layout, lambda *tensors: kept(tensors), lse is not None))
     return out, lse
 
 
@@ -256,10 +260,11 @@ _repeats = None  # key -> its run(...); a launch table (forget_launches clears i
 MAX_REPEATS = 256  # as many as the launch table keeps (launch.FastLaunch.MAX_KEYS)
 
 
-def _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap):
+def _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap, return_lse):
     """What _validate reads of a call and what fixes its kernel and launch: shapes, strides,
     dtypes, devices, 16-byte alignment, whether an input requires grad (_forward keeps those
-    calls off the decode route, with grad mode on or off) and the arguments. None for a call
+    calls off the decode route, with grad mode on or off; they store an LSE for the backward)
+    and the arguments (return_lse: whether an inference call stores an LSE). None for a call
     that takes the full path every time: a window or softcap, a tensor layout other than
     strided, or an argument of a type _validate may refuse (a bool scale equals an int one in a
     key; only the int passes)."""
@@ -274,7 +279,7 @@ def _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softca
             v.dtype, q.device, k.device, v.device, q.data_ptr() % 16 == 0,
             k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
             q.requires_grad or k.requires_grad or v.requires_grad, causal, scale, layout,
-            causal_alignment)
+            causal_alignment, bool(return_lse))
 
 
 def _remembered(key):
@@ -291,15 +296,16 @@ def _remember(key, run):
     _repeats[key] = run
 
 
-def _repeat(layout, launch):
-    # A remembered call: its outputs allocated as _forward does, then launch(q4, k4, v4, out4,
-    # lse) on the [batch, heads, seq, head_dim] views.
+def _repeat(layout, launch, lse=True):
+    # A remembered call: its outputs allocated as _forward does (the LSE only with `lse`), then
+    # launch(q4, k4, v4, out4, lse) on the [batch, heads, seq, head_dim] views (out4 in the
+    # LSE's place without one: the kept launch stores none).
     def run(q, k, v):
         device = q.device
-        out, lse, views = _outputs(q, k, v, layout)
+        out, lse_out, views = _outputs(q, k, v, layout, lse)
         with _on_device(device):
-            launch(*views, lse)
-        return out, lse
+            launch(*views, views[3] if lse_out is None else lse_out)
+        return out, lse_out
     return run
 
 
@@ -520,7 +526,8 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     key = None
     if (not traced and type(q) is torch.Tensor and type(k) is torch.Tensor
             and type(v) is torch.Tensor):
-        key = _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap)
+        key = _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softcap,
+                          return_lse)
         run = _remembered(key)
         if run is not None and (deterministic is True or deterministic is False):
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
@@ -542,6 +549,8 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
         out, lse = _attention_fwd(q, k, v, *args, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _EagerAttention.apply(q, k, v, *args, deterministic, None, key)
-    else:
-        out, lse = _forward(q, k, v, *args, repeat_key=key)
+    else:  # (an LSE where returned, or where the key says gradients may follow: _repeat_key)
+        out, lse = _forward(q, k, v, *args, repeat_key=key,
+                            lse=bool(return_lse) or q.requires_grad or k.requires_grad
+                            or v.requires_grad)
     return (out, lse) if return_lse else out

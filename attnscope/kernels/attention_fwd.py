@@ -176,7 +176,8 @@ def _attn_fwd(Q, K, V, Out, Lse, CU_SEQLENS_Q, CU_SEQLENS_K,  #
               HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,  #
               INPUT_PRECISION: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PIPELINE: tl.constexpr,  #
-              USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+              USE_TMA: tl.constexpr, EVEN_N: tl.constexpr, EMPTY_ROWS: tl.constexpr,
+              STORE_LSE: tl.constexpr):
     # CAUSAL: keys right of row i + CAUSAL_OFFSET are hidden (a causal mask, or a window's right
     # edge); HAS_WINDOW: keys left of row i + LEFT_OFFSET too (a window's left edge). VARLEN: a
     # packed batch, sequence off_z's rows start at CU_SEQLENS_Q[off_z] (CU_SEQLENS_K[off_z] for
@@ -273,10 +274,11 @@ def _attn_fwd(Q, K, V, Out, Lse, CU_SEQLENS_Q, CU_SEQLENS_K,  #
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * LN2  # log2 domain -> natural log
-    if VARLEN:
-        tl.store(Lse + off_h * N_CTX_Q + q_start + offs_m, lse, mask=m_ok)  # [heads, total_q]
-    else:
-        tl.store(Lse + off_hz * N_CTX_Q + offs_m, lse, mask=m_ok)
+    if STORE_LSE:  # (not where an inference call wants none: Lse is then Out)
+        if VARLEN:  # [heads, total_q]
+            tl.store(Lse + off_h * N_CTX_Q + q_start + offs_m, lse, mask=m_ok)
+        else:
+            tl.store(Lse + off_hz * N_CTX_Q + offs_m, lse, mask=m_ok)
     o_ptrs = (_head_base(Out, off_z, off_h, stride_oz, stride_oh, q_start, stride_om, VARLEN)
               + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok)
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -345,7 +347,8 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
                          softcap=0.0, varlen=None, wrap=None, config=None, key=None):
     """Launch the Triton forward. q, out: [batch, heads, q_len, head_dim] views with any
     strides; k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads,
-    q_len]. `window` (left, right) and `softcap` as fused_attention's (common.visibility,
+    q_len], or None where the call wants no LSE (an eager inference call: the kernel then
+    stores none). `window` (left, right) and `softcap` as fused_attention's (common.visibility,
     common.score_scales). `varlen`: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     for a packed batch: q/out/k/v are then the packed tensors as [batch, heads, total,
     head_dim] views with batch stride 0, lse is [heads, total_q] and causal_offset is relative
@@ -371,8 +374,8 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
     qk_scale, softcap_log2, has_softcap = score_scales(scale, softcap)
     cu_q, cu_k = (None, None) if varlen is None else varlen[:2]
     num_m = -(-max_q // block_m)
-    args = (q, k, v, out, lse, cu_q, cu_k, *q.stride(), *k.stride(), *v.stride(),
-            *out.stride(),  #
+    args = (q, k, v, out, out if lse is None else lse, cu_q, cu_k, *q.stride(), *k.stride(),
+            *v.stride(), *out.stride(),  #
             heads, heads // k.shape[1], q_len, k.shape[2], offset, left_offset, qk_scale,
             softcap_log2, num_m, head_group(q, k))
     block_d, precision = tile_constants(head_dim, q.dtype)
@@ -384,7 +387,7 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
                   SOFTCAP=has_softcap, VARLEN=varlen is not None, INPUT_PRECISION=precision,
                   BLOCK_M=block_m, BLOCK_N=block_n, PIPELINE=pipeline, USE_TMA=use_tma,
                   EVEN_N=varlen is None and k.shape[2] % block_n == 0, EMPTY_ROWS=empty_rows,
-                  num_warps=num_warps, num_stages=num_stages)
+                  STORE_LSE=lse is not None, num_warps=num_warps, num_stages=num_stages)
     grid = (batch * heads * num_m,)
     if wrap is not None:
         return wrap(_attn_fwd)[grid](*args, **kwargs)
@@ -399,9 +402,10 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
 def launch_key(q, k, v, out, lse, causal, causal_offset, scale, window, softcap, varlen=None):
     """What fixes a forward's kernel, its table config and every argument but the five
     tensors (seven with a packed batch's cumulative lengths: FastLaunch's key): the dispatch
-    looks an eager call up by it."""
-    key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype, q.shape, k.shape,
-           q.stride(), k.stride(), v.stride(), out.stride(), aligned(q, k, v, out, lse),
+    looks an eager call up by it. (An lse of None, no LSE stored, has keys of its own.)"""
+    key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, lse is None or lse.dtype, q.shape,
+           k.shape, q.stride(), k.stride(), v.stride(), out.stride(),
+           aligned(q, k, v, out, out if lse is None else lse),
            causal, causal_offset, scale, window, softcap)
     if varlen is not None:  # the longest sequences fix the grid and the Gluon kernel's L2 groups
         key += ("varlen", varlen[2], varlen[3], aligned(*varlen[:2]))

@@ -652,7 +652,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-              O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr):
+              O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, STORE_LSE: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
@@ -800,12 +800,13 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 mbarrier.arrive(v_empty.index(last))
 
             # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
-            lse = (m_i + gl.log2(l_i)) * LN2
-            if VARLEN:  # flash-attn's [heads, total_q]
-                lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
-            else:
-                lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
-            gl.store(lse_row + rows, lse, mask=rows < q_len)
+            if STORE_LSE:  # (not where an inference call wants none: Lse is then Out)
+                lse = (m_i + gl.log2(l_i)) * LN2
+                if VARLEN:  # flash-attn's [heads, total_q]
+                    lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
+                else:
+                    lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
+                gl.store(lse_row + rows, lse, mask=rows < q_len)
             l_safe = gl.where(l_i == 0.0, 1.0, l_i)
             o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
             if TMA_STORE and VARLEN:
@@ -847,7 +848,8 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
                      CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
                      TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-                     O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, NUM_WG: gl.constexpr):
+                     O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, NUM_WG: gl.constexpr,
+                     STORE_LSE: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
@@ -929,20 +931,25 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     if NUM_WG == 3:
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
+                         STORE_LSE)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
+                         STORE_LSE)),
             (_consumer, (shared, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
+                         STORE_LSE)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
                        STRIDED, O_IN_Q)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
+                         STORE_LSE)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
-                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS)),
+                         TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
+                         STORE_LSE)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
                        STRIDED, O_IN_Q)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -1128,7 +1135,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
     attention_fwd.attention_fwd_triton's (`window` and `softcap` as fused_attention's; `varlen`:
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for a packed batch, q/k/v/out its
-    [batch, heads, total, head_dim] views, lse [heads, total_q]): `config` a tuple named by
+    [batch, heads, total, head_dim] views, lse [heads, total_q]; an lse of None: no LSE
+    stored): `config` a tuple named by
     CONFIG_FIELDS and `parts` the column parts (D0, D1) instead of layout_for's (the lab; a dense
     call's parts may pad, D0 + D1 >= head_dim, a packed batch's must be head_dim exactly),
     `loops` the kernel's BLOCK_LOOPS instead of block_loops' (the lab; 0 only for a dense call of
@@ -1187,9 +1195,9 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_km), (
         stride_vz, stride_vh, stride_vm), (stride_oz, stride_oh, stride_om) = map(
             view_strides, (q, k, v, out))
-    args = (q, k, v, out, lse, cu_q, cu_k, counter, sched, stride_qm, stride_km, stride_vm,
-            stride_oz, stride_oh, stride_om, stride_qz, stride_qh, stride_kz, stride_kh,
-            stride_vz, stride_vh,
+    args = (q, k, v, out, out if lse is None else lse, cu_q, cu_k, counter, sched, stride_qm,
+            stride_km, stride_vm, stride_oz, stride_oh, stride_om, stride_qz, stride_qh,
+            stride_kz, stride_kh, stride_vz, stride_vh,
             batch, heads, heads // kv_heads, q_len, kv_len, offset, left_offset, qk_scale,
             softcap_log2, group, sched_width, num_m)
     # Output blocks by TMA store where the copy engine can address out (contiguous, or at its
@@ -1222,11 +1230,12 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
                   VARLEN=varlen is not None, STRIDED=strided, BLOCK_LOOPS=loops, NUM_WG=consumers,
-                  num_warps=4)
+                  STORE_LSE=lse is not None, num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
-        key = ("gluon", q.device, q.dtype, lse.dtype, q.shape, k.shape, q.stride(), k.stride(),
-               v.stride(), out.stride(), aligned(out, lse), stored_by_copy, sched_width,
+        key = ("gluon", q.device, q.dtype, lse is None or lse.dtype, q.shape, k.shape,
+               q.stride(), k.stride(), v.stride(), out.stride(),
+               aligned(out, out if lse is None else lse), stored_by_copy, sched_width,
                causal, causal_offset, scale, window, softcap, grid, config, parts, loops)
         if varlen is not None:
             key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))

@@ -64,7 +64,8 @@ def uses_hopper_kernel(q, k, v, out, scale, window=(-1, -1), softcap=0.0, varlen
 def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1, -1),
                   softcap=0.0, varlen=None, wrap=None, kept=False):
     """Launch the forward. q, out: [batch, heads, q_len, head_dim] views with any strides;
-    k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len].
+    k, v: [batch, kv_heads, kv_len, head_dim]; lse: contiguous fp32 [batch, heads, q_len], or
+    None where the call wants no LSE (the kernels then store none; an eager inference call).
     `window`, `softcap` and `varlen` (packed sequences) as attention_fwd.attention_fwd_triton's.
     `wrap` lets the custom op pass torch.library.wrap_triton so torch.compile sees the launch
     (always the Triton kernel).
@@ -88,8 +89,9 @@ def attention_fwd(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1
                                 varlen)
     bound = FORWARD_LAUNCHES.get(key)
     if bound is not None:
-        result = bound((q, k, v, out, lse) if varlen is None else
-                       (q, k, v, out, lse, *varlen[:2]))
+        lse_arg = out if lse is None else lse  # (the kernels' Lse: never written without one)
+        result = bound((q, k, v, out, lse_arg) if varlen is None else
+                       (q, k, v, out, lse_arg, *varlen[:2]))
     elif uses_hopper_kernel(q, k, v, out, scale, window, softcap, varlen):
         result = _hopper().attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=scale,
                                                 causal_offset=causal_offset, window=window,
