@@ -119,11 +119,12 @@ def rows(d, stubbed):
                                                                       retain_graph=True)),
         ("training step (forward + autograd.grad)", step),
         ("public op fused_attention", public),
-        ("_forward (no validation)", lambda: fused._forward(q, k, v, True, d ** -0.5, False,
-                                                            "bhsd")),
+        ("_forward (no validation, no LSE)", lambda: fused._forward(
+            q, k, v, True, d ** -0.5, False, "bhsd", lse=False)),
         (f"dispatch.attention_fwd ({kernel} launch)", launch),
         ("_validate", lambda: fused._validate(q, k, v, True, None, "bhsd", "top_left")),
-        ("two torch.empty", lambda: (torch.empty_like(q), torch.empty(b, h, s, device=device))),
+        ("two torch.empty (output, LSE)", lambda: (torch.empty_like(q),
+                                                   torch.empty(b, h, s, device=device))),
         ("sdpa cudnn (for scale)", lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True)),
     ]

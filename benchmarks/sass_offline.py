@@ -11,7 +11,8 @@ venv; the code generated differs by version.
     python benchmarks/sass_offline.py --gluon --head-dim 128 [--config 128,2,240,2]
 
 --gluon compiles the Hopper kernel (attention_fwd_hopper.py) instead; its --config is that
-module's CONFIG_FIELDS (default: its table's entry for --head-dim). --gluon-bwd and
+module's CONFIG_FIELDS (default: its table's entry for --head-dim; --no-lse: as an inference
+call that returns no LSE compiles it). --gluon-bwd and
 --gluon-bwd-dq compile the Gluon backward's dK/dV and dQ kernels (attention_bwd_hopper.py) at
 its table's config (head_dim 128 by default; 64 too; --config does not apply).
 --triton-bwd dkdv|dq compiles the Triton backward's kernels (attention_bwd.py) at a config of its
@@ -113,7 +114,7 @@ def _offline_driver():
 
 
 def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd=False,
-                  keys=1024, window=(-1, -1), softcap=0.0):
+                  keys=1024, window=(-1, -1), softcap=0.0, lse=True):
     """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
     (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
     a warm-up compile (_offline_driver). `varlen`: the packed-sequence (VARLEN) kernel, as
@@ -121,7 +122,8 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
     (a dense call of 1024 keys: column_parts'); `bshd`: a dense call of [batch, seq, heads,
     head_dim] tensors, which the kernel views at their strides (STRIDED); `keys`: a dense call's
     query and key length (at most one K/V block: no block loop where block_loops says so);
-    `window` and `softcap`: a causal call's, as fused_attention takes them."""
+    `window` and `softcap`: a causal call's, as fused_attention takes them; lse=False: an
+    inference call that returns no LSE (the kernel stores none)."""
     import torch
     _offline_driver()
     from attnscope.kernels import attention_fwd_hopper as module
@@ -147,8 +149,9 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
         q = torch.empty(2, keys, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
     else:
         q = torch.empty(2, 4, keys, head_dim, dtype=torch_dtype)
-    return module.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, keys),
-                                       causal=True, scale=head_dim ** -0.5, causal_offset=0,
+    return module.attention_fwd_hopper(q, q, q, torch.empty_like(q),
+                                       torch.empty(2, 4, keys) if lse else None, causal=True,
+                                       scale=head_dim ** -0.5, causal_offset=0,
                                        window=window, softcap=softcap, config=config,
                                        parts=parts)
 
@@ -323,6 +326,9 @@ def main():
     p.add_argument("--softcap", type=float, default=0.0,
                    help="with --gluon, --gluon-bwd or --gluon-bwd-dq: a softcap (logits "
                         "softcap * tanh(s / softcap)), e.g. 50")
+    p.add_argument("--no-lse", action="store_true",
+                   help="with --gluon: a dense inference call that returns no LSE (the kernel's "
+                        "STORE_LSE off)")
     p.add_argument("--pipeline", action="store_true", help="the software-pipelined loop")
     p.add_argument("--tma", action="store_true", help="K/V through tensor descriptors")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
@@ -338,6 +344,8 @@ def main():
         p.error("--bshd goes with --gluon, --gluon-bwd or --gluon-bwd-dq, without --varlen")
     if args.keys is not None and (not args.gluon or args.varlen):
         p.error("--keys goes with --gluon, without --varlen")
+    if args.no_lse and (not args.gluon or args.varlen):
+        p.error("--no-lse goes with --gluon, without --varlen")
     if args.keys is not None and args.keys < 1:
         p.error(f"--keys must be positive, got {args.keys}")
     if (args.window or args.softcap) and not (args.gluon or args.gluon_bwd or args.gluon_bwd_dq):
@@ -387,7 +395,8 @@ def main():
         parts = args.parts and tuple(int(x) for x in args.parts.split(","))
         window = tuple(int(x) for x in args.window.split(",")) if args.window else (-1, -1)
         compiled = compile_gluon(args.head_dim, config, args.dtype, args.varlen, parts,
-                                 args.bshd, args.keys or 1024, window, args.softcap)
+                                 args.bshd, args.keys or 1024, window, args.softcap,
+                                 not args.no_lse)
     else:
         config = tuple(int(x) for x in (args.config or "128,64,8,3").split(","))
         if len(config) != 4:

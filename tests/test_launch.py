@@ -133,8 +133,8 @@ def test_gpu_repeated_launches_are_right(head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_an_inference_call_without_the_lse_gives_the_same_output(head_dim):
     # A call that returns no LSE launches its kernel without one (the Triton kernel at head_dim
-    # 64 and 384 queries; on sm_90 the Gluon one at 128 and 256, whose output is staged in Q's
-    # buffer, and three consumers at 64 and 4096 queries): the output of the call that returns
+    # 64 and 384 queries; on sm_90 the Gluon one at 128, at 256 (the output staged in Q's
+    # buffer) and on three consumers at 64 and 4096 queries): the output of the call that returns
     # the LSE, bit for bit, on the first call and on the repeat.
     shapes = [(2, 4, 2, 384)] + ([(2, 16, 16, 4096)] if head_dim == 64 else [])
     for batch, heads, kv_heads, seq in shapes:
@@ -142,6 +142,7 @@ def test_gpu_an_inference_call_without_the_lse_gives_the_same_output(head_dim):
         outs = [fused_attention(q, k, v) for _ in range(2)]
         expected, _ = check(q, k, v, 4e-3, 1e-3)
         assert all(torch.equal(out, expected) for out in outs)
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", [64, 128, 256])  # Triton; Gluon on sm_90 (Triton with TMA
@@ -423,7 +424,6 @@ def test_training_calls_are_remembered_and_forget_launches_forgets(kept_forward,
     assert len(validations) == 3 and kept_forward["fwd", "triton"] == 2
 
 
-
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_an_inference_call_without_the_lse_allocates_and_stores_none(kept_forward, validations,
                                                                      monkeypatch, layout):
@@ -464,6 +464,7 @@ def test_inputs_that_require_grad_keep_their_lse_under_no_grad(kept_forward, val
     ref = attention_reference(q64, k.double(), v.double())
     (ref_grad,) = torch.autograd.grad(ref, q64, dout.double())
     assert (grad.double() - ref_grad).abs().max().item() < 1e-4
+
 
 def test_inputs_that_require_grad_under_no_grad_have_their_own_key(kept_forward, validations):
     # Under no_grad such inputs take _forward's prefill path (it keeps them off the decode

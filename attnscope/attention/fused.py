@@ -249,9 +249,9 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
 # ---- eager repeats --------------------------------------------------------------------------
 # An eager call (nothing traced; inference, or training under _EagerAttention) whose
 # _repeat_key matches one that passed _validate and launched (`_repeats`) runs that call's
-# launch again: two allocations and the kept launch, without the checks, the dispatch and its
-# launch key (benchmarks/host_cost.py:
-# the public op's host time at small shapes, where it bounds the call). Windowed and softcapped
+# launch again: its allocations (one, or two with an LSE) and the kept launch, without the
+# checks, the dispatch and its launch key (benchmarks/host_cost.py: the public op's host time
+# at small shapes, where it bounds the call). Windowed and softcapped
 # calls of the op, and any whose inputs are not plain tensors, take the full path every time.
 # The table also holds remembered backwards (_backward_key) and fused_attention_with_kvcache
 # calls (decode.py's _repeat_key); each kind's keys start differently.
@@ -264,7 +264,8 @@ def _repeat_key(q, k, v, causal, scale, layout, causal_alignment, window, softca
     """What _validate reads of a call and what fixes its kernel and launch: shapes, strides,
     dtypes, devices, 16-byte alignment, whether an input requires grad (_forward keeps those
     calls off the decode route, with grad mode on or off; they store an LSE for the backward)
-    and the arguments (return_lse: whether an inference call stores an LSE). None for a call
+    and the arguments (return_lse: whether the call returns the LSE; a call that neither
+    returns one nor has inputs that require grad stores none). None for a call
     that takes the full path every time: a window or softcap, a tensor layout other than
     strided, or an argument of a type _validate may refuse (a bool scale equals an int one in a
     key; only the int passes)."""
