@@ -283,6 +283,15 @@ def test_launches_are_wrapped_only_when_traced():
     with torch.utils._python_dispatch.TorchDispatchMode():  # a mode, real tensor
         assert fused._launch_wrap(q) is fused.wrap_triton
     assert torch.func.grad(lambda x: x.sum() * float(fused._traced(x)))(q).eq(1).all()
+    # the infra modes (proxy: make_fx, functionalization) count in the mode stack's length,
+    # which is all _traced reads of them
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    seen = []
+    make_fx(lambda x: seen.append(fused._traced(x)) or x + 1)(q)
+    with FunctionalTensorMode():
+        seen.append(fused._traced(q))
+    assert seen == [True, True]
 
 
 def test_dispatch_modes_see_one_op():

@@ -156,21 +156,14 @@ def _shapes_only(kernels, t):
     return True
 
 
-_FAKE, _PROXY, _FUNCTIONAL = (torch._C._TorchDispatchModeKey.FAKE,
-                              torch._C._TorchDispatchModeKey.PROXY,
-                              torch._C._TorchDispatchModeKey.FUNCTIONAL)
-
-
 def _traced(t):
     """True when the op is being traced or intercepted rather than run: dynamo (torch.compile,
     compiled autograd), a dispatch mode (fake, proxy, functionalization, or a user's such as
     FlopCounterMode), a torch.func transform, or fake tensors. Those calls take the custom ops,
     which such machinery sees as one op. (The cheap checks come first: this runs on every
-    eager call.)"""
-    get_mode = torch._C._get_dispatch_mode
+    eager call. The dispatch-mode stack's length counts the infra modes too, fake, proxy and
+    functional: tests/test_fused_attention.py checks that it does.)"""
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or get_mode(_FAKE) is not None or get_mode(_PROXY) is not None
-            or get_mode(_FUNCTIONAL) is not None
             or torch._C._functorch.peek_interpreter_stack() is not None
             or (type(t) is not torch.Tensor and is_fake(t)))  # fakes are Tensor subclasses
 
