@@ -195,7 +195,7 @@ def _outputs(q, k, v, layout, lse=True):
     # [batch, heads, seq, head_dim] views the kernels see, whatever their strides.
     out = _empty(q, q.shape, q.dtype)
     views = ((q, k, v, out) if layout == "bhsd"  # (no generator: ~0.7 us a call on the CPU)
-             else (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2)))
+             else tuple(_as_bhsd(t, layout) for t in (q, k, v, out)))
     return out, _empty(q, views[0].shape[:-1], torch.float32) if lse else None, views
 
 

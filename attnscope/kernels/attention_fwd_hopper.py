@@ -1136,8 +1136,9 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     attention_fwd.attention_fwd_triton's (`window` and `softcap` as fused_attention's; `varlen`:
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for a packed batch, q/k/v/out its
     [batch, heads, total, head_dim] views, lse [heads, total_q]; an lse of None: no LSE
-    stored): `config` a tuple named by CONFIG_FIELDS and `parts` the column parts (D0, D1) instead of layout_for's (the lab; a dense
-    call's parts may pad, D0 + D1 >= head_dim, a packed batch's must be head_dim exactly),
+    stored): `config` a tuple named by CONFIG_FIELDS and `parts` the column parts (D0, D1)
+    instead of layout_for's (the lab; a dense call's parts may pad, D0 + D1 >= head_dim, a
+    packed batch's must be head_dim exactly),
     `loops` the kernel's BLOCK_LOOPS instead of block_loops' (the lab; 0 only for a dense call of
     at most one K/V block a tile), `key` the dispatch's launch key for this call (built here
     when None)."""
