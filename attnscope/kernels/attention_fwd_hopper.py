@@ -101,10 +101,6 @@ from attnscope.kernels.tile_schedule import tile_schedule
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
-# A row's running max moves only when a block's max exceeds it by more than this (log2 units):
-# the scores' exp2 then stays below 2^RESCALE_THRESHOLD, and O is rescaled only on blocks
-# where some row of the warpgroup moved
-RESCALE_THRESHOLD = gl.constexpr(8.0)
 # The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
 # at a time (_packed_tile): at 24 it spilled at head_dim 256 (offline, Triton 3.6); the dense
 # kernel's code is the same at 24, 32 and 40.
@@ -471,8 +467,7 @@ def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.c
         if HAS_WINDOW:
             ok = ok & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + left, 1))
         s = gl.where(ok, s, float("-inf"))
-    m_blk = gl.max(s, 1) * scale
-    m_new = gl.where(m_blk > m_i + RESCALE_THRESHOLD, m_blk, m_i)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
     if MASKED:  # a row that has seen no key yet keeps m == -inf; subtract 0 instead of -inf
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -553,18 +548,15 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     else:
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * s.shape[1], vis, MASKED, CAUSAL,
                                       HAS_WINDOW, SOFTCAP, s.shape[1])
-    moved = gl.min(alpha, 0) < 1.0  # some row's max moved: O must be rescaled
     if SPLIT:
         acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-        if moved:
-            alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
-            acc1 = acc1 * gl.expand_dims(alpha1, 1)
+        alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
+        acc1 = acc1 * gl.expand_dims(alpha1, 1)
     elif not SERIAL:
         acc = warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(v_empty.index(prev))
-    if moved:
-        alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
-        acc = acc * gl.expand_dims(alpha0, 1)
+    alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
+    acc = acc * gl.expand_dims(alpha0, 1)
     return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i
 
 
