@@ -116,6 +116,24 @@ def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, m
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", [112, 128, 192, 256])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 1500, 1500, True, "top_left"),
+                                   (2, 2, 2, 700, 1000, False, "top_left"),
+                                   (1, 3, 3, 1000, 1200, True, "bottom_right")])
+def test_hopper_kernel_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol):
+    # Keys scaled up along the sequence, so a row's scores in later blocks exceed its running
+    # max by far more than RESCALE_THRESHOLD: the lazy rescale (one part of 128 columns or
+    # more) must move the max and rescale O there, the other head dims as always
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
+    k = (k.float() * torch.linspace(0.2, 6.0, kv_len, device="cuda")[:, None]).to(dtype)
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("shape", OTHER_HEAD_DIM_SHAPES + [
     (1, 5, 5, 4100, 4100, True, "top_left"),      # a last tile of 68 rows: one consumer idle
     (2, 4, 2, 400, 400, True, "top_left"),        # a last tile of 16 rows: two consumers idle

@@ -101,6 +101,16 @@ from attnscope.kernels.tile_schedule import tile_schedule
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
+# Lazy rescale, where O is one part of LAZY_COLUMNS columns or more (head_dim 128 and 256; not
+# the split head dims): past a tile's first block, a row's running max moves only when a block's
+# max exceeds it by more than RESCALE_THRESHOLD (log2 units, so a score's exp2 stays below 2^8
+# and P within fp16's range), and a warp skips O's rescale, head_dim / 2 FMUL a thread, on
+# blocks where none of its rows moved (_warp_moved, _rescale). H200, Triton 3.6,
+# hopper_lab.py --time, two jobs (notes/lab/gluon_lazy_rescale_h200.txt): 2-5 % faster at
+# head_dim 256's rows of 2000 keys or more ((1,8,16384,256): 1.441 against 1.499 ms), level to
+# 1-3 % at 128's, level at rows of one or two blocks a tile; at 64, 80, 96 and 192 it lost 2-5 %.
+RESCALE_THRESHOLD = gl.constexpr(8.0)
+LAZY_COLUMNS = gl.constexpr(128)
 # The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
 # at a time (_packed_tile): at 24 it spilled at head_dim 256 (offline, Triton 3.6); the dense
 # kernel's code is the same at 24, 32 and 40.
@@ -446,7 +456,8 @@ def _tanh_exp2(x):
 
 @gluon.jit
 def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-             HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
+             HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
+             LAZY: gl.constexpr = False):
     # One block of the online softmax: p = exp2(s * qk_scale - m) with the new running max m,
     # alpha rescales what was accumulated under the old max. Scale and max subtraction fold
     # into one FMA per score. vis: the keys, the causal offset, the window's left offset (row i
@@ -467,7 +478,11 @@ def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.c
         if HAS_WINDOW:
             ok = ok & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + left, 1))
         s = gl.where(ok, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+    if LAZY:
+        m_blk = gl.max(s, 1) * scale
+        m_new = gl.where(m_blk > m_i + RESCALE_THRESHOLD, m_blk, m_i)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
     if MASKED:  # a row that has seen no key yet keeps m == -inf; subtract 0 instead of -inf
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -480,7 +495,8 @@ def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.c
 
 @gluon.jit
 def _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL: gl.constexpr,
-                   HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr):
+                   HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
+                   LAZY: gl.constexpr = False):
     # Blocks every row of this warpgroup sees in full run without mask arithmetic: K/V block j
     # (of the sequence) is one where j < full_blocks and, under a window, j >= vis's first_full.
     if HAS_WINDOW:
@@ -489,11 +505,51 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL: gl.constexpr,
         full = j < full_blocks
     if full:
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, vis, False, CAUSAL,
-                                      HAS_WINDOW, SOFTCAP, BLOCK_N)
+                                      HAS_WINDOW, SOFTCAP, BLOCK_N, LAZY)
     else:
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, vis, True, CAUSAL,
-                                      HAS_WINDOW, SOFTCAP, BLOCK_N)
+                                      HAS_WINDOW, SOFTCAP, BLOCK_N, LAZY)
     return p, alpha, l_i, m_i
+
+
+@gluon.jit
+def _warp_moved(alpha):
+    # The rows' rescale factors (alpha, 1 where a row's max did not move) where some row of this
+    # warp moved, else -1 for every row: the sign is the same in every lane of a warp, so the
+    # branch it takes in _rescale is uniform. (A warpgroup-wide reduction instead, an `if` on a
+    # scalar, costs three BAR.SYNC a block and lost 3-12 %: the lab file above.) A thread
+    # holds two rows of the wgmma layout (r and r + 8 of its warp's 16), both in one asm.
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .pred p0, p1, q;
+        setp.ne.f32 p0, $2, 0f3F800000;
+        setp.ne.f32 p1, $3, 0f3F800000;
+        or.pred p0, p0, p1;
+        vote.sync.any.pred q, p0, 0xffffffff;
+        selp.b32 $0, $2, 0fBF800000, q;
+        selp.b32 $1, $3, 0fBF800000, q;
+        }""", "=r,=r,r,r", [alpha], dtype=gl.float32, is_pure=True, pack=2)
+
+
+# _rescale's asm takes _PACK elements of O: $0-$31 out, tied to the inputs $32-$63, and their
+# rows' factors $64-$95; every element's factor has its warp's sign, so testing one suffices
+_PACK = 32
+RESCALE_ASM = gl.constexpr(
+    "{\n.reg .pred p;\nsetp.lt.s32 p, $" + str(2 * _PACK) + ", 0;\n@p bra DONE;\n"
+    + "".join(f"mul.f32 ${i}, ${i}, ${i + 2 * _PACK};\n" for i in range(_PACK)) + "DONE:\n}")
+RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * _PACK + [str(i) for i in range(_PACK)]
+                                            + ["r"] * _PACK))
+RESCALE_PACK = gl.constexpr(_PACK)
+
+
+@gluon.jit
+def _rescale(acc, alpha):
+    # acc * alpha by rows (alpha from _warp_moved), the multiplies branched over by a warp
+    # whose factors are negative
+    a = gl.expand_dims(alpha, 1)
+    a, acc = gl.broadcast(a, acc)
+    return gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS, [acc, a],
+                                     dtype=gl.float32, is_pure=True, pack=RESCALE_PACK)
 
 
 @gluon.jit
@@ -542,12 +598,13 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
         # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
         s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
     mbarrier.arrive(k_empty.index(slot))
+    LAZY: gl.constexpr = (not SPLIT) and acc.shape[1] >= LAZY_COLUMNS
     if MASKED is None:
         p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL,
-                                            HAS_WINDOW, SOFTCAP, s.shape[1])
+                                            HAS_WINDOW, SOFTCAP, s.shape[1], LAZY)
     else:
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * s.shape[1], vis, MASKED, CAUSAL,
-                                      HAS_WINDOW, SOFTCAP, s.shape[1])
+                                      HAS_WINDOW, SOFTCAP, s.shape[1], LAZY)
     if SPLIT:
         acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
         alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
@@ -556,7 +613,10 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
         acc = warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(v_empty.index(prev))
     alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
-    acc = acc * gl.expand_dims(alpha0, 1)
+    if LAZY:
+        acc = _rescale(acc, _warp_moved(alpha0))
+    else:
+        acc = acc * gl.expand_dims(alpha0, 1)
     return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i
 
 
