@@ -101,14 +101,15 @@ from attnscope.kernels.tile_schedule import tile_schedule
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 tile)
-# Lazy rescale, where O is one part of LAZY_COLUMNS columns or more (head_dim 128 and 256; not
-# the split head dims): past a tile's first block, a row's running max moves only when a block's
-# max exceeds it by more than RESCALE_THRESHOLD (log2 units, so a score's exp2 stays below 2^8
-# and P within fp16's range), and a warp skips O's rescale, head_dim / 2 FMUL a thread, on
-# blocks where none of its rows moved (_warp_moved, _rescale). H200, Triton 3.6,
+# Lazy rescale, where O is one part of LAZY_COLUMNS columns or more (head_dim 112, 128 and 256;
+# not the split head dims): past a tile's first block, a row's running max moves only when a
+# block's max exceeds it by more than RESCALE_THRESHOLD (log2 units, so a score's exp2 is at
+# most 2^8 and P within fp16's range), and a warp skips O's rescale, head_dim / 2 FMUL a thread,
+# on blocks where none of its rows moved (_warp_moved, _rescale). H200, Triton 3.6,
 # hopper_lab.py --time, two jobs (notes/lab/gluon_lazy_rescale_h200.txt): 2-5 % faster at
-# head_dim 256's rows of 2000 keys or more ((1,8,16384,256): 1.441 against 1.499 ms), level to
-# 1-3 % at 128's, level at rows of one or two blocks a tile; at 64, 80, 96 and 192 it lost 2-5 %.
+# head_dim 256's rows of 500 keys or more ((1,8,16384,256): 1.474 against 1.499 ms), level to
+# 3 % faster at 128's, level at rows of one or two blocks a tile; at 64, 80, 96 and 192 it lost
+# 2.6-5 % at long rows, 9 % at (512,16,256,96).
 RESCALE_THRESHOLD = gl.constexpr(8.0)
 LAZY_COLUMNS = gl.constexpr(128)
 # The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
@@ -517,8 +518,11 @@ def _warp_moved(alpha):
     # The rows' rescale factors (alpha, 1 where a row's max did not move) where some row of this
     # warp moved, else -1 for every row: the sign is the same in every lane of a warp, so the
     # branch it takes in _rescale is uniform. (A warpgroup-wide reduction instead, an `if` on a
-    # scalar, costs three BAR.SYNC a block and lost 3-12 %: the lab file above.) A thread
-    # holds two rows of the wgmma layout (r and r + 8 of its warp's 16), both in one asm.
+    # scalar, costs three BAR.SYNC a block and lost 3-13 %: gluon_lazy_rescale_h200.txt.) A
+    # thread holds two rows of a 64-row wgmma layout (r and r + 8 of its warp's 16), both in
+    # one asm, so every factor a thread holds has its warp's sign. The vote needs the whole
+    # warp: the asm is called where control flow is warp-uniform (every block of the loop).
+    gl.static_assert(alpha.shape[0] == 64, "one asm must hold all of a thread's rows")
     return gl.inline_asm_elementwise(
         """{
         .reg .pred p0, p1, q;
