@@ -12,7 +12,8 @@ venv; the code generated differs by version.
 
 --gluon compiles the Hopper kernel (attention_fwd_hopper.py) instead; its --config is that
 module's CONFIG_FIELDS (default: its table's entry for --head-dim; --no-lse: as an inference
-call that returns no LSE compiles it). --gluon-bwd and
+call that returns no LSE compiles it). --loops lists the kernel's loops with their instruction
+counts (a consumer's block loop: the shortest with HGMMA). --gluon-bwd and
 --gluon-bwd-dq compile the Gluon backward's dK/dV and dQ kernels (attention_bwd_hopper.py) at
 its table's config (head_dim 128 by default; 64 too; --config does not apply).
 --triton-bwd dkdv|dq compiles the Triton backward's kernels (attention_bwd.py) at a config of its
@@ -282,6 +283,28 @@ def ptxas_advice(compiled):
             if "Performance" in line or "error" in line.lower()]
 
 
+LOOP_COUNTED = ("BAR.SYNC", "SYNCS", "HGMMA", "FMUL", "LDL", "STL")
+
+
+def loops(sass, min_len=32):
+    """The SASS listing's loops, innermost (shortest) first: (first address, branch address,
+    instructions, {op: count}) for each backward branch over at least min_len instructions.
+    Counts are of the loop body as written, both sides of any branch inside it."""
+    ins = [(int(a, 16), text) for a, text in
+           re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass, re.M)]
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    found = []
+    for i, (a, text) in enumerate(ins):
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < a and int(target.group(1), 16) in index:
+            body = [t for _, t in ins[index[int(target.group(1), 16)]:i + 1]]
+            if len(body) >= min_len:
+                counts = {op: sum(bool(re.search(r"\b" + re.escape(op), t)) for t in body)
+                          for op in LOOP_COUNTED}
+                found.append((int(target.group(1), 16), a, len(body), counts))
+    return sorted(found, key=lambda loop: loop[2])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--head-dim", type=int, default=None,
@@ -337,6 +360,12 @@ def main():
                    help="with --gluon: column parts D0,D1 instead of the layout a 1024-key call "
                         "gets (e.g. 128,0: head_dim 80 as one part padded to 128 columns)")
     p.add_argument("--sass", default=None, help="also write the SASS listing here")
+    p.add_argument("--loops", action="store_true",
+                   help="also list the loops (backward branches over 32 or more instructions), "
+                        "shortest first, with their instructions and "
+                        + ", ".join(LOOP_COUNTED) + "; a consumer's block loop is the "
+                        "shortest with HGMMA (each consumer partition has its own copy), the "
+                        "tile loops around it come later")
     args = p.parse_args()
     if args.parts and not args.gluon:
         p.error("--parts goes with --gluon")
@@ -424,6 +453,9 @@ def main():
           f"shared memory requested {compiled.metadata.shared} B, {len(ops)} instructions")
     print("  ".join(f"{op} {sum(o.startswith(op) for o in ops)}" for op in COUNTED))
     print("\n".join(ptxas_advice(compiled)) or "ptxas: no performance remarks")
+    for start, end, n, counts in loops(sass) if args.loops else ():
+        print(f"loop {start:#x}-{end:#x}: {n} instructions, "
+              + ", ".join(f"{op} {c}" for op, c in counts.items()))
     if args.sass:
         pathlib.Path(args.sass).write_text(sass)
     return 0

@@ -68,7 +68,8 @@ for name in sys.argv[2:]:
         ("tma_store", r"cp\.async\.bulk\.tensor\.\dd\.global"), ("mbarrier", r"mbarrier\."),
         ("tma_4d", r"cp\.async\.bulk\.tensor\.4d"),
         ("tma_reduce", r"cp\.reduce\.async\.bulk\.tensor"),
-        ("setmaxnreg", r"setmaxnreg"), ("atomic", r"\b(atom|red)\.global"))}}
+        ("setmaxnreg", r"setmaxnreg"), ("atomic", r"\b(atom|red)\.global"),
+        ("vote", r"vote\.sync\.any"))}}
     counts["block_loops"] = getattr(compiled, "launch_kwargs", {}).get("BLOCK_LOOPS")
     try:
         sass = sass_offline.cuobjdump(compiled, "-sass")
@@ -120,6 +121,9 @@ COMPILED_THREE_CONSUMERS = ("t64",)
 BLOCK_LOOPS = {"128": 1, "64": 2, "96": 2, "192": 2, "256": 1, "o96": 0, "f80k100": 1,
                "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1, "w64": 2, "t64": 2,
                **{f"p{d}": 1 if d in (128, 256) else 2 for d in COMPILED_PACKED_HEAD_DIMS}}
+# the forward kernels whose block loops rescale O lazily (O one part of LAZY_COLUMNS = 128
+# columns or more: 128, 256, and 80's padded few-key layout), each warp voting on its rows
+LAZY_RESCALE = {"128", "256", "p128", "p256", "s128", "s256", "f80k100"}
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +167,8 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
     # adds its dQ tiles by the copy engine's reduce-add, which no other kernel here issues. The
     # few-key layouts ("f...") are the forward's, with their other column parts or key blocks.
     # The strided variants ("s...", and the backward's "bs...", "bqs...") copy through 4-D
-    # [batch, heads, seq, head_dim] views, the others through views of fewer dimensions.
+    # [batch, heads, seq, head_dim] views, the others through views of fewer dimensions. The
+    # forward kernels that rescale O lazily (LAZY_RESCALE) vote across each warp; no other does.
     for head_dim, counts in hopper_compile.items():
         if not head_dim.startswith("b"):  # the forward's: the launch's BLOCK_LOOPS
             assert counts["block_loops"] == BLOCK_LOOPS[head_dim], (head_dim, counts)
@@ -174,6 +179,7 @@ def test_hopper_kernel_compiles_for_sm90_with_wgmma_and_tma(hopper_compile):
         assert ptx["mbarrier"] > 0 and ptx["setmaxnreg"] > 0, (head_dim, ptx)
         assert (ptx["tma_4d"] > 0) == ("s" in head_dim), (head_dim, ptx)
         assert (ptx["tma_reduce"] > 0) == head_dim.startswith("bd"), (head_dim, ptx)
+        assert (ptx["vote"] > 0) == (head_dim in LAZY_RESCALE), (head_dim, ptx)
         if "sass" not in counts:
             pytest.skip(f"PTX checked; the wheel's cuobjdump did not run here: "
                         f"{counts['sass_error']}")
