@@ -8,8 +8,8 @@ Two parts, each optional (--loops varies both):
            warpgroups) and under the launch's own choice ("gluonNone": layout_for's, or
            THREE_CONSUMERS' where three_consumers says so), each with layout_for's column parts
            and with each --parts entry, the Triton kernel (its table's config) and cuDNN (not
-           under --window or --softcap, which it lacks), in --repeat interleaved rounds; JSON
-           lines to --out.
+           under --window or --softcap, which it lacks; --peers leaves either out), in --repeat
+           interleaved rounds; JSON lines to --out.
   --loops N ...: the kernel's BLOCK_LOOPS forced (0 none, 1 one loop, 2 two loops; block_loops
            says which the launch picks): --check runs block_loops' choice, then each (0 only on
            cases of one K/V block a tile); --time adds the table's config with each.
@@ -201,8 +201,13 @@ def _window_flops(b, h, s, d, left):
     return 4.0 * b * h * pairs * d
 
 
+# What --time runs beside the Gluon kernel (all by default): the Triton kernel, cuDNN (dense
+# calls without a window or softcap), FA4's varlen kernel (packed batches, where installed)
+PEERS = ("triton", "cudnn", "fa4")
+
+
 def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loops=(),
-                window=(-1, -1), softcap=0.0):
+                window=(-1, -1), softcap=0.0, peers=PEERS):
     rows = []
     vis = dict(window=window, softcap=softcap)
     tag = (f" window{window}" if window != (-1, -1) else "") + (
@@ -228,7 +233,8 @@ def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loop
         def triton_kernel():  # its launch, directly: the op would take the Gluon kernel
             return fwd.attention_fwd_triton(q, k, v, out, lse, causal=True, scale=d ** -0.5,
                                             causal_offset=0, **vis)
-        cands["triton"] = triton_kernel
+        if "triton" in peers:
+            cands["triton"] = triton_kernel
         if layout == "bshd":  # the table's Gluon kernel on contiguous copies: what strides cost
             qc, kc, vc, oc = (t.contiguous() for t in (q, k, v, out))
             cands["gluon-contiguous"] = lambda: hop.attention_fwd_hopper(
@@ -238,7 +244,7 @@ def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loop
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
-        if not tag:
+        if not tag and "cudnn" in peers:
             cands["cudnn"] = cudnn
         rows += _time(cands, repeat, flops, f"{b},{h},{s},{d} kv{hkv}{tag}", shape=[b, h, s, d],
                       kv_heads=hkv, window=list(window), softcap=softcap)
@@ -265,7 +271,7 @@ def _append(rows, out_path):
                 f.write(json.dumps(row) + "\n")
 
 
-def time_varlen(lengths, shapes, repeat, out_path, loops=()):
+def time_varlen(lengths, shapes, repeat, out_path, loops=(), peers=PEERS):
     rows = []
     for _, h, _, d, hkv in shapes:
         torch.manual_seed(d)
@@ -286,14 +292,15 @@ def time_varlen(lengths, shapes, repeat, out_path, loops=()):
             finally:
                 hop.device_properties = common.device_properties
         cands = {"gluon": lambda: hop.attention_fwd_hopper(*views, lse, **kw),
-                 "gluon-per-tile": gluon_per_tile,
-                 "triton": lambda: fwd.attention_fwd_triton(*views, lse, **kw)}
+                 "gluon-per-tile": gluon_per_tile}
+        if "triton" in peers:
+            cands["triton"] = lambda: fwd.attention_fwd_triton(*views, lse, **kw)
         for n in loops:  # BLOCK_LOOPS forced (0 takes no packed batch)
             if n:
                 cands[f"gluon loops{n}"] = lambda n=n: hop.attention_fwd_hopper(
                     *views, lse, **kw, loops=n)
         fa4 = registry.get("fa4")
-        ok, why = fa4.available(q.device)
+        ok, why = fa4.available(q.device) if "fa4" in peers else (False, "not in --peers")
         if ok:
             cands["fa4"] = fa4.prepare_varlen(q, k, v, cu, cu, max(lengths), max(lengths))
         else:
@@ -328,6 +335,9 @@ def main(argv=None):
                    help="with --time, dense calls: a softcap (logits softcap * tanh(s / "
                         "softcap)), e.g. 50")
     p.add_argument("--repeat", type=int, default=2, help="interleaved timing rounds")
+    p.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
+                   help="what --time runs beside the Gluon kernel (default: all that apply; "
+                        "none: the Gluon kernel alone, e.g. to compare trees of it in one job)")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--varlen", default=None,
                    help="L1,L2,...: --time (and --check) a packed batch of these lengths (see "
@@ -382,12 +392,12 @@ def main(argv=None):
                 print(f"worst {worst:.2e}", flush=True)
     if a.time:
         if a.varlen:
-            time_varlen(lengths, shapes, a.repeat, a.out, a.loops)
+            time_varlen(lengths, shapes, a.repeat, a.out, a.loops, a.peers)
         else:
             time_shapes(shapes, configs, a.repeat, a.out,
                         [tuple(int(x) for x in pp.split(",")) for pp in a.parts], a.layout,
                         a.loops, tuple(int(x) for x in a.window.split(",")) if a.window
-                        else (-1, -1), a.softcap)
+                        else (-1, -1), a.softcap, a.peers)
     return 0
 
 
