@@ -112,12 +112,6 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 til
 # 2.6-5 % at long rows, 9 % at (512,16,256,96).
 RESCALE_THRESHOLD = gl.constexpr(8.0)
 LAZY_COLUMNS = gl.constexpr(128)
-# LAB (FA4's sm90 forward at head_dim > 128, read, not measured here): the consumers' ping-pong
-# only up to PINGPONG_MAX_HEAD_DIM (FA4: 128; here 256 = always, main's), and O rescaled by the
-# block before's factor between issuing S_j and P_{j-1} V_{j-1}, while Q K_j^T runs, from
-# EARLY_RESCALE_MIN_HEAD_DIM (FA4: above 128; here 1024 = never, main's)
-PINGPONG_MAX_HEAD_DIM = gl.constexpr(256)
-EARLY_RESCALE_MIN_HEAD_DIM = gl.constexpr(1024)
 # The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
 # at a time (_packed_tile): at 24 it spilled at head_dim 256 (offline, Triton 3.6); the dense
 # kernel's code is the same at 24, 32 and 40.
@@ -563,24 +557,10 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
-def _scale_o(acc, acc1, alpha, SPLIT: gl.constexpr, LAZY: gl.constexpr):
-    # O (both column parts under SPLIT) times the rows' factors alpha
-    if SPLIT:
-        alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
-        acc1 = acc1 * gl.expand_dims(alpha1, 1)
-    alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
-    if LAZY:
-        acc = _rescale(acc, _warp_moved(alpha0))
-    else:
-        acc = acc * gl.expand_dims(alpha0, 1)
-    return acc, acc1
-
-
-@gluon.jit
-def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, full_blocks, vis,
+def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, vis,
                 WG: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                 CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                SPLIT: gl.constexpr, PING: gl.constexpr, EARLY: gl.constexpr):
+                SPLIT: gl.constexpr):
     # The consumer's K/V block g (block j of the sequence, past the tile's first): S_j = Q K_j^T
     # and O += P_{j-1} V_{j-1} issued as asynchronous wgmma in this warpgroup's turn, block j's
     # softmax while the P V product runs, then O rescaled. With a split head_dim (SPLIT) each
@@ -598,67 +578,54 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, f
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-    if PING:
-        mbarrier.wait(turn.index(WG), g & 1)
+    mbarrier.wait(turn.index(WG), g & 1)
     s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    LAZY: gl.constexpr = (not SPLIT) and acc.shape[1] >= LAZY_COLUMNS
     if SPLIT:
         s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok, is_async=True)
-    if EARLY:  # the block before's factor, while Q K_j^T runs
-        acc, acc1 = _scale_o(acc, acc1, alpha_in, SPLIT, LAZY)
-    if SPLIT:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0,
                                                       parent=acc1.type.layout, k_width=2)
         acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(prev), acc1,
                              is_async=True)
-        if PING:
-            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done (wgmma retire in order); the P V pair may still run
         s, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
     elif SERIAL:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        if PING:
-            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # both done: P_{j-1} dies before this block's masked softmax
         s, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
     else:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        if PING:
-            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
         s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
     mbarrier.arrive(k_empty.index(slot))
+    LAZY: gl.constexpr = (not SPLIT) and acc.shape[1] >= LAZY_COLUMNS
     if MASKED is None:
         p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL,
                                             HAS_WINDOW, SOFTCAP, s.shape[1], LAZY)
     else:
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * s.shape[1], vis, MASKED, CAUSAL,
                                       HAS_WINDOW, SOFTCAP, s.shape[1], LAZY)
-    if EARLY:  # alpha is the next block's to apply
-        if SPLIT:
-            acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-        elif not SERIAL:
-            acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(v_empty.index(prev))
-    elif SPLIT:
+    if SPLIT:
         acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
         alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
         acc1 = acc1 * gl.expand_dims(alpha1, 1)
-        mbarrier.arrive(v_empty.index(prev))
-        acc, acc1 = _scale_o(acc, acc1, alpha, False, LAZY)
+    elif not SERIAL:
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(v_empty.index(prev))
+    alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
+    if LAZY:
+        acc = _rescale(acc, _warp_moved(alpha0))
     else:
-        if not SERIAL:
-            acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(v_empty.index(prev))
-        acc, acc1 = _scale_o(acc, acc1, alpha, False, LAZY)
-    return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i, alpha
+        acc = acc * gl.expand_dims(alpha0, 1)
+    return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i
 
 
 @gluon.jit
-def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
-                 PING: gl.constexpr):
+def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr):
     # A consumer's part in the barriers of a tile's n_blocks K/V blocks (the ring's from `it`)
     # without their products: its turns passed on, the slots released once loaded (an arrival
     # before the slot's load would count toward the release of the block before).
@@ -668,9 +635,8 @@ def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
         g = it + j
         slot = g % STAGES
         mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-        if PING:
-            mbarrier.wait(turn.index(WG), g & 1)
-            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        mbarrier.wait(turn.index(WG), g & 1)
+        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         mbarrier.arrive(k_empty.index(slot))
         mbarrier.wait(v_ready.index(slot), (g // STAGES) & 1)
         mbarrier.arrive(v_empty.index(slot))
@@ -759,8 +725,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
      softcap_log2, ids, ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
-    PING: gl.constexpr = HEAD_DIM <= PINGPONG_MAX_HEAD_DIM
-    EARLY: gl.constexpr = HEAD_DIM >= EARLY_RESCALE_MIN_HEAD_DIM
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     D0: gl.constexpr = q_smem.shape[2]
@@ -824,13 +788,12 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             # product, no store, only its part in the ring's and the ping-pong's barriers.
             mbarrier.wait(q_ready.index(WG), ti & 1)
             mbarrier.arrive(q_empty.index(WG))
-            _pass_blocks(ring, it, n_blocks, WG, STAGES, PING)
+            _pass_blocks(ring, it, n_blocks, WG, STAGES)
         else:
             m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
             l_i = gl.zeros([ROWS], gl.float32, row_layout)
             acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
             p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
-            alpha = gl.full([ROWS], 1.0, gl.float32, row_layout)  # (EARLY: O's next factor)
             if SPLIT:
                 acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
             else:  # unused
@@ -840,15 +803,13 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             if n_blocks > 0:
                 mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
                 # turn k waits for phase k of this warpgroup's turn barrier
-                if PING:
-                    mbarrier.wait(turn.index(WG), it & 1)
+                mbarrier.wait(turn.index(WG), it & 1)
                 s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
                                       use_acc=False, is_async=True)
                 if SPLIT:
                     s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
                                           s_tok, is_async=True)
-                if PING:
-                    mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
                 s = warpgroup_mma_wait(0, deps=[s_tok])
                 mbarrier.arrive(k_empty.index(it % STAGES))
                 p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
@@ -863,32 +824,28 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             # comes before them: the blocks its left edge cuts for some row of this warpgroup.
             if BLOCK_LOOPS == 1:
                 for j in range(1, n_blocks):
-                    acc, acc1, p_op, l_i, m_i, alpha = _next_block(
-                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
-                        full_blocks, vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
-                        PING, EARLY)
+                    acc, acc1, p_op, l_i, m_i = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
+                        vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
             elif BLOCK_LOOPS == 2:
                 # (j counts the tile's blocks, lo + j is the sequence's; lo is 0 without a window)
                 if HAS_WINDOW:
                     edge_end = gl.minimum(gl.maximum(first_full - lo, 1), n_blocks)
                     for j in range(1, edge_end):
-                        acc, acc1, p_op, l_i, m_i, alpha = _next_block(
-                            ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
-                            full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
-                            PING, EARLY)
+                        acc, acc1, p_op, l_i, m_i = _next_block(
+                            ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j,
+                            full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
                 else:
                     edge_end = 1
                 full_end = gl.maximum(gl.minimum(full_blocks - lo, n_blocks), edge_end)
                 for j in range(edge_end, full_end):
-                    acc, acc1, p_op, l_i, m_i, alpha = _next_block(
-                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
-                        full_blocks, vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
-                        PING, EARLY)
+                    acc, acc1, p_op, l_i, m_i = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
+                        vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
                 for j in range(full_end, n_blocks):
-                    acc, acc1, p_op, l_i, m_i, alpha = _next_block(
-                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
-                        full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
-                        PING, EARLY)
+                    acc, acc1, p_op, l_i, m_i = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
+                        vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
             # Q is no longer read: the loader may bring in the next tile's while this one ends
             # (O_IN_Q: once the output staged in Q's buffer has left, below)
             if not O_IN_Q:
@@ -897,9 +854,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             if n_blocks > 0:
                 last = (it + n_blocks - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-                if EARLY:  # the last block's factor, before its P V
-                    acc, acc1 = _scale_o(acc, acc1, alpha, SPLIT,
-                                         (not SPLIT) and D0 >= LAZY_COLUMNS)
                 acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
                 if SPLIT:
                     acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
