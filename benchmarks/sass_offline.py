@@ -295,13 +295,14 @@ def loops(sass, min_len=32):
     index = {a: i for i, (a, _) in enumerate(ins)}
     found = []
     for i, (a, text) in enumerate(ins):
-        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < a and int(target.group(1), 16) in index:
-            body = [t for _, t in ins[index[int(target.group(1), 16)]:i + 1]]
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        target = int(branch.group(1), 16) if branch else None
+        if target is not None and target < a and target in index:
+            body = [t for _, t in ins[index[target]:i + 1]]
             if len(body) >= min_len:
                 counts = {op: sum(bool(re.search(r"\b" + re.escape(op), t)) for t in body)
                           for op in LOOP_COUNTED}
-                found.append((int(target.group(1), 16), a, len(body), counts))
+                found.append((target, a, len(body), counts))
     return sorted(found, key=lambda loop: loop[2])
 
 

@@ -479,11 +479,11 @@ def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.c
         if HAS_WINDOW:
             ok = ok & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + left, 1))
         s = gl.where(ok, s, float("-inf"))
+    m_blk = gl.max(s, 1) * scale
     if LAZY:
-        m_blk = gl.max(s, 1) * scale
         m_new = gl.where(m_blk > m_i + RESCALE_THRESHOLD, m_blk, m_i)
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+        m_new = gl.maximum(m_i, m_blk)
     if MASKED:  # a row that has seen no key yet keeps m == -inf; subtract 0 instead of -inf
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -535,15 +535,15 @@ def _warp_moved(alpha):
         }""", "=r,=r,r,r", [alpha], dtype=gl.float32, is_pure=True, pack=2)
 
 
-# _rescale's asm takes _PACK elements of O: $0-$31 out, tied to the inputs $32-$63, and their
-# rows' factors $64-$95; every element's factor has its warp's sign, so testing one suffices
-_PACK = 32
+# _rescale's asm takes RESCALE_PACK elements of O: $0-$31 out, tied to the inputs $32-$63, and
+# their rows' factors $64-$95; every element's factor has its warp's sign, so testing one suffices
+RESCALE_PACK = gl.constexpr(32)
+_N = RESCALE_PACK.value
 RESCALE_ASM = gl.constexpr(
-    "{\n.reg .pred p;\nsetp.lt.s32 p, $" + str(2 * _PACK) + ", 0;\n@p bra DONE;\n"
-    + "".join(f"mul.f32 ${i}, ${i}, ${i + 2 * _PACK};\n" for i in range(_PACK)) + "DONE:\n}")
-RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * _PACK + [str(i) for i in range(_PACK)]
-                                            + ["r"] * _PACK))
-RESCALE_PACK = gl.constexpr(_PACK)
+    "{\n.reg .pred p;\nsetp.lt.s32 p, $" + str(2 * _N) + ", 0;\n@p bra DONE;\n"
+    + "".join(f"mul.f32 ${i}, ${i}, ${i + 2 * _N};\n" for i in range(_N)) + "DONE:\n}")
+RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * _N + [str(i) for i in range(_N)]
+                                            + ["r"] * _N))
 
 
 @gluon.jit
