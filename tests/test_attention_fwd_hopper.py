@@ -123,7 +123,8 @@ def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, m
 def test_hopper_kernel_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol):
     # Keys scaled up along the sequence, so a row's scores in later blocks exceed its running
     # max by far more than RESCALE_THRESHOLD: the lazy rescale (one part of 128 columns or
-    # more) must move the max and rescale O there, the other head dims as always
+    # more) must move the max and rescale O there, the other head dims as always; above 128, O
+    # takes each factor one block late, before the P V product (no ping-pong there)
     batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
     k = (k.float() * torch.linspace(0.2, 6.0, kv_len, device="cuda")[:, None]).to(dtype)

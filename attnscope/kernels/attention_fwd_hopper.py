@@ -31,7 +31,9 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - The consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its wgmma
   pair for block j only after the one before it has issued its pair for block j (warpgroup 0:
   the last one, block j - 1), through one mbarrier each, so one warpgroup's softmax tends to
-  run while another's matrix multiplies do.
+  run while another's matrix multiplies do. Above head_dim 128 (PINGPONG_MAX_HEAD_DIM) they take
+  no turns, and O is rescaled by block j - 1's factor while S_j runs, before P_{j-1} V_{j-1} is
+  issued (FA4's Hopper form there).
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU, Triton >=
 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from MIN_QUERIES = 2049
@@ -112,6 +114,14 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 til
 # 2.6-5 % at long rows, 9 % at (512,16,256,96).
 RESCALE_THRESHOLD = gl.constexpr(8.0)
 LAZY_COLUMNS = gl.constexpr(128)
+# Up to PINGPONG_MAX_HEAD_DIM the consumers take turns issuing their products (the ping-pong:
+# one's softmax runs under the other's wgmma); above it (192, 256), FA4's sm90 form: no turns,
+# and O takes the block before's factor between issuing S_j = Q K_j^T and P_{j-1} V_{j-1}, while
+# the first runs, instead of after the second. H200, Triton 3.6, hopper_lab.py --time at six
+# rows of 192 and 256 (notes/lab/gluon_no_pingpong_h200.txt): 1-4 % faster than the ping-pong
+# with the late rescale; without turns alone 1-3 %, the early rescale with turns 2 % slower at
+# 192.
+PINGPONG_MAX_HEAD_DIM = gl.constexpr(128)
 # The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
 # at a time (_packed_tile): at 24 it spilled at head_dim 256 (offline, Triton 3.6); the dense
 # kernel's code is the same at 24, 32 and 40.
@@ -557,13 +567,29 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
-def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks, vis,
+def _scale_o(acc, acc1, alpha, SPLIT: gl.constexpr, LAZY: gl.constexpr):
+    # O (both column parts under SPLIT) times the rows' factors alpha
+    if SPLIT:
+        alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
+        acc1 = acc1 * gl.expand_dims(alpha1, 1)
+    alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
+    if LAZY:
+        acc = _rescale(acc, _warp_moved(alpha0))
+    else:
+        acc = acc * gl.expand_dims(alpha0, 1)
+    return acc, acc1
+
+
+@gluon.jit
+def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, full_blocks, vis,
                 WG: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                 CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                SPLIT: gl.constexpr):
+                SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
     # The consumer's K/V block g (block j of the sequence, past the tile's first): S_j = Q K_j^T
-    # and O += P_{j-1} V_{j-1} issued as asynchronous wgmma in this warpgroup's turn, block j's
-    # softmax while the P V product runs, then O rescaled. With a split head_dim (SPLIT) each
+    # and O += P_{j-1} V_{j-1} issued as asynchronous wgmma (in this warpgroup's turn under
+    # PINGPONG), block j's softmax while the P V product runs, then O rescaled by block j's
+    # factor alpha; without PINGPONG, O is rescaled by block j-1's (alpha_in) between the two
+    # issues, and block j's alpha is returned for the next block. With a split head_dim (SPLIT) each
     # product is two wgmma, one per column part. MASKED: whether the block is masked (True,
     # False), or None: chosen at run time (_block_softmax). vis: what its rows see (_softmax).
     # ring: the consumer's Q buffers, the K/V ring's buffers and barriers, the ping-pong's turn
@@ -578,54 +604,68 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, s_zero, rows, j, full_blocks
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-    mbarrier.wait(turn.index(WG), g & 1)
+    EARLY: gl.constexpr = not PINGPONG  # O rescaled before the P V product
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), g & 1)
     s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
+    LAZY: gl.constexpr = (not SPLIT) and acc.shape[1] >= LAZY_COLUMNS
     if SPLIT:
         s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok, is_async=True)
+    if EARLY:  # the block before's factor, while Q K_j^T runs
+        acc, acc1 = _scale_o(acc, acc1, alpha_in, SPLIT, LAZY)
+    if SPLIT:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0,
                                                       parent=acc1.type.layout, k_width=2)
         acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(prev), acc1,
                              is_async=True)
-        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        if PINGPONG:
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done (wgmma retire in order); the P V pair may still run
         s, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
     elif SERIAL:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        if PINGPONG:
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # both done: P_{j-1} dies before this block's masked softmax
         s, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
     else:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        if PINGPONG:
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
         s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
     mbarrier.arrive(k_empty.index(slot))
-    LAZY: gl.constexpr = (not SPLIT) and acc.shape[1] >= LAZY_COLUMNS
     if MASKED is None:
         p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL,
                                             HAS_WINDOW, SOFTCAP, s.shape[1], LAZY)
     else:
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * s.shape[1], vis, MASKED, CAUSAL,
                                       HAS_WINDOW, SOFTCAP, s.shape[1], LAZY)
-    if SPLIT:
+    if EARLY:  # alpha is the next block's to apply
+        if SPLIT:
+            acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
+        elif not SERIAL:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(prev))
+    elif SPLIT:
         acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
         alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
         acc1 = acc1 * gl.expand_dims(alpha1, 1)
-    elif not SERIAL:
-        acc = warpgroup_mma_wait(0, deps=[acc])
-    mbarrier.arrive(v_empty.index(prev))
-    alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
-    if LAZY:
-        acc = _rescale(acc, _warp_moved(alpha0))
+        mbarrier.arrive(v_empty.index(prev))
+        acc, acc1 = _scale_o(acc, acc1, alpha, False, LAZY)
     else:
-        acc = acc * gl.expand_dims(alpha0, 1)
-    return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i
+        if not SERIAL:
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(prev))
+        acc, acc1 = _scale_o(acc, acc1, alpha, False, LAZY)
+    return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i, alpha
 
 
 @gluon.jit
-def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr):
+def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
+                 PINGPONG: gl.constexpr):
     # A consumer's part in the barriers of a tile's n_blocks K/V blocks (the ring's from `it`)
     # without their products: its turns passed on, the slots released once loaded (an arrival
     # before the slot's load would count toward the release of the block before).
@@ -635,8 +675,9 @@ def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr):
         g = it + j
         slot = g % STAGES
         mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-        mbarrier.wait(turn.index(WG), g & 1)
-        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), g & 1)
+            mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         mbarrier.arrive(k_empty.index(slot))
         mbarrier.wait(v_ready.index(slot), (g // STAGES) & 1)
         mbarrier.arrive(v_empty.index(slot))
@@ -725,6 +766,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
      softcap_log2, ids, ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
+    PINGPONG: gl.constexpr = HEAD_DIM <= PINGPONG_MAX_HEAD_DIM
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     D0: gl.constexpr = q_smem.shape[2]
@@ -788,12 +830,13 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             # product, no store, only its part in the ring's and the ping-pong's barriers.
             mbarrier.wait(q_ready.index(WG), ti & 1)
             mbarrier.arrive(q_empty.index(WG))
-            _pass_blocks(ring, it, n_blocks, WG, STAGES)
+            _pass_blocks(ring, it, n_blocks, WG, STAGES, PINGPONG)
         else:
             m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
             l_i = gl.zeros([ROWS], gl.float32, row_layout)
             acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
             p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+            alpha = gl.full([ROWS], 1.0, gl.float32, row_layout)  # O's next factor (no PINGPONG)
             if SPLIT:
                 acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
             else:  # unused
@@ -803,13 +846,15 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             if n_blocks > 0:
                 mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
                 # turn k waits for phase k of this warpgroup's turn barrier
-                mbarrier.wait(turn.index(WG), it & 1)
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), it & 1)
                 s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
                                       use_acc=False, is_async=True)
                 if SPLIT:
                     s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
                                           s_tok, is_async=True)
-                mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                if PINGPONG:
+                    mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
                 s = warpgroup_mma_wait(0, deps=[s_tok])
                 mbarrier.arrive(k_empty.index(it % STAGES))
                 p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
@@ -824,28 +869,32 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             # comes before them: the blocks its left edge cuts for some row of this warpgroup.
             if BLOCK_LOOPS == 1:
                 for j in range(1, n_blocks):
-                    acc, acc1, p_op, l_i, m_i = _next_block(
-                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                        vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                    acc, acc1, p_op, l_i, m_i, alpha = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                        full_blocks, vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
+                        PINGPONG)
             elif BLOCK_LOOPS == 2:
                 # (j counts the tile's blocks, lo + j is the sequence's; lo is 0 without a window)
                 if HAS_WINDOW:
                     edge_end = gl.minimum(gl.maximum(first_full - lo, 1), n_blocks)
                     for j in range(1, edge_end):
-                        acc, acc1, p_op, l_i, m_i = _next_block(
-                            ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j,
-                            full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                        acc, acc1, p_op, l_i, m_i, alpha = _next_block(
+                            ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                            full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
+                            PINGPONG)
                 else:
                     edge_end = 1
                 full_end = gl.maximum(gl.minimum(full_blocks - lo, n_blocks), edge_end)
                 for j in range(edge_end, full_end):
-                    acc, acc1, p_op, l_i, m_i = _next_block(
-                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                        vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                    acc, acc1, p_op, l_i, m_i, alpha = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                        full_blocks, vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
+                        PINGPONG)
                 for j in range(full_end, n_blocks):
-                    acc, acc1, p_op, l_i, m_i = _next_block(
-                        ring, it + j, acc, acc1, p_op, l_i, m_i, s_zero, rows, lo + j, full_blocks,
-                        vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT)
+                    acc, acc1, p_op, l_i, m_i, alpha = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                        full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
+                        PINGPONG)
             # Q is no longer read: the loader may bring in the next tile's while this one ends
             # (O_IN_Q: once the output staged in Q's buffer has left, below)
             if not O_IN_Q:
@@ -854,6 +903,9 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             if n_blocks > 0:
                 last = (it + n_blocks - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
+                if not PINGPONG:  # the last block's factor, before its P V
+                    acc, acc1 = _scale_o(acc, acc1, alpha, SPLIT,
+                                         (not SPLIT) and D0 >= LAZY_COLUMNS)
                 acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
                 if SPLIT:
                     acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
