@@ -118,9 +118,10 @@ LAZY_COLUMNS = gl.constexpr(128)
 # one's softmax runs under the other's wgmma); above it (192, 256), FA4's sm90 form: no turns,
 # and O takes the block before's factor between issuing S_j = Q K_j^T and P_{j-1} V_{j-1}, while
 # the first runs, instead of after the second. H200, Triton 3.6, hopper_lab.py --time at six
-# rows of 192 and 256 (notes/lab/gluon_no_pingpong_h200.txt): 1-4 % faster than the ping-pong
-# with the late rescale; without turns alone 1-3 %, the early rescale with turns 2 % slower at
-# 192.
+# rows of 192 and 256 (notes/lab/gluon_no_pingpong_h200.txt): 2-6 % faster than the ping-pong
+# with the late rescale at rows of 2000 keys or more, 2-7 % slower at tiles of four K/V blocks
+# or fewer in many programs ((512,16,256,192)); without turns alone 1-5 % faster, the early
+# rescale with turns 2 % slower at 192.
 PINGPONG_MAX_HEAD_DIM = gl.constexpr(128)
 # The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
 # at a time (_packed_tile): at 24 it spilled at head_dim 256 (offline, Triton 3.6); the dense
