@@ -135,6 +135,29 @@ def test_hopper_kernel_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("pingpong", [True, False])
+@pytest.mark.parametrize("head_dim", [80, 128, 192, 256])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 1500, 1500, True, "top_left"),
+                                   (2, 3, 3, 200, 333, True, "bottom_right"),
+                                   (1, 2, 2, 300, 77, False, "top_left")])
+def test_hopper_kernel_with_and_without_turns(shape, head_dim, pingpong, dtype, floor, lse_tol,
+                                              monkeypatch):
+    # Both forms of the consumers' schedule at every kind of head_dim, whichever pingpong_for
+    # picks: turns at the tensor cores with O rescaled after the P V product, or no turns with
+    # O rescaled by the block before's factor ahead of it (keys scaled up along the sequence,
+    # so a row's max moves late and the factor carried to the next block matters)
+    hopper = dispatch._hopper()
+    monkeypatch.setattr(hopper, "pingpong_for", lambda *args: pingpong)
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
+    k = (k.float() * torch.linspace(0.2, 6.0, kv_len, device="cuda")[:, None]).to(dtype)
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("shape", OTHER_HEAD_DIM_SHAPES + [
     (1, 5, 5, 4100, 4100, True, "top_left"),      # a last tile of 68 rows: one consumer idle
     (2, 4, 2, 400, 400, True, "top_left"),        # a last tile of 16 rows: two consumers idle
@@ -474,6 +497,23 @@ def test_block_loops_by_column_parts_and_keys():
         assert hopper.block_loops(*parts, config[0], kv_len) == loops, (head_dim, kv_len)
 
 
+def test_pingpong_for_by_head_dim_and_keys():
+    # pingpong_for on the CPU: the consumers take turns up to head_dim 128 at any length and in
+    # packed batches (kv_len None); above it only where a dense call's tiles hold at most
+    # PINGPONG_SHORT_BLOCKS K/V blocks
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    short = hopper.PINGPONG_SHORT_BLOCKS
+    for head_dim in (64, 80, 96, 112, 128):
+        for kv_len in (1, 128, 4096, None):
+            assert hopper.pingpong_for(head_dim, 128, kv_len)
+    for head_dim in (192, 256):
+        for block_n in (64, 128):
+            assert hopper.pingpong_for(head_dim, block_n, 1)
+            assert hopper.pingpong_for(head_dim, block_n, short * block_n)
+            assert not hopper.pingpong_for(head_dim, block_n, short * block_n + 1)
+            assert not hopper.pingpong_for(head_dim, block_n, None)
+
+
 def _as_an_h200(monkeypatch, hopper):
     # the Gluon forward's launch on CPU tensors sees an H200's properties
     from attnscope.kernels import common
@@ -532,6 +572,40 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
     with pytest.raises(ValueError, match="packed"):
         hopper.attention_fwd_hopper(packed, packed, packed, torch.empty_like(packed),
                                     torch.empty(4, 600), loops=0, **kw)
+    tile_schedule.forget_schedules()  # the CPU tensors' schedules made above
+
+
+def test_the_launch_passes_pingpong_and_a_labs_forced_form(monkeypatch):
+    # attention_fwd_hopper on CPU tensors up to its launch: PINGPONG as pingpong_for says (the
+    # table's 64-key blocks at 192 and 256), or as a lab forces it, each its own launch
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    from attnscope.attention.varlen import _as_batched
+    _as_an_h200(monkeypatch, hopper)
+    launched = []
+
+    def record(key, grid, args, kwargs, **kw):
+        launched.append((kwargs["PINGPONG"], kw["config"]["PINGPONG"], key))
+    monkeypatch.setattr(hopper, "_launch", record)
+    monkeypatch.setattr(hopper, "_launch_packed", record)
+
+    def call(seq, head_dim, **kw):
+        q = torch.empty(2, 4, seq, head_dim, dtype=torch.bfloat16)
+        hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, seq),
+                                    causal=True, scale=0.1, causal_offset=0, **kw)
+        return launched[-1][:2]
+    short = hopper.PINGPONG_SHORT_BLOCKS * 64
+    assert call(4096, 128) == (True, True) and call(4096, 96) == (True, True)
+    assert call(short, 192) == (True, True) and call(short + 1, 192) == (False, False)
+    assert call(short, 256) == (True, True) and call(4096, 256) == (False, False)
+    assert call(4096, 128, pingpong=False) == (False, False)
+    assert launched[-1][2] != launched[-2][2]  # the forced form is its own launch
+    assert call(short, 192, pingpong=False) == (False, False)
+    packed = _as_batched(torch.empty(600, 4, 192, dtype=torch.bfloat16), 2)  # the op's view
+    cu = torch.tensor([0, 100, 600], dtype=torch.int32)
+    hopper.attention_fwd_hopper(packed, packed, packed, torch.empty_like(packed),
+                                torch.empty(4, 600), causal=True, scale=0.1, causal_offset=0,
+                                varlen=(cu, cu, 500, 500))
+    assert launched[-1][:2] == (False, False)  # a packed batch: by head_dim alone
     tile_schedule.forget_schedules()  # the CPU tensors' schedules made above
 
 

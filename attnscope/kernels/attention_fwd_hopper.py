@@ -31,9 +31,9 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - The consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its wgmma
   pair for block j only after the one before it has issued its pair for block j (warpgroup 0:
   the last one, block j - 1), through one mbarrier each, so one warpgroup's softmax tends to
-  run while another's matrix multiplies do. Above head_dim 128 (PINGPONG_MAX_HEAD_DIM) they take
-  no turns, and O is rescaled by block j - 1's factor while S_j runs, before P_{j-1} V_{j-1} is
-  issued (FA4's Hopper form there).
+  run while another's matrix multiplies do. Above head_dim 128, but for short tiles
+  (`pingpong_for`), they take no turns, and O is rescaled by block j - 1's factor while S_j
+  runs, before P_{j-1} V_{j-1} is issued (FA4's Hopper form there).
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU, Triton >=
 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from MIN_QUERIES = 2049
@@ -114,15 +114,6 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 til
 # 2.6-5 % at long rows, 9 % at (512,16,256,96).
 RESCALE_THRESHOLD = gl.constexpr(8.0)
 LAZY_COLUMNS = gl.constexpr(128)
-# Up to PINGPONG_MAX_HEAD_DIM the consumers take turns issuing their products (the ping-pong:
-# one's softmax runs under the other's wgmma); above it (192, 256), FA4's sm90 form: no turns,
-# and O takes the block before's factor between issuing S_j = Q K_j^T and P_{j-1} V_{j-1}, while
-# the first runs, instead of after the second. H200, Triton 3.6, hopper_lab.py --time at six
-# rows of 192 and 256 (notes/lab/gluon_no_pingpong_h200.txt): 2-6 % faster than the ping-pong
-# with the late rescale at rows of 2000 keys or more, 2-7 % slower at tiles of four K/V blocks
-# or fewer in many programs ((512,16,256,192)); without turns alone 1-5 % faster, the early
-# rescale with turns 2 % slower at 192.
-PINGPONG_MAX_HEAD_DIM = gl.constexpr(128)
 # The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
 # at a time (_packed_tile): at 24 it spilled at head_dim 256 (offline, Triton 3.6); the dense
 # kernel's code is the same at 24, 32 and 40.
@@ -758,7 +749,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
               SOFTCAP: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
-              O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, STORE_LSE: gl.constexpr):
+              O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, STORE_LSE: gl.constexpr,
+              PINGPONG: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
@@ -767,7 +759,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
      softcap_log2, ids, ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
-    PINGPONG: gl.constexpr = HEAD_DIM <= PINGPONG_MAX_HEAD_DIM
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     D0: gl.constexpr = q_smem.shape[2]
@@ -966,7 +957,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
                      TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
                      O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, NUM_WG: gl.constexpr,
-                     STORE_LSE: gl.constexpr):
+                     STORE_LSE: gl.constexpr, PINGPONG: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
@@ -1049,13 +1040,13 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
                        STRIDED, O_IN_Q)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
@@ -1063,10 +1054,10 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
                        STRIDED, O_IN_Q)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -1248,7 +1239,8 @@ def _packed(t):
 
 
 def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1, -1),
-                         softcap=0.0, varlen=None, config=None, parts=None, loops=None, key=None):
+                         softcap=0.0, varlen=None, config=None, parts=None, loops=None,
+                         pingpong=None, key=None):
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
     attention_fwd.attention_fwd_triton's (`window` and `softcap` as fused_attention's; `varlen`:
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for a packed batch, q/k/v/out its
@@ -1257,8 +1249,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     instead of layout_for's (the lab; a dense call's parts may pad, D0 + D1 >= head_dim, a
     packed batch's must be head_dim exactly),
     `loops` the kernel's BLOCK_LOOPS instead of block_loops' (the lab; 0 only for a dense call of
-    at most one K/V block a tile), `key` the dispatch's launch key for this call (built here
-    when None)."""
+    at most one K/V block a tile), `pingpong` the kernel's PINGPONG instead of pingpong_for's
+    (the lab), `key` the dispatch's launch key for this call (built here when None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if config is not None and len(config) != len(CONFIG_FIELDS):
@@ -1333,6 +1325,8 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
         raise ValueError(f"loops must be 1 or 2, or 0 for a dense call of at most one {block_n}"
                          f"-key block a tile; got {loops!r} at {kv_len} keys"
                          f"{' (packed)' if varlen else ''}")
+    if pingpong is None:
+        pingpong = pingpong_for(head_dim, block_n, None if varlen else kv_len)
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
     smem = consumers * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
     if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
@@ -1347,19 +1341,41 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
                   VARLEN=varlen is not None, STRIDED=strided, BLOCK_LOOPS=loops, NUM_WG=consumers,
-                  STORE_LSE=lse is not None, num_warps=4)
+                  STORE_LSE=lse is not None, PINGPONG=bool(pingpong), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
         key = ("gluon", q.device, q.dtype, lse is None or lse.dtype, q.shape, k.shape,
                q.stride(), k.stride(), v.stride(), out.stride(),
                aligned(out, out if lse is None else lse), stored_by_copy, sched_width,
-               causal, causal_offset, scale, window, softcap, grid, config, parts, loops)
+               causal, causal_offset, scale, window, softcap, grid, config, parts, loops,
+               pingpong)
         if varlen is not None:
             key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
     launch = _launch if varlen is None else _launch_packed
     return launch(key, grid, args, kwargs, per_call=5 if varlen is None else 8,
                   config=dict(zip(CONFIG_FIELDS, config), BLOCK_D0=d0, BLOCK_D1=d1,
-                               BLOCK_LOOPS=loops))
+                               BLOCK_LOOPS=loops, PINGPONG=bool(pingpong)))
+
+
+# The consumers' ping-pong (`pingpong_for`): always up to PINGPONG_MAX_HEAD_DIM; above it only
+# where a dense call's tiles hold at most PINGPONG_SHORT_BLOCKS K/V blocks.
+PINGPONG_MAX_HEAD_DIM = 128
+PINGPONG_SHORT_BLOCKS = 4
+
+
+def pingpong_for(head_dim, block_n, kv_len):
+    """Whether the consumers take turns at the tensor cores (the kernel's PINGPONG) for a
+    head_dim, blocks of block_n keys and a dense call's kv_len (None for a packed batch): up to
+    head_dim PINGPONG_MAX_HEAD_DIM always; above it (192, 256) FA4's Hopper form, no turns and O
+    rescaled before the P V product is issued, but where a dense call's tiles hold at most
+    PINGPONG_SHORT_BLOCKS blocks. H200, Triton 3.6, hopper_lab.py --time, trees of each form in
+    one job (notes/lab/gluon_no_pingpong_h200.txt): without turns 3.5-6 % faster at rows of
+    2000 keys or more ((8,16,4096,256,2): 1.64-1.67 against 1.72-1.80 ms), level at 500 keys
+    ((262,16,500,256,4)), slower at 256 keys and fewer ((512,16,256,192): 1.12 against
+    1.05-1.08 ms; (1024,16,128,256): 1.10 against 1.09)."""
+    if head_dim <= PINGPONG_MAX_HEAD_DIM:
+        return True
+    return kv_len is not None and kv_len <= PINGPONG_SHORT_BLOCKS * block_n
 
 
 def block_loops(d0, d1, block_n, kv_len):

@@ -1,6 +1,6 @@
 """Lab for the Gluon Hopper forward (attnscope/kernels/attention_fwd_hopper.py) on one sm_90 GPU.
 
-Two parts, each optional (--loops varies both):
+Two parts, each optional (--loops and --pingpong vary both):
   --check: the kernel against the float64 reference on odd shapes (causal and not, both causal
            alignments, GQA, fp16/bf16, output poisoned with NaN first); prints max errors.
   --time:  median times (triton.testing.do_bench, L2 flushed) of the Gluon kernel under each
@@ -13,6 +13,8 @@ Two parts, each optional (--loops varies both):
   --loops N ...: the kernel's BLOCK_LOOPS forced (0 none, 1 one loop, 2 two loops; block_loops
            says which the launch picks): --check runs block_loops' choice, then each (0 only on
            cases of one K/V block a tile); --time adds the table's config with each.
+  --pingpong 0 1: the kernel's PINGPONG forced the same way on dense calls (pingpong_for says
+           which the launch picks: the consumers' turns, or none and O rescaled before P V).
 
     python benchmarks/labs/hopper_lab.py --check --time --shapes 8,16,1024,128 \
         --configs 128,2,240,2 128,3,232,2 --out lab.jsonl
@@ -90,13 +92,13 @@ def _inputs(b, h, hkv, lq, lk, d, dtype, layout="bhsd"):
     return rand(h, lq), rand(hkv, lk), rand(hkv, lk)
 
 
-def _run(q, k, v, causal, bottom_right, config=None, loops=None):
+def _run(q, k, v, causal, bottom_right, config=None, loops=None, pingpong=None):
     b, h, lq, d = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, h, lq), float("nan"), device="cuda")
     offset = k.shape[2] - lq if bottom_right else 0
     hop.attention_fwd_hopper(q, k, v, out, lse, causal=causal, scale=d ** -0.5,
-                             causal_offset=offset, config=config, loops=loops)
+                             causal_offset=offset, config=config, loops=loops, pingpong=pingpong)
     return out, lse
 
 
@@ -106,7 +108,7 @@ def _one_block(config, d, kv_len):
     return kv_len <= (config or hop.layout_for(d, kv_len, True)[1])[0]
 
 
-def check(config, layout="bhsd", loops=None):
+def check(config, layout="bhsd", loops=None, pingpong=None):
     worst, skipped = 0.0, 0
     for b, h, hkv, lq, lk, d, causal, br, dtype in CHECK_CASES:
         if config is None and d not in hop.CONFIGS:
@@ -116,7 +118,7 @@ def check(config, layout="bhsd", loops=None):
         torch.manual_seed(lq * 7 + d)
         q, k, v = _inputs(b, h, hkv, lq, lk, d, dtype, layout)
         try:
-            out, lse = _run(q, k, v, causal, br, config, loops)
+            out, lse = _run(q, k, v, causal, br, config, loops, pingpong)
         except Exception as e:  # a lab's config whose buffers or registers this head_dim's
             # do not fit (the launch's check, or ptxas: "Insufficient registers"); the table's
             # configs must run
@@ -207,7 +209,7 @@ PEERS = ("triton", "cudnn", "fa4")
 
 
 def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loops=(),
-                window=(-1, -1), softcap=0.0, peers=PEERS):
+                window=(-1, -1), softcap=0.0, peers=PEERS, pingpongs=()):
     rows = []
     vis = dict(window=window, softcap=softcap)
     tag = (f" window{window}" if window != (-1, -1) else "") + (
@@ -230,6 +232,11 @@ def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loop
                 continue
             cands[f"gluon loops{n}"] = lambda n=n: hop.attention_fwd_hopper(
                 q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, loops=n, **vis)
+        for n in pingpongs if d in hop.CONFIGS else ():  # the table's config, PINGPONG forced
+            cands[f"gluon pingpong{n}"] = lambda n=n: hop.attention_fwd_hopper(
+                q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0,
+                pingpong=bool(n), **vis)
+
         def triton_kernel():  # its launch, directly: the op would take the Gluon kernel
             return fwd.attention_fwd_triton(q, k, v, out, lse, causal=True, scale=d ** -0.5,
                                             causal_offset=0, **vis)
@@ -346,6 +353,11 @@ def main(argv=None):
                    help="the kernel's BLOCK_LOOPS to force besides block_loops' choice: --check "
                         "runs each, --time adds the table's config with each (0: no block loop, "
                         "only where every tile holds one K/V block; not for packed batches)")
+    p.add_argument("--pingpong", nargs="*", type=int, default=[], choices=[0, 1],
+                   help="dense calls: the kernel's PINGPONG (1: the consumers take turns; 0: "
+                        "none, O rescaled before the P V product) to force besides "
+                        "pingpong_for's choice: --check runs each, --time adds the table's "
+                        "config with each")
     a = p.parse_args(argv)
     configs = [None] + [tuple(int(x) for x in c.split(",")) for c in a.configs]
     for c in configs[1:]:
@@ -366,6 +378,8 @@ def main(argv=None):
                 f"0 either way), got {a.window!r}")
     if a.softcap < 0:
         p.error(f"--softcap must be positive (0: none), got {a.softcap}")
+    if a.varlen and a.pingpong:
+        p.error("--pingpong goes with dense calls (a packed batch takes pingpong_for's)")
     if a.varlen and 0 in a.loops:
         p.error("--loops 0 takes no packed batch (its tiles may hold many K/V blocks)")
     if a.varlen and not re.fullmatch(r"\d+(,\d+)*", a.varlen):
@@ -385,6 +399,9 @@ def main(argv=None):
                       flush=True)
                 worst = check(c, a.layout, n)
                 print(f"worst {worst:.2e}", flush=True)
+            for n in a.pingpong:
+                print(f"== check config {c or 'table'} pingpong {n}", flush=True)
+                print(f"worst {check(c, a.layout, None, bool(n)):.2e}", flush=True)
         if a.varlen:  # (the table's configs: a packed batch takes no other)
             for n in loops:
                 print("== check varlen" + (f" loops {n}" if n is not None else ""), flush=True)
@@ -397,7 +414,7 @@ def main(argv=None):
             time_shapes(shapes, configs, a.repeat, a.out,
                         [tuple(int(x) for x in pp.split(",")) for pp in a.parts], a.layout,
                         a.loops, tuple(int(x) for x in a.window.split(",")) if a.window
-                        else (-1, -1), a.softcap, a.peers)
+                        else (-1, -1), a.softcap, a.peers, a.pingpong)
     return 0
 
 
