@@ -31,7 +31,7 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - The consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its wgmma
   pair for block j only after the one before it has issued its pair for block j (warpgroup 0:
   the last one, block j - 1), through one mbarrier each, so one warpgroup's softmax tends to
-  run while another's matrix multiplies do. Above head_dim 128, but for short tiles
+  run while another's matrix multiplies do. Above head_dim 128, but for calls of few keys
   (`pingpong_for`), they take no turns, and O is rescaled by block j - 1's factor while S_j
   runs, before P_{j-1} V_{j-1} is issued (FA4's Hopper form there).
 
@@ -659,8 +659,8 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, f
 def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
                  PINGPONG: gl.constexpr):
     # A consumer's part in the barriers of a tile's n_blocks K/V blocks (the ring's from `it`)
-    # without their products: its turns passed on, the slots released once loaded (an arrival
-    # before the slot's load would count toward the release of the block before).
+    # without their products: its turns passed on (PINGPONG), the slots released once loaded
+    # (an arrival before the slot's load would count toward the release of the block before).
     q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     NUM_WG: gl.constexpr = turn.shape[0]
     for j in range(n_blocks):
@@ -1065,9 +1065,9 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
 
 # (BLOCK_N, STAGES, consumer registers, consumer warpgroups) per head_dim, measured on the H200
 # with benchmarks/labs/hopper_lab.py (notes/forward.md, "The Gluon kernel"); THREE_CONSUMERS
-# below for head_dim 64's calls of many tiles. The schedule's other choices are constants of the
-# kernel: persistent (one program per SM) and the consumers' ping-pong (without it 0.6913
-# against 0.6842 ms at (4,32,4096,64)). head_dim 80, 96 (two column parts) and 112 (padded to
+# below for head_dim 64's calls of many tiles. The schedule is persistent (one program per SM);
+# the consumers' ping-pong is pingpong_for's rule (at 64, without it 0.6913 against 0.6842 ms
+# at (4,32,4096,64), an earlier kernel). head_dim 80, 96 (two column parts) and 112 (padded to
 # 128) take the head_dim-128 config; a third ring stage, which their smaller tiles leave room for,
 # measured within 2 % either way. At 256 and 192 (128 + 64) a consumer's fp32 O accumulator
 # takes 128 or 96 registers a thread, so K/V blocks are 64 keys (S: 32 registers); at 256 two
@@ -1358,7 +1358,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
 
 
 # The consumers' ping-pong (`pingpong_for`): always up to PINGPONG_MAX_HEAD_DIM; above it only
-# where a dense call's tiles hold at most PINGPONG_SHORT_BLOCKS K/V blocks.
+# for dense calls of at most PINGPONG_SHORT_BLOCKS K/V blocks of keys.
 PINGPONG_MAX_HEAD_DIM = 128
 PINGPONG_SHORT_BLOCKS = 4
 
@@ -1367,9 +1367,11 @@ def pingpong_for(head_dim, block_n, kv_len):
     """Whether the consumers take turns at the tensor cores (the kernel's PINGPONG) for a
     head_dim, blocks of block_n keys and a dense call's kv_len (None for a packed batch): up to
     head_dim PINGPONG_MAX_HEAD_DIM always; above it (192, 256) FA4's Hopper form, no turns and O
-    rescaled before the P V product is issued, but where a dense call's tiles hold at most
-    PINGPONG_SHORT_BLOCKS blocks. H200, Triton 3.6, hopper_lab.py --time, trees of each form in
-    one job (notes/lab/gluon_no_pingpong_h200.txt): without turns 3.5-6 % faster at rows of
+    rescaled before the P V product is issued, but for dense calls of at most
+    PINGPONG_SHORT_BLOCKS blocks of keys (by kv_len: a window or top-left queries shorter than
+    the keys may leave fewer blocks a tile, and keep the long calls' form). H200, Triton 3.6,
+    hopper_lab.py --time, trees of each form in one job
+    (notes/lab/gluon_no_pingpong_h200.txt): without turns 3.5-6 % faster at rows of
     2000 keys or more ((8,16,4096,256,2): 1.64-1.67 against 1.72-1.80 ms), level at 500 keys
     ((262,16,500,256,4)), slower at 256 keys and fewer ((512,16,256,192): 1.12 against
     1.05-1.08 ms; (1024,16,128,256): 1.10 against 1.09)."""
