@@ -114,12 +114,6 @@ ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M=64 til
 # 2.6-5 % at long rows, 9 % at (512,16,256,96).
 RESCALE_THRESHOLD = gl.constexpr(8.0)
 LAZY_COLUMNS = gl.constexpr(128)
-# LAB (not measured): SPLIT_LAZY: the lazy rescale at a split head_dim whose first part has
-# LAZY_COLUMNS or more (192: 128 + 64), both parts' rescale skipped by the warp's vote; main:
-# False. EPILOGUE_SCALE_BEFORE_WAIT: without the ping-pong, the last block's rescale before the
-# wait for its V block instead of after; main: False.
-SPLIT_LAZY = gl.constexpr(False)
-EPILOGUE_SCALE_BEFORE_WAIT = gl.constexpr(False)
 # The loader warp's registers: 32, not 24, since a packed batch's loader walks the sequences 32
 # at a time (_packed_tile): at 24 it spilled at head_dim 256 (offline, Triton 3.6); the dense
 # kernel's code is the same at 24, 32 and 40.
@@ -567,19 +561,14 @@ def _rescale(acc, alpha):
 @gluon.jit
 def _scale_o(acc, acc1, alpha, SPLIT: gl.constexpr, LAZY: gl.constexpr):
     # O (both column parts under SPLIT) times the rows' factors alpha
-    if SPLIT and LAZY:
-        moved = _warp_moved(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)))
-        acc1 = _rescale(acc1, gl.convert_layout(moved, gl.SliceLayout(1, acc1.type.layout)))
-        acc = _rescale(acc, moved)
+    if SPLIT:
+        alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
+        acc1 = acc1 * gl.expand_dims(alpha1, 1)
+    alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
+    if LAZY:
+        acc = _rescale(acc, _warp_moved(alpha0))
     else:
-        if SPLIT:
-            alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
-            acc1 = acc1 * gl.expand_dims(alpha1, 1)
-        alpha0 = gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))
-        if LAZY:
-            acc = _rescale(acc, _warp_moved(alpha0))
-        else:
-            acc = acc * gl.expand_dims(alpha0, 1)
+        acc = acc * gl.expand_dims(alpha0, 1)
     return acc, acc1
 
 
@@ -612,7 +601,7 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, f
         mbarrier.wait(turn.index(WG), g & 1)
     s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    LAZY: gl.constexpr = (SPLIT_LAZY or not SPLIT) and acc.shape[1] >= LAZY_COLUMNS
+    LAZY: gl.constexpr = (not SPLIT) and acc.shape[1] >= LAZY_COLUMNS
     if SPLIT:
         s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok, is_async=True)
     if EARLY:  # the block before's factor, while Q K_j^T runs
@@ -905,12 +894,10 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 
             if n_blocks > 0:
                 last = (it + n_blocks - 1) % STAGES
-                LAZY_END: gl.constexpr = (SPLIT_LAZY or not SPLIT) and D0 >= LAZY_COLUMNS
-                if EPILOGUE_SCALE_BEFORE_WAIT and not PINGPONG:
-                    acc, acc1 = _scale_o(acc, acc1, alpha, SPLIT, LAZY_END)
                 mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-                if not PINGPONG and not EPILOGUE_SCALE_BEFORE_WAIT:  # the last block's factor
-                    acc, acc1 = _scale_o(acc, acc1, alpha, SPLIT, LAZY_END)
+                if not PINGPONG:  # the last block's factor, before its P V
+                    acc, acc1 = _scale_o(acc, acc1, alpha, SPLIT,
+                                         (not SPLIT) and D0 >= LAZY_COLUMNS)
                 acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
                 if SPLIT:
                     acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
