@@ -135,47 +135,6 @@ def test_hopper_kernel_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
-@pytest.mark.parametrize("head_dim,config", [(192, (96, 2, 240, 2)), (256, (80, 2, 240, 2))])
-@pytest.mark.parametrize("case", [
-    (1, 4, 2, 1500, 1500, True, "top_left", (-1, -1), 0.0),
-    (2, 3, 3, 200, 333, True, "bottom_right", (-1, -1), 0.0),
-    (1, 2, 2, 1500, 600, True, "bottom_right", (-1, -1), 0.0),     # rows that see no key
-    (1, 2, 2, 300, 77, False, "top_left", (-1, -1), 0.0),          # one ragged block
-    (1, 8, 2, 3000, 4096, True, "bottom_right", (1000, -1), 30.0),  # window edge, softcap
-    (1, 2, 2, 700, 1000, False, "top_left", (300, 77), 0.0)])       # two-sided window
-def test_hopper_kernel_two_key_parts(case, head_dim, config, dtype, floor, lse_tol, monkeypatch):
-    # (LAB) K/V blocks of two key parts (96 = 64 + 32 at 192, 80 = 64 + 16 at 256) in the
-    # table's place: masks on either part, a ragged last block, windows, softcaps
-    hopper = dispatch._hopper()
-    monkeypatch.setitem(hopper.CONFIGS, head_dim, config)
-    batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap = case
-    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
-    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment, window=window,
-          softcap=softcap)
-    ran = dispatch.launched_forward_kernels()[0]
-    assert ran["name"] == "_attn_fwd_hopper" and ran["config"]["BLOCK_N"] == config[0]
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("head_dim,config", [(192, (96, 2, 240, 2)), (256, (80, 2, 240, 2))])
-@pytest.mark.parametrize("causal", [True, False])
-def test_hopper_kernel_two_key_parts_packed(head_dim, config, causal, monkeypatch):
-    # (LAB) the same in a packed batch: empty sequences, fewer keys than queries, blocks that
-    # run into the next sequence's rows
-    from test_attention_varlen import GLUON_LENGTHS_K, GLUON_LENGTHS_Q, check_varlen
-    hopper = dispatch._hopper()
-    monkeypatch.setitem(hopper.CONFIGS, head_dim, config)
-    check_varlen(GLUON_LENGTHS_Q, GLUON_LENGTHS_K, 8, 2, head_dim, torch.bfloat16, "cuda",
-                 causal=causal)
-    ran = dispatch.launched_forward_kernels()
-    assert any(r["name"] == "_attn_fwd_hopper" and r["config"]["BLOCK_N"] == config[0]
-               for r in ran)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("head_dim", [80, 128, 192, 256])
 @pytest.mark.parametrize("shape", [(1, 4, 2, 1500, 1500, True, "top_left"),
@@ -652,29 +611,6 @@ def test_the_launch_passes_pingpong_and_a_labs_forced_form(monkeypatch):
                                 varlen=(cu, cu, 500, 500))
     assert launched[-1][:2] == (False, False)  # a packed batch: by head_dim alone
     tile_schedule.forget_schedules()  # the CPU tensors' schedules made above
-
-
-def test_a_labs_two_key_part_blocks_are_checked(monkeypatch):
-    # (LAB) a config of 96 or 80 keys a block launches as 64 keys and a part of 32 or 16; other
-    # block sizes that are not powers of two are refused
-    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
-    _as_an_h200(monkeypatch, hopper)
-    launched = []
-    monkeypatch.setattr(hopper, "_launch", lambda key, grid, args, kwargs, **kw: launched.append(
-        (kwargs["BLOCK_N"], kwargs["BLOCK_NB"])))
-
-    def call(head_dim, config):
-        q = torch.empty(2, 4, 1000, head_dim, dtype=torch.bfloat16)
-        hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, 1000),
-                                    causal=True, scale=0.1, causal_offset=0, config=config)
-        return launched[-1]
-    assert call(192, (96, 2, 240, 2)) == (96, 32)
-    assert call(256, (80, 2, 240, 2)) == (80, 16)
-    assert call(192, (64, 2, 240, 2)) == (64, 0)
-    for block_n in (48, 112, 72):
-        with pytest.raises(ValueError, match="BLOCK_N must be"):
-            call(128, (block_n, 2, 240, 2))
-    tile_schedule.forget_schedules()
 
 
 def test_a_labs_column_parts_are_checked():

@@ -371,13 +371,11 @@ def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_rea
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr,
-            VARLEN: gl.constexpr, STRIDED: gl.constexpr, O_IN_Q: gl.constexpr,
-            BLOCK_NB: gl.constexpr):
+            VARLEN: gl.constexpr, STRIDED: gl.constexpr, O_IN_Q: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
      k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, CuQ, CuK, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm, stride_qz, stride_qh,
-     stride_kz, stride_kh, stride_vz, stride_vh, ids, ids_ready, ids_empty, Counter, kb_smem,
-     kb_smem1, vb_smem, vb_smem1) = args
+     stride_kz, stride_kh, stride_vz, stride_vh, ids, ids_ready, ids_empty, Counter) = args
     # The copy engine's descriptors, made here on the device once per program (_descriptor).
     # (Host-made descriptors cost ~50 us of Triton's launch per call.) A split head_dim has a
     # second set for its columns from D0 on.
@@ -391,13 +389,6 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
                                    stride_km, H // GROUP, stride_kz, stride_kh, STRIDED, SPLIT)
     v_desc, v_desc1 = _descriptors(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem, v_smem1, VARLEN,
                                    stride_vm, H // GROUP, stride_vz, stride_vh, STRIDED, SPLIT)
-    if BLOCK_NB > 0:  # (LAB) boxes of a block's second key part
-        kb_desc, kb_desc1 = _descriptors(K, kv_hz, N_CTX_K, HEAD_DIM, kb_smem, kb_smem1, VARLEN,
-                                         stride_km, H // GROUP, stride_kz, stride_kh, STRIDED,
-                                         SPLIT)
-        vb_desc, vb_desc1 = _descriptors(V, kv_hz, N_CTX_K, HEAD_DIM, vb_smem, vb_smem1, VARLEN,
-                                         stride_vm, H // GROUP, stride_vz, stride_vh, STRIDED,
-                                         SPLIT)
     D0: gl.constexpr = q_smem.shape[2]
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
@@ -443,18 +434,10 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
             mbarrier.expect(k_ready.index(slot), kv_bytes)
             _load_parts(k_desc, k_desc1, batch_of, kv_head, row, k_ready.index(slot),
                         k_smem.index(slot), k_smem1.index(slot), VARLEN, STRIDED, HEAD_DIM, SPLIT)
-            if BLOCK_NB > 0:
-                _load_parts(kb_desc, kb_desc1, batch_of, kv_head, row + BLOCK_N - BLOCK_NB,
-                            k_ready.index(slot), kb_smem.index(slot), kb_smem1.index(slot),
-                            VARLEN, STRIDED, HEAD_DIM, SPLIT)
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), kv_bytes)
             _load_parts(v_desc, v_desc1, batch_of, kv_head, row, v_ready.index(slot),
                         v_smem.index(slot), v_smem1.index(slot), VARLEN, STRIDED, HEAD_DIM, SPLIT)
-            if BLOCK_NB > 0:
-                _load_parts(vb_desc, vb_desc1, batch_of, kv_head, row + BLOCK_N - BLOCK_NB,
-                            v_ready.index(slot), vb_smem.index(slot), vb_smem1.index(slot),
-                            VARLEN, STRIDED, HEAD_DIM, SPLIT)
         if O_IN_Q:
             if early == n_blocks:  # no more blocks than stages: Q after all of them
                 _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem,
@@ -475,48 +458,30 @@ def _tanh_exp2(x):
 
 
 @gluon.jit
-def _mask_block(s, rows, start_n, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
-    # s with -inf where a row does not see a key: keys from start_n, s.shape[1] of them
-    N_CTX_K, CAUSAL_OFFSET, left, _first_full, _qk_scale, _softcap_log2 = vis
-    cols = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-    ok = gl.expand_dims(cols < N_CTX_K, 0)
-    if CAUSAL:
-        ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + CAUSAL_OFFSET, 1))
-    if HAS_WINDOW:
-        ok = ok & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + left, 1))
-    return gl.where(ok, s, float("-inf"))
-
-
-@gluon.jit
 def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
              HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
-             LAZY: gl.constexpr = False, sb=None):
+             LAZY: gl.constexpr = False):
     # One block of the online softmax: p = exp2(s * qk_scale - m) with the new running max m,
     # alpha rescales what was accumulated under the old max. Scale and max subtraction fold
     # into one FMA per score. vis: the keys, the causal offset, the window's left offset (row i
     # sees keys from i + left on), the first block past the window's edge for every row (unused
     # here), qk_scale and softcap_log2 (common.score_scales). SOFTCAP: the logits are softcap *
     # tanh(scale * s / softcap) in log2 units, tanh through one exp2 (common._tanh_exp2's form).
-    # sb: (LAB) a block's second key part, the keys from start_n + s.shape[1] on, or None;
-    # returns its p too (p itself without it).
     N_CTX_K, CAUSAL_OFFSET, left, _first_full, qk_scale, softcap_log2 = vis
     if SOFTCAP:
         s = _tanh_exp2(s * qk_scale) * softcap_log2
-        if sb is not None:
-            sb = _tanh_exp2(sb * qk_scale) * softcap_log2
         scale = 1.0
     else:
         scale = qk_scale
     if MASKED:
-        s = _mask_block(s, rows, start_n, vis, CAUSAL, HAS_WINDOW)
-        if sb is not None:
-            sb = _mask_block(sb, gl.convert_layout(rows, gl.SliceLayout(1, sb.type.layout)),
-                             start_n + s.shape[1], vis, CAUSAL, HAS_WINDOW)
-    if sb is not None:
-        m_blk = gl.maximum(gl.max(s, 1), gl.convert_layout(gl.max(sb, 1), m_i.type.layout))
-        m_blk = m_blk * scale
-    else:
-        m_blk = gl.max(s, 1) * scale
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        ok = gl.expand_dims(cols < N_CTX_K, 0)
+        if CAUSAL:
+            ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + CAUSAL_OFFSET, 1))
+        if HAS_WINDOW:
+            ok = ok & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + left, 1))
+        s = gl.where(ok, s, float("-inf"))
+    m_blk = gl.max(s, 1) * scale
     if LAZY:
         m_new = gl.where(m_blk > m_i + RESCALE_THRESHOLD, m_blk, m_i)
     else:
@@ -528,19 +493,13 @@ def _softmax(s, m_i, l_i, rows, start_n, vis, MASKED: gl.constexpr, CAUSAL: gl.c
     p = gl.exp2(s * scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
-    if sb is not None:
-        m_b = gl.convert_layout(m_use, gl.SliceLayout(1, sb.type.layout))
-        pb = gl.exp2(sb * scale - gl.expand_dims(m_b, 1))
-        l_i = l_i + gl.convert_layout(gl.sum(pb, 1), l_i.type.layout)
-    else:
-        pb = p
-    return p, pb, alpha, l_i, m_new
+    return p, alpha, l_i, m_new
 
 
 @gluon.jit
 def _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL: gl.constexpr,
                    HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr,
-                   LAZY: gl.constexpr = False, sb=None):
+                   LAZY: gl.constexpr = False):
     # Blocks every row of this warpgroup sees in full run without mask arithmetic: K/V block j
     # (of the sequence) is one where j < full_blocks and, under a window, j >= vis's first_full.
     if HAS_WINDOW:
@@ -548,12 +507,12 @@ def _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL: gl.constexpr,
     else:
         full = j < full_blocks
     if full:
-        p, pb, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, vis, False, CAUSAL,
-                                          HAS_WINDOW, SOFTCAP, BLOCK_N, LAZY, sb)
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, vis, False, CAUSAL,
+                                      HAS_WINDOW, SOFTCAP, BLOCK_N, LAZY)
     else:
-        p, pb, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, vis, True, CAUSAL,
-                                          HAS_WINDOW, SOFTCAP, BLOCK_N, LAZY, sb)
-    return p, pb, alpha, l_i, m_i
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BLOCK_N, vis, True, CAUSAL,
+                                      HAS_WINDOW, SOFTCAP, BLOCK_N, LAZY)
+    return p, alpha, l_i, m_i
 
 
 @gluon.jit
@@ -614,8 +573,8 @@ def _scale_o(acc, acc1, alpha, SPLIT: gl.constexpr, LAZY: gl.constexpr):
 
 
 @gluon.jit
-def _next_block(ring, g, acc, acc1, p_op, p_op_b, l_i, m_i, alpha_in, s_zero, s_zero_b, rows, j,
-                full_blocks, vis, WG: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, full_blocks, vis,
+                WG: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
                 CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
                 SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
     # The consumer's K/V block g (block j of the sequence, past the tile's first): S_j = Q K_j^T
@@ -626,18 +585,13 @@ def _next_block(ring, g, acc, acc1, p_op, p_op_b, l_i, m_i, alpha_in, s_zero, s_
     # product is two wgmma, one per column part. MASKED: whether the block is masked (True,
     # False), or None: chosen at run time (_block_softmax). vis: what its rows see (_softmax).
     # ring: the consumer's Q buffers, the K/V ring's buffers and barriers, the ping-pong's turn
-    # barriers, (LAB) the ring's buffers of a block's second key part. KEYS2 (LAB, s_zero_b not
-    # None): a block of two key parts (96 = 64 + 32 keys), S and P as two tensors each, p_op_b
-    # the second part's P (else a placeholder, returned as given).
-    (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn,
-     kb_smem, kb_smem1, vb_smem, vb_smem1) = ring
-    KEYS2: gl.constexpr = s_zero_b is not None
+    # barriers.
+    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     NUM_WG: gl.constexpr = turn.shape[0]  # the consumers, one turn barrier each
     # SERIAL: a masked block on three consumers waits for P_{j-1} V_{j-1} before its softmax;
     # at 160 registers, P_{j-1} held through the masked softmax spills. (Not under SPLIT, whose
     # branch comes first, nor in BLOCK_LOOPS 1's loop, whose blocks' MASKED is None.)
     SERIAL: gl.constexpr = (NUM_WG == 3) and (MASKED is True)
-    gl.static_assert(not (KEYS2 and NUM_WG == 3), "two key parts on two consumers only")
     slot = g % STAGES
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
@@ -650,36 +604,18 @@ def _next_block(ring, g, acc, acc1, p_op, p_op_b, l_i, m_i, alpha_in, s_zero, s_
     LAZY: gl.constexpr = (not SPLIT) and acc.shape[1] >= LAZY_COLUMNS
     if SPLIT:
         s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok, is_async=True)
-    sb = None
-    if KEYS2:
-        BN: gl.constexpr = s_zero.shape[1] + s_zero_b.shape[1]
-        sb_tok = warpgroup_mma(q, kb_smem.index(slot).permute((1, 0)), s_zero_b, use_acc=False,
-                               is_async=True)
-        if SPLIT:
-            sb_tok = warpgroup_mma(q1, kb_smem1.index(slot).permute((1, 0)), sb_tok,
-                                   is_async=True)
-    else:
-        BN: gl.constexpr = s_zero.shape[1]
     if EARLY:  # the block before's factor, while Q K_j^T runs
         acc, acc1 = _scale_o(acc, acc1, alpha_in, SPLIT, LAZY)
     if SPLIT:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        if KEYS2:
-            acc = warpgroup_mma(p_op_b, vb_smem.index(prev), acc, is_async=True)
         p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0,
                                                       parent=acc1.type.layout, k_width=2)
         acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1), v_smem1.index(prev), acc1,
                              is_async=True)
-        if KEYS2:
-            acc1 = warpgroup_mma(gl.convert_layout(p_op_b, p_layout1), vb_smem1.index(prev),
-                                 acc1, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done (wgmma retire in order); the P V pair may still run
-        if KEYS2:
-            s, sb, acc, acc1 = warpgroup_mma_wait(4, deps=[s_tok, sb_tok, acc, acc1])
-        else:
-            s, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
+        s, acc, acc1 = warpgroup_mma_wait(2, deps=[s_tok, acc, acc1])
     elif SERIAL:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         if PINGPONG:
@@ -688,24 +624,17 @@ def _next_block(ring, g, acc, acc1, p_op, p_op_b, l_i, m_i, alpha_in, s_zero, s_
         s, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
     else:
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-        if KEYS2:
-            acc = warpgroup_mma(p_op_b, vb_smem.index(prev), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
         # S_j is done; P_{j-1} V_{j-1} may still run during this block's softmax
-        if KEYS2:
-            s, sb, acc = warpgroup_mma_wait(2, deps=[s_tok, sb_tok, acc])
-        else:
-            s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
+        s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])
     mbarrier.arrive(k_empty.index(slot))
     if MASKED is None:
-        p, pb, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL,
-                                                HAS_WINDOW, SOFTCAP, BN, LAZY, sb)
+        p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, j, full_blocks, vis, CAUSAL,
+                                            HAS_WINDOW, SOFTCAP, s.shape[1], LAZY)
     else:
-        p, pb, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * BN, vis, MASKED, CAUSAL,
-                                          HAS_WINDOW, SOFTCAP, BN, LAZY, sb)
-    if KEYS2:
-        p_op_b = gl.convert_layout(pb.to(p_op.dtype), p_op_b.type.layout)
+        p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * s.shape[1], vis, MASKED, CAUSAL,
+                                      HAS_WINDOW, SOFTCAP, s.shape[1], LAZY)
     if EARLY:  # alpha is the next block's to apply
         if SPLIT:
             acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
@@ -723,8 +652,7 @@ def _next_block(ring, g, acc, acc1, p_op, p_op_b, l_i, m_i, alpha_in, s_zero, s_
             acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(v_empty.index(prev))
         acc, acc1 = _scale_o(acc, acc1, alpha, False, LAZY)
-    return (acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), p_op_b, l_i, m_i,
-            alpha)
+    return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i, alpha
 
 
 @gluon.jit
@@ -733,8 +661,7 @@ def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
     # A consumer's part in the barriers of a tile's n_blocks K/V blocks (the ring's from `it`)
     # without their products: its turns passed on (PINGPONG), the slots released once loaded
     # (an arrival before the slot's load would count toward the release of the block before).
-    (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn,
-     _kb, _kb1, _vb, _vb1) = ring
+    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     NUM_WG: gl.constexpr = turn.shape[0]
     for j in range(n_blocks):
         g = it + j
@@ -823,18 +750,17 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
               SOFTCAP: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
               O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, STORE_LSE: gl.constexpr,
-              PINGPONG: gl.constexpr, BLOCK_NB: gl.constexpr):
+              PINGPONG: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
     (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
      k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
-     softcap_log2, ids, ids_ready, ids_empty, kb_smem, kb_smem1, vb_smem, vb_smem1) = args
+     softcap_log2, ids, ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
-    NA: gl.constexpr = BLOCK_N - BLOCK_NB  # (LAB) a block's first key part: all of it, or 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, NA, 16])
+                                                       instr_shape=[16, BLOCK_N, 16])
     D0: gl.constexpr = q_smem.shape[2]
     NUM_WG: gl.constexpr = q_smem.shape[0]  # the consumers, one Q block each
     TILE_M: gl.constexpr = NUM_WG * ROWS
@@ -849,18 +775,12 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout1,
                                                       k_width=2)
     q = q_smem.index(WG)
-    s_zero = gl.zeros([ROWS, NA], gl.float32, s_layout)
-    s_zero_b = None
-    if BLOCK_NB > 0:
-        s_layout_b: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_NB, 16])
-        s_zero_b = gl.zeros([ROWS, BLOCK_NB], gl.float32, s_layout_b)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     if SPLIT:
         q1 = q_smem1.index(WG)
     else:  # unused
         q1 = q
-    ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn,
-            kb_smem, kb_smem1, vb_smem, vb_smem1)
+    ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn)
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM], or [batch, heads, seq,
         # HEAD_DIM] at 16-byte aligned strides for STRIDED (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end. A packed out is
@@ -907,11 +827,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
             l_i = gl.zeros([ROWS], gl.float32, row_layout)
             acc = gl.zeros([ROWS, D0], gl.float32, o_layout)
-            p_op = gl.zeros([ROWS, NA], dtype, p_layout)
-            if BLOCK_NB > 0:
-                p_op_b = gl.zeros([ROWS, BLOCK_NB], dtype, p_layout)
-            else:  # unused
-                p_op_b = p_op
+            p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
             alpha = gl.full([ROWS], 1.0, gl.float32, row_layout)  # O's next factor (no PINGPONG)
             if SPLIT:
                 acc1 = gl.zeros([ROWS, D1], gl.float32, o_layout1)
@@ -929,26 +845,13 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 if SPLIT:
                     s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
                                           s_tok, is_async=True)
-                sb = None
-                if BLOCK_NB > 0:
-                    sb_tok = warpgroup_mma(q, kb_smem.index(it % STAGES).permute((1, 0)),
-                                           s_zero_b, use_acc=False, is_async=True)
-                    if SPLIT:
-                        sb_tok = warpgroup_mma(q1, kb_smem1.index(it % STAGES).permute((1, 0)),
-                                               sb_tok, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-                if BLOCK_NB > 0:
-                    s, sb = warpgroup_mma_wait(0, deps=[s_tok, sb_tok])
-                else:
-                    s = warpgroup_mma_wait(0, deps=[s_tok])
+                s = warpgroup_mma_wait(0, deps=[s_tok])
                 mbarrier.arrive(k_empty.index(it % STAGES))
-                p, pb, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis,
-                                                        CAUSAL, HAS_WINDOW, SOFTCAP, BLOCK_N,
-                                                        False, sb)
+                p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
+                                                    HAS_WINDOW, SOFTCAP, BLOCK_N)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                if BLOCK_NB > 0:
-                    p_op_b = gl.convert_layout(pb.to(dtype), p_layout)
 
             # The blocks past the first, as BLOCK_LOOPS says (the launch's rule, `block_loops`):
             # none (every tile holds one K/V block), one loop choosing each block's mask at run
@@ -958,32 +861,32 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             # comes before them: the blocks its left edge cuts for some row of this warpgroup.
             if BLOCK_LOOPS == 1:
                 for j in range(1, n_blocks):
-                    acc, acc1, p_op, p_op_b, l_i, m_i, alpha = _next_block(
-                        ring, it + j, acc, acc1, p_op, p_op_b, l_i, m_i, alpha, s_zero, s_zero_b,
-                        rows, lo + j, full_blocks, vis, WG, STAGES, None, CAUSAL, HAS_WINDOW,
-                        SOFTCAP, SPLIT, PINGPONG)
+                    acc, acc1, p_op, l_i, m_i, alpha = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                        full_blocks, vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
+                        PINGPONG)
             elif BLOCK_LOOPS == 2:
                 # (j counts the tile's blocks, lo + j is the sequence's; lo is 0 without a window)
                 if HAS_WINDOW:
                     edge_end = gl.minimum(gl.maximum(first_full - lo, 1), n_blocks)
                     for j in range(1, edge_end):
-                        acc, acc1, p_op, p_op_b, l_i, m_i, alpha = _next_block(
-                            ring, it + j, acc, acc1, p_op, p_op_b, l_i, m_i, alpha, s_zero,
-                            s_zero_b, rows, lo + j, full_blocks, vis, WG, STAGES, True, CAUSAL,
-                            HAS_WINDOW, SOFTCAP, SPLIT, PINGPONG)
+                        acc, acc1, p_op, l_i, m_i, alpha = _next_block(
+                            ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                            full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
+                            PINGPONG)
                 else:
                     edge_end = 1
                 full_end = gl.maximum(gl.minimum(full_blocks - lo, n_blocks), edge_end)
                 for j in range(edge_end, full_end):
-                    acc, acc1, p_op, p_op_b, l_i, m_i, alpha = _next_block(
-                        ring, it + j, acc, acc1, p_op, p_op_b, l_i, m_i, alpha, s_zero, s_zero_b,
-                        rows, lo + j, full_blocks, vis, WG, STAGES, False, CAUSAL, HAS_WINDOW,
-                        SOFTCAP, SPLIT, PINGPONG)
+                    acc, acc1, p_op, l_i, m_i, alpha = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                        full_blocks, vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
+                        PINGPONG)
                 for j in range(full_end, n_blocks):
-                    acc, acc1, p_op, p_op_b, l_i, m_i, alpha = _next_block(
-                        ring, it + j, acc, acc1, p_op, p_op_b, l_i, m_i, alpha, s_zero, s_zero_b,
-                        rows, lo + j, full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW,
-                        SOFTCAP, SPLIT, PINGPONG)
+                    acc, acc1, p_op, l_i, m_i, alpha = _next_block(
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                        full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
+                        PINGPONG)
             # Q is no longer read: the loader may bring in the next tile's while this one ends
             # (O_IN_Q: once the output staged in Q's buffer has left, below)
             if not O_IN_Q:
@@ -996,14 +899,9 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                     acc, acc1 = _scale_o(acc, acc1, alpha, SPLIT,
                                          (not SPLIT) and D0 >= LAZY_COLUMNS)
                 acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-                if BLOCK_NB > 0:
-                    acc = warpgroup_mma(p_op_b, vb_smem.index(last), acc, is_async=True)
                 if SPLIT:
                     acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
                                          v_smem1.index(last), acc1, is_async=True)
-                    if BLOCK_NB > 0:
-                        acc1 = warpgroup_mma(gl.convert_layout(p_op_b, p_layout1),
-                                             vb_smem1.index(last), acc1, is_async=True)
                     acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
                 else:
                     acc = warpgroup_mma_wait(0, deps=[acc])
@@ -1059,8 +957,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
                      TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
                      O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, NUM_WG: gl.constexpr,
-                     STORE_LSE: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_NB: gl.constexpr,
-                     KV_LAYOUT_B: gl.constexpr, KV_LAYOUT1_B: gl.constexpr):
+                     STORE_LSE: gl.constexpr, PINGPONG: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
@@ -1079,30 +976,16 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     # Q, the K/V ring and the output staging hold columns [0, BLOCK_D0) of head_dim; a split
     # head_dim (BLOCK_D1 > 0) has a second set of buffers for the columns from BLOCK_D0 on.
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
-    NA: gl.constexpr = BLOCK_N - BLOCK_NB  # (LAB) a block's first key part: all of it, or 64
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, NA, BLOCK_D0], KV_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, NA, BLOCK_D0], KV_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
     if BLOCK_D1 > 0:
         q_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
-        k_smem1 = gl.allocate_shared_memory(dtype, [STAGES, NA, BLOCK_D1], KV_LAYOUT1)
-        v_smem1 = gl.allocate_shared_memory(dtype, [STAGES, NA, BLOCK_D1], KV_LAYOUT1)
+        k_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
+        v_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
     else:  # unused
         q_smem1 = q_smem
         k_smem1 = k_smem
         v_smem1 = v_smem
-    # (LAB) the second key part's buffers (BLOCK_NB rows) of a block of two
-    kb_smem = k_smem
-    vb_smem = v_smem
-    kb_smem1 = k_smem1
-    vb_smem1 = v_smem1
-    if BLOCK_NB > 0:
-        kb_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_NB, BLOCK_D0], KV_LAYOUT_B)
-        vb_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_NB, BLOCK_D0], KV_LAYOUT_B)
-        if BLOCK_D1 > 0:
-            kb_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_NB, BLOCK_D1],
-                                                 KV_LAYOUT1_B)
-            vb_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_NB, BLOCK_D1],
-                                                 KV_LAYOUT1_B)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
@@ -1145,39 +1028,38 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
               q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
               stride_om, sched, n_hz, num_m, HEAD_GROUP, H, CuQ, CuK, N_CTX_Q, N_CTX_K,
-              CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, ids, ids_ready, ids_empty,
-              kb_smem, kb_smem1, vb_smem, vb_smem1)
+              CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, ids, ids_ready, ids_empty)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty,
              k_ready, k_empty, v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP, CuQ,
              CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm,
              stride_qz, stride_qh, stride_kz, stride_kh, stride_vz, stride_vh, ids, ids_ready,
-             ids_empty, Counter, kb_smem, kb_smem1, vb_smem, vb_smem1)
+             ids_empty, Counter)
     # (Constexpr arguments are written out in each tuple literal: a tuple held in a variable or
     # built with + turns them into runtime values.)
     if NUM_WG == 3:
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, BLOCK_NB)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, BLOCK_NB)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, BLOCK_NB)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
-                       STRIDED, O_IN_Q, BLOCK_NB)),
+                       STRIDED, O_IN_Q)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, BLOCK_NB)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, BLOCK_NB)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
-                       STRIDED, O_IN_Q, BLOCK_NB)),
+                       STRIDED, O_IN_Q)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1451,19 +1333,12 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
         raise ValueError(f"config {config} with column parts {(d0, d1)} needs {smem} B of shared "
                          f"memory for Q and the K/V ring, more than {SHARED_MEMORY_BYTES}")
     staging_fits = smem + consumers * tile_bytes <= SHARED_MEMORY_BYTES
-    # (LAB) a block of keys that is not a power of two (96) as two parts: 64 keys and the rest
-    block_nb = 0 if block_n & (block_n - 1) == 0 else block_n - 64
-    if block_n < 16 or (block_nb and block_nb not in (16, 32)):
-        raise ValueError(f"config {config}: BLOCK_N must be a power of two from 16, or 80 or 96 "
-                         f"(64 keys and a part of 16 or 32)")
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_N=block_n, STAGES=stages,
                   CAUSAL=bounded, HAS_WINDOW=has_window, SOFTCAP=has_softcap, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, d0, dtype),
-                  KV_LAYOUT=_smem_layout(block_n - block_nb, d0, dtype),
+                  KV_LAYOUT=_smem_layout(block_n, d0, dtype),
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
-                  KV_LAYOUT1=_smem_layout(block_n - block_nb, d1 or d0, dtype),
-                  BLOCK_NB=block_nb, KV_LAYOUT_B=_smem_layout(block_nb or block_n, d0, dtype),
-                  KV_LAYOUT1_B=_smem_layout(block_nb or block_n, d1 or d0, dtype),
+                  KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
                   VARLEN=varlen is not None, STRIDED=strided, BLOCK_LOOPS=loops, NUM_WG=consumers,
                   STORE_LSE=lse is not None, PINGPONG=bool(pingpong), num_warps=4)
