@@ -113,6 +113,16 @@ def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, m
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
+def _check_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol):
+    # The Gluon kernel's output and LSE against float64 with keys scaled up along the sequence
+    # (0.2 to 6.0), so a row's scores in later blocks exceed its running max by far
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
+    k = (k.float() * torch.linspace(0.2, 6.0, kv_len, device="cuda")[:, None]).to(dtype)
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
@@ -125,11 +135,7 @@ def test_hopper_kernel_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_
     # max by far more than RESCALE_THRESHOLD: the lazy rescale (one part of 128 columns or
     # more) must move the max and rescale O there, the other head dims as always; above 128, O
     # takes each factor one block late, before the P V product (no ping-pong there)
-    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
-    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
-    k = (k.float() * torch.linspace(0.2, 6.0, kv_len, device="cuda")[:, None]).to(dtype)
-    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
-    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+    _check_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol)
 
 
 @pytest.mark.cuda
@@ -151,11 +157,7 @@ def test_hopper_kernel_with_and_without_turns(shape, head_dim, pingpong, dtype, 
     # kept launches around each test, so the patched rule is the one the launch reads.
     hopper = dispatch._hopper()
     monkeypatch.setattr(hopper, "pingpong_for", lambda *args: pingpong)
-    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
-    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
-    k = (k.float() * torch.linspace(0.2, 6.0, kv_len, device="cuda")[:, None]).to(dtype)
-    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
-    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+    _check_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol)
 
 
 @pytest.mark.cuda

@@ -635,22 +635,15 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, f
     else:
         p, alpha, l_i, m_i = _softmax(s, m_i, l_i, rows, j * s.shape[1], vis, MASKED, CAUSAL,
                                       HAS_WINDOW, SOFTCAP, s.shape[1], LAZY)
-    if EARLY:  # alpha is the next block's to apply
-        if SPLIT:
-            acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-        elif not SERIAL:
-            acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(v_empty.index(prev))
-    elif SPLIT:
+    if SPLIT:
         acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
-        alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
-        acc1 = acc1 * gl.expand_dims(alpha1, 1)
-        mbarrier.arrive(v_empty.index(prev))
-        acc, acc1 = _scale_o(acc, acc1, alpha, False, LAZY)
-    else:
-        if not SERIAL:
-            acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(v_empty.index(prev))
+        if not EARLY:  # the second part first, before V's release
+            alpha1 = gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))
+            acc1 = acc1 * gl.expand_dims(alpha1, 1)
+    elif not SERIAL:
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(v_empty.index(prev))
+    if not EARLY:  # (EARLY: alpha is the next block's to apply)
         acc, acc1 = _scale_o(acc, acc1, alpha, False, LAZY)
     return acc, acc1, gl.convert_layout(p.to(p_op.dtype), p_op.type.layout), l_i, m_i, alpha
 
