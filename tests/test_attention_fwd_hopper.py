@@ -503,15 +503,15 @@ def test_block_loops_by_column_parts_and_keys():
 
 
 def test_pingpong_for_by_head_dim_and_keys():
-    # pingpong_for on the CPU: the consumers take turns up to head_dim 128 at any length and in
-    # packed batches (kv_len None); above it only where a dense call's tiles hold at most
+    # pingpong_for on the CPU: the consumers take turns up to head_dim 96 at any length and in
+    # packed batches (kv_len None); from 112 on only where a dense call's tiles hold at most
     # PINGPONG_SHORT_BLOCKS K/V blocks
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     short = hopper.PINGPONG_SHORT_BLOCKS
-    for head_dim in (64, 80, 96, 112, 128):
+    for head_dim in (64, 80, 96):
         for kv_len in (1, 128, 4096, None):
             assert hopper.pingpong_for(head_dim, 128, kv_len)
-    for head_dim in (192, 256):
+    for head_dim in (112, 128, 192, 256):
         for block_n in (64, 128):
             assert hopper.pingpong_for(head_dim, block_n, 1)
             assert hopper.pingpong_for(head_dim, block_n, short * block_n)
@@ -582,7 +582,8 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
 
 def test_the_launch_passes_pingpong_and_a_labs_forced_form(monkeypatch):
     # attention_fwd_hopper on CPU tensors up to its launch: PINGPONG as pingpong_for says (the
-    # table's 64-key blocks at 192 and 256), or as a lab forces it, each its own launch
+    # table's 128-key blocks at 96 and 128, 64-key ones at 192 and 256), or as a lab forces it,
+    # each its own launch
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     from attnscope.attention.varlen import _as_batched
     _as_an_h200(monkeypatch, hopper)
@@ -599,12 +600,14 @@ def test_the_launch_passes_pingpong_and_a_labs_forced_form(monkeypatch):
                                     causal=True, scale=0.1, causal_offset=0, **kw)
         return launched[-1][:2]
     short = hopper.PINGPONG_SHORT_BLOCKS * 64
-    assert call(4096, 128) == (True, True) and call(4096, 96) == (True, True)
-    default = launched[-2][2]  # (4096, 128)'s key
+    assert call(4096, 96) == (True, True)
+    default = launched[-1][2]  # (4096, 96)'s key
+    assert call(2 * short, 128) == (True, True) and call(2 * short + 1, 128) == (False, False)
     assert call(short, 192) == (True, True) and call(short + 1, 192) == (False, False)
     assert call(short, 256) == (True, True) and call(4096, 256) == (False, False)
-    assert call(4096, 128, pingpong=False) == (False, False)
+    assert call(4096, 96, pingpong=False) == (False, False)
     assert launched[-1][2] != default  # the forced form is its own launch
+    assert call(4096, 128, pingpong=True) == (True, True)
     assert call(short, 192, pingpong=False) == (False, False)
     packed = _as_batched(torch.empty(600, 4, 192, dtype=torch.bfloat16), 2)  # the op's view
     cu = torch.tensor([0, 100, 600], dtype=torch.int32)

@@ -31,9 +31,10 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - The consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its wgmma
   pair for block j only after the one before it has issued its pair for block j (warpgroup 0:
   the last one, block j - 1), through one mbarrier each, so one warpgroup's softmax tends to
-  run while another's matrix multiplies do. Above head_dim 128, but for calls of few keys
-  (`pingpong_for`), they take no turns, and O is rescaled by block j - 1's factor while S_j
-  runs, before P_{j-1} V_{j-1} is issued (FA4's Hopper form there).
+  run while another's matrix multiplies do. From head_dim 112 on (one O accumulator of 128
+  columns or more), but for calls of few keys (`pingpong_for`), they take no turns, and O is
+  rescaled by block j - 1's factor while S_j runs, before P_{j-1} V_{j-1} is issued (FA4's
+  Hopper form there).
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU, Triton >=
 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from MIN_QUERIES = 2049
@@ -1352,22 +1353,25 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
 
 # The consumers' ping-pong (`pingpong_for`): always up to PINGPONG_MAX_HEAD_DIM; above it only
 # for dense calls of at most PINGPONG_SHORT_BLOCKS K/V blocks of keys.
-PINGPONG_MAX_HEAD_DIM = 128
+PINGPONG_MAX_HEAD_DIM = 96
 PINGPONG_SHORT_BLOCKS = 4
 
 
 def pingpong_for(head_dim, block_n, kv_len):
     """Whether the consumers take turns at the tensor cores (the kernel's PINGPONG) for a
     head_dim, blocks of block_n keys and a dense call's kv_len (None for a packed batch): up to
-    head_dim PINGPONG_MAX_HEAD_DIM always; above it (192, 256) FA4's Hopper form, no turns and O
-    rescaled before the P V product is issued, but for dense calls of at most
-    PINGPONG_SHORT_BLOCKS blocks of keys (by kv_len: a window or top-left queries shorter than
-    the keys may leave fewer blocks a tile, and keep the long calls' form). H200, Triton 3.6,
-    hopper_lab.py --time, trees of each form in one job
-    (notes/lab/gluon_no_pingpong_h200.txt): without turns 3.5-6 % faster at rows of
-    2000 keys or more ((8,16,4096,256,2): 1.64-1.67 against 1.72-1.80 ms), level at 500 keys
-    ((262,16,500,256,4)), slower at 256 keys and fewer ((512,16,256,192): 1.12 against
-    1.05-1.08 ms; (1024,16,128,256): 1.10 against 1.09)."""
+    head_dim PINGPONG_MAX_HEAD_DIM always (64; 80 and 96, two column parts); above it (112 and
+    128, one part of 128 columns; 192, 256) FA4's Hopper form, no turns and O rescaled before
+    the P V product is issued, but for dense calls of at most PINGPONG_SHORT_BLOCKS blocks of
+    keys (by kv_len: a window or top-left queries shorter than the keys may leave fewer blocks
+    a tile, and keep the long calls' form). H200, Triton 3.6, hopper_lab.py --time, each form
+    in one job (notes/lab/gluon_no_pingpong_h200.txt): without turns at 192 and 256 3.5-6 %
+    faster at rows of 2000 keys or more ((8,16,4096,256,2): 1.64-1.67 against 1.72-1.80 ms),
+    level at 500 keys ((262,16,500,256,4)), slower at 256 keys and fewer ((512,16,256,192):
+    1.12 against 1.05-1.08 ms; (1024,16,128,256): 1.10 against 1.09); at 128 0-3.3 % faster
+    from 2000 keys on ((16,16,8192,128,2): 6.95 against 7.13 ms), level at 500 and 1024, and
+    chunked prefill 2-7 % faster; at 112 1.3 % faster at (4,16,8192,112); at 64, 80 and 96
+    3-9 % slower at every row timed (notes/lab/gluon_no_pingpong_d64_d128_h200.txt)."""
     if head_dim <= PINGPONG_MAX_HEAD_DIM:
         return True
     return kv_len is not None and kv_len <= PINGPONG_SHORT_BLOCKS * block_n
