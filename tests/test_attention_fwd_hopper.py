@@ -133,8 +133,9 @@ def _check_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol):
 def test_hopper_kernel_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol):
     # Keys scaled up along the sequence, so a row's scores in later blocks exceed its running
     # max by far more than RESCALE_THRESHOLD: the lazy rescale (one part of 128 columns or
-    # more) must move the max and rescale O there, the other head dims as always; above 128, O
-    # takes each factor one block late, before the P V product (no ping-pong there)
+    # more) must move the max and rescale O there, the other head dims as always; from 112 on,
+    # in calls of more than four K/V blocks, O takes each factor one block late, before the P V
+    # product (no ping-pong there: pingpong_for)
     _check_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol)
 
 
