@@ -31,10 +31,10 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 - The consumers take turns at the tensor cores (FA3's ping-pong): a consumer issues its wgmma
   pair for block j only after the one before it has issued its pair for block j (warpgroup 0:
   the last one, block j - 1), through one mbarrier each, so one warpgroup's softmax tends to
-  run while another's matrix multiplies do. From head_dim 112 on (one O accumulator of 128
-  columns or more), but for calls of few keys (`pingpong_for`), they take no turns, and O is
-  rescaled by block j - 1's factor while S_j runs, before P_{j-1} V_{j-1} is issued (FA4's
-  Hopper form there).
+  run while another's matrix multiplies do. From head_dim 112 on (a first column part of 128
+  columns or more), but for dense calls of at most PINGPONG_SHORT_BLOCKS K/V blocks
+  (`pingpong_for`), they take no turns, and O is rescaled by block j - 1's factor while S_j
+  runs, before P_{j-1} V_{j-1} is issued (FA4's Hopper form there).
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU, Triton >=
 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from MIN_QUERIES = 2049
@@ -1070,9 +1070,10 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
 # (which then stages in Q's buffer too) measured 4-11 % and 1-6 % slower, at 192 7-12 % with
 # register stores before O_IN_Q (notes/lab/gluon_third_stage_h200.txt). Offline sm_90 SASS
 # (benchmarks/sass_offline.py --gluon --head-dim N): Triton 3.6 and 3.7.1 keep a stack only at
-# 256 (8 B) and, on 3.6, 128 (16 B); 3.9 at 96-256 (32-88 B: at 128 mostly kernel arguments
-# stored on entry and reloaded in the partitions). Timed against the Triton kernel and cuDNN in
-# notes/forward.md ("Which calls it takes", "Column parts instead of padding").
+# 256 (8 B) and 128 (16 B, with or without the turns); 3.9 at 96-256 (32-88 B: at 128 mostly
+# kernel arguments stored on entry and reloaded in the partitions). Timed against the Triton
+# kernel and cuDNN in notes/forward.md ("Which calls it takes", "Column parts instead of
+# padding").
 CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs", "consumers")
 CONFIGS = {64: (128, 3, 240, 2), 80: (128, 2, 240, 2), 96: (128, 2, 240, 2),
            112: (128, 2, 240, 2), 128: (128, 2, 240, 2), 192: (64, 2, 240, 2),
@@ -1371,7 +1372,7 @@ def pingpong_for(head_dim, block_n, kv_len):
     1.12 against 1.05-1.08 ms; (1024,16,128,256): 1.10 against 1.09); at 128 0-3.3 % faster
     from 2000 keys on ((16,16,8192,128,2): 6.95 against 7.13 ms), level at 500 and 1024, and
     chunked prefill 2-7 % faster; at 112 1.3 % faster at (4,16,8192,112); at 64, 80 and 96
-    3-9 % slower at every row timed (notes/lab/gluon_no_pingpong_d64_d128_h200.txt)."""
+    2-9 % slower at every row timed (notes/lab/gluon_no_pingpong_d64_d128_h200.txt)."""
     if head_dim <= PINGPONG_MAX_HEAD_DIM:
         return True
     return kv_len is not None and kv_len <= PINGPONG_SHORT_BLOCKS * block_n
