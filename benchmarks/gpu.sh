@@ -10,7 +10,9 @@
 #   setup    install the project into the machine's torch/triton (pip -e, no deps); GPU and
 #            versions into gpu.txt
 #   test     the GPU tests (pytest -m cuda) under -n 8 twice: in file order, then in the order
-#            TEST_ORDER names (reverse or shuffle, seeded by TEST_ORDER_SEED; default reverse)
+#            TEST_ORDER names (reverse or shuffle, seeded by TEST_ORDER_SEED; default reverse);
+#            with TEST_ARGS (pytest arguments, e.g. "tests/test_fused_attention_backward.py -k
+#            padded"), those tests once, in file order, instead
 #   bench    `attnscope bench --sweep BENCH_SWEEP` (default: default; with BENCH_SHAPES, a
 #            list of B,H,S,D[,KV], `--shape BENCH_SHAPES` instead) forward, backward, and
 #            forward+backward (BENCH_MODES) into bench_MODE.json; with BEFORE_TREE (a folder
@@ -38,7 +40,7 @@
 #            lab and bwdlab take several BEFORE_TREE folders (space-separated, e.g. main's tree
 #            and a variant's): each runs where "before" does above, in the order given, into
 #            NAME_before_<folder name>.jsonl, and the ratios are this tree's against each
-# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED; BENCH_SWEEP, BENCH_SHAPES, BENCH_MODES, BENCH_IMPLS (forward
+# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED, TEST_ARGS; BENCH_SWEEP, BENCH_SHAPES, BENCH_MODES, BENCH_IMPLS (forward
 # peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; COMPARE_ARGS,
 # NCU_ARGS; LAB_SHAPES, LAB_ARGS, LAB_REPEAT; BWDLAB_SHAPES, BWDLAB_ARGS; STEP_TIMEOUT (seconds per
 # command, default 280).
@@ -67,6 +69,11 @@ step_setup() {
 
 step_test() {
   local rc=0 order=${TEST_ORDER:-reverse}
+  if [ -n "${TEST_ARGS:-}" ]; then
+    # shellcheck disable=SC2086  # the arguments are separate words
+    timeout "$STEP_TIMEOUT" python -m pytest -m cuda -q -p no:cacheprovider -n 8 $TEST_ARGS
+    return
+  fi
   timeout "$STEP_TIMEOUT" python -m pytest -m cuda -q -p no:cacheprovider -n 8 || rc=$?
   timeout "$STEP_TIMEOUT" python -m pytest -m cuda -q -p no:cacheprovider -n 8 \
     --test-order "$order" --test-order-seed "${TEST_ORDER_SEED:-0}" || rc=$?
