@@ -393,8 +393,8 @@ def main():
         args.head_dim = 128 if bwd else 64
     if bwd:
         from attnscope.kernels import attention_bwd_hopper
-        if args.head_dim not in attention_bwd_hopper.TILE:
-            p.error(f"the Gluon backward takes head_dim {sorted(attention_bwd_hopper.TILE)}")
+        if args.head_dim not in attention_bwd_hopper.CONFIGS:
+            p.error(f"the Gluon backward takes head_dim {sorted(attention_bwd_hopper.CONFIGS)}")
         if args.fused_dq and not attention_bwd_hopper.fuses_dq(args.head_dim):
             p.error(f"--fused-dq: the fused dQ kernel does not take head_dim {args.head_dim}")
         if args.config:
