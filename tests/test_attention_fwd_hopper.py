@@ -113,25 +113,6 @@ def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, m
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
 
 
-BETWEEN_THE_TABLE = [72, 88, 104, 136, 160, 176, 200, 248]  # each family and kind of parts
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
-@pytest.mark.parametrize("head_dim", BETWEEN_THE_TABLE)
-@pytest.mark.parametrize("shape", [OTHER_HEAD_DIM_SHAPES[i] for i in (0, 1, 4, 5, 8, 9)])
-def test_hopper_kernel_head_dims_between_the_table(shape, head_dim, dtype, floor, lse_tol):
-    # Multiples of 8 the table does not name take their family's config (table_config) and
-    # column_parts' parts: 72 = 64 + 16 and 136 = 128 + 16 with their last 8 columns read as
-    # zeros (boxes past the head's columns) and never written, 104 and 200-248 one padded part
-    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
-    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
-    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
-    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
-    assert dispatch.launched_forward_kernels()[0]["name"] == "_attn_fwd_hopper"
-
-
 def _check_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol):
     # The Gluon kernel's output and LSE against float64 with keys scaled up along the sequence
     # (0.2 to 6.0), so a row's scores in later blocks exceed its running max by far
@@ -396,43 +377,6 @@ def test_hopper_kernel_strided_inputs(view, head_dim, causal, dtype, floor, lse_
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
-@pytest.mark.parametrize("head_dim", [72, 160, 224])
-@pytest.mark.parametrize("view", ["bshd", "padded_rows"])
-def test_hopper_kernel_strided_inputs_between_the_table(view, head_dim, dtype, floor, lse_tol):
-    # The head dims table_config adds, at their strides: boxes past a head's columns read the
-    # next head's (bshd) or the row's padding (padded_rows) as nothing, and write neither
-    q, k, v, out = _strided_views(view, head_dim, dtype)
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    scale = head_dim ** -0.5
-    assert dispatch.uses_hopper_kernel(q, k, v, out, scale)
-
-    def forward(*_, **__):
-        dispatch.attention_fwd(q, k, v, out, lse, causal=True, scale=scale, causal_offset=0)
-        return out, lse
-    check(q, k, v, floor, lse_tol, causal=True, forward=forward)
-    if view == "padded_rows":
-        assert out.as_strided((*out.shape[:3], 64), out.stride(),
-                              out.storage_offset() + head_dim).isnan().all()
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("head_dim", [104, 160])
-@pytest.mark.parametrize("shape", [WINDOW_CASES[i] for i in (0, -2, -1)])
-def test_hopper_kernel_window_and_softcap_between_the_table(shape, head_dim):
-    batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale = shape
-    dtype, floor, lse_tol = GPU_DTYPES[0]
-    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
-    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), scale or head_dim ** -0.5,
-                                       window, softcap)
-    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment, window=window,
-          softcap=softcap, scale=scale)
-    assert dispatch.launched_forward_kernels()[0]["name"] == "_attn_fwd_hopper"
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 def test_hopper_kernel_in_a_cuda_graph(fresh_launches):
     # A warmed-up shape replays from a CUDA graph (its tile schedule stays on the GPU); a shape
     # first met during capture is refused with a clear error instead of a broken capture. The
@@ -557,23 +501,6 @@ def test_block_loops_by_column_parts_and_keys():
                                     (256, 64, 1)):
         parts, config = hopper.layout_for(head_dim, kv_len, True)
         assert hopper.block_loops(*parts, config[0], kv_len) == loops, (head_dim, kv_len)
-
-
-def test_table_config_takes_multiples_of_8_by_family():
-    # table_config on the CPU: the table's own entries; other multiples of 8 above 64 take 128's
-    # config up to 128 and 256's above; nothing under 64, past 256 or off the copy engine's
-    # 16-byte rows; their column parts as column_parts gives them
-    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
-    for head_dim, config in hopper.CONFIGS.items():
-        assert hopper.table_config(head_dim) == config
-    for head_dim in range(72, 129, 8):
-        assert hopper.table_config(head_dim) == hopper.CONFIGS[128]
-    for head_dim in range(136, 257, 8):
-        assert hopper.table_config(head_dim) == hopper.CONFIGS[256]
-    for head_dim in (8, 32, 48, 56, 100, 130, 264, 512):
-        assert hopper.table_config(head_dim) is None
-    assert [hopper.column_parts(d) for d in (72, 88, 104, 136, 160, 176, 200, 248)] == [
-        (64, 16), (64, 32), (128, 0), (128, 16), (128, 32), (128, 64), (256, 0), (256, 0)]
 
 
 def test_pingpong_for_by_head_dim_and_keys():
