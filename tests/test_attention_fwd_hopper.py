@@ -528,19 +528,15 @@ def _as_an_h200(monkeypatch, hopper):
     monkeypatch.setattr(common, "device_properties", lambda device: h200)
 
 
-def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_blocks(monkeypatch):
-    # attention_fwd_hopper on CPU tensors up to its launch (an H200's properties, the launch
-    # recorded): BLOCK_LOOPS as block_loops says, or as a lab forces it; no loop forced where a
-    # tile holds more than one K/V block, or on a packed batch, is refused (the loader would
-    # fill a ring nobody reads).
-    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
-    from attnscope.attention.varlen import _as_batched
+def _recorded_launches(monkeypatch, hopper, field):
+    # attention_fwd_hopper on CPU tensors as on an H200, each launch recorded (not run) as
+    # (the kernel's constexpr `field`, the launch config's, the launch key); call(seq, head_dim,
+    # **kw) launches a causal [2, 4, seq, head_dim] call and returns its (kernel's, config's)
     _as_an_h200(monkeypatch, hopper)
-    launched, keys = [], []
+    launched = []
 
     def record(key, grid, args, kwargs, **kw):
-        launched.append((kwargs["BLOCK_LOOPS"], kw["config"]["BLOCK_LOOPS"]))
-        keys.append(key)
+        launched.append((kwargs[field], kw["config"][field], key))
     monkeypatch.setattr(hopper, "_launch", record)
     monkeypatch.setattr(hopper, "_launch_packed", record)
 
@@ -548,11 +544,22 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
         q = torch.empty(2, 4, seq, head_dim, dtype=torch.bfloat16)
         hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, seq),
                                     causal=True, scale=0.1, causal_offset=0, **kw)
-        return launched[-1]
+        return launched[-1][:2]
+    return launched, call
+
+
+def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_blocks(monkeypatch):
+    # attention_fwd_hopper on CPU tensors up to its launch (an H200's properties, the launch
+    # recorded): BLOCK_LOOPS as block_loops says, or as a lab forces it; no loop forced where a
+    # tile holds more than one K/V block, or on a packed batch, is refused (the loader would
+    # fill a ring nobody reads).
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    from attnscope.attention.varlen import _as_batched
+    launched, call = _recorded_launches(monkeypatch, hopper, "BLOCK_LOOPS")
     assert call(128, 96) == (0, 0) and call(1024, 96) == (2, 2) and call(1024, 128) == (1, 1)
     assert call(128, 96, loops=2) == (2, 2) and call(1024, 128, loops=2) == (2, 2)
     assert call(128, 128, loops=0) == (0, 0)
-    assert keys[-1] != keys[-2]  # a forced form is its own launch
+    assert launched[-1][2] != launched[-2][2]  # a forced form is its own launch
     assert call(64, 96, config=(64, 2, 240, 2), loops=0) == (0, 0)  # a lab's 64-key blocks
     for seq, loops, config in ((129, 0, None), (1024, 0, None), (128, 3, None),
                                (100, 0, (64, 2, 240, 2))):
@@ -565,16 +572,16 @@ def test_the_launch_passes_block_loops_and_refuses_a_forced_none_over_many_block
     assert call(1024, 96, softcap=30.0) == (2, 2)
     assert call(1024, 96, window=(300, -1), loops=1) == (1, 1)
     call(1024, 128)
-    plain = keys[-1]
+    plain = launched[-1][2]
     call(1024, 128, window=(300, -1))
     call(1024, 128, softcap=30.0)
-    assert len({plain, keys[-2], keys[-1]}) == 3
+    assert len({plain, launched[-2][2], launched[-1][2]}) == 3
     packed = _as_batched(torch.empty(600, 4, 96, dtype=torch.bfloat16), 2)  # the op's view
     cu = torch.tensor([0, 100, 600], dtype=torch.int32)
     kw = dict(causal=True, scale=0.1, causal_offset=0, varlen=(cu, cu, 500, 500))
     hopper.attention_fwd_hopper(packed, packed, packed, torch.empty_like(packed),
                                 torch.empty(4, 600), **kw)
-    assert launched[-1] == (2, 2)
+    assert launched[-1][:2] == (2, 2)
     with pytest.raises(ValueError, match="packed"):
         hopper.attention_fwd_hopper(packed, packed, packed, torch.empty_like(packed),
                                     torch.empty(4, 600), loops=0, **kw)
@@ -587,19 +594,7 @@ def test_the_launch_passes_pingpong_and_a_labs_forced_form(monkeypatch):
     # each its own launch
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     from attnscope.attention.varlen import _as_batched
-    _as_an_h200(monkeypatch, hopper)
-    launched = []
-
-    def record(key, grid, args, kwargs, **kw):
-        launched.append((kwargs["PINGPONG"], kw["config"]["PINGPONG"], key))
-    monkeypatch.setattr(hopper, "_launch", record)
-    monkeypatch.setattr(hopper, "_launch_packed", record)
-
-    def call(seq, head_dim, **kw):
-        q = torch.empty(2, 4, seq, head_dim, dtype=torch.bfloat16)
-        hopper.attention_fwd_hopper(q, q, q, torch.empty_like(q), torch.empty(2, 4, seq),
-                                    causal=True, scale=0.1, causal_offset=0, **kw)
-        return launched[-1][:2]
+    launched, call = _recorded_launches(monkeypatch, hopper, "PINGPONG")
     short = hopper.PINGPONG_SHORT_BLOCKS * 64
     assert call(4096, 96) == (True, True)
     default = launched[-1][2]  # (4096, 96)'s key
