@@ -136,7 +136,7 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
         return compiled
     module._launch = module._launch_packed = compile_only
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
-    config = config or module.CONFIGS[head_dim]
+    config = config or module.table_config(head_dim)
     if varlen:  # two sequences packed into 1024 rows, viewed as the varlen op views them
         packed = torch.empty(1024, 4, head_dim, dtype=torch_dtype).permute(1, 0, 2)
         q = packed.unsqueeze(0).expand(2, -1, -1, -1)
@@ -393,8 +393,8 @@ def main():
         args.head_dim = 128 if bwd else 64
     if bwd:
         from attnscope.kernels import attention_bwd_hopper
-        if args.head_dim not in attention_bwd_hopper.CONFIGS:
-            p.error(f"the Gluon backward takes head_dim {sorted(attention_bwd_hopper.CONFIGS)}")
+        if args.head_dim not in attention_bwd_hopper.TILE:
+            p.error(f"the Gluon backward takes head_dim {sorted(attention_bwd_hopper.TILE)}")
         if args.fused_dq and not attention_bwd_hopper.fuses_dq(args.head_dim):
             p.error(f"--fused-dq: the fused dQ kernel does not take head_dim {args.head_dim}")
         if args.config:

@@ -4,6 +4,7 @@ its two output paths (TMA store, register stores) and CUDA-graph capture; on CPU
 dispatch never takes it.
 """
 
+import itertools
 import types
 
 import pytest
@@ -111,6 +112,25 @@ def test_hopper_kernel_other_head_dims(shape, head_dim, dtype, floor, lse_tol, m
     q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
     assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
     check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+
+
+BETWEEN_THE_TABLE = [72, 88, 104, 136, 160, 176, 200, 248]  # each family and kind of parts
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
+@pytest.mark.parametrize("head_dim", BETWEEN_THE_TABLE)
+@pytest.mark.parametrize("shape", [OTHER_HEAD_DIM_SHAPES[i] for i in (0, 1, 4, 5, 8, 9)])
+def test_hopper_kernel_head_dims_between_the_table(shape, head_dim, dtype, floor, lse_tol):
+    # Multiples of 8 the table does not name take their family's config (table_config) and
+    # column_parts' parts: 72 = 64 + 16 and 136 = 128 + 16 with their last 8 columns read as
+    # zeros (boxes past the head's columns) and never written, 104 and 200-248 one padded part
+    batch, heads, kv_heads, q_len, kv_len, causal, alignment = shape
+    q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda")
+    assert dispatch.uses_hopper_kernel(q, k, v, torch.empty_like(q), head_dim ** -0.5)
+    check(q, k, v, floor, lse_tol, causal=causal, causal_alignment=alignment)
+    assert dispatch.launched_forward_kernels()[0]["name"] == "_attn_fwd_hopper"
 
 
 def _check_a_max_that_rises_late(shape, head_dim, dtype, floor, lse_tol):
@@ -263,11 +283,17 @@ WINDOW_CASES = [
 ]
 
 
+# Every case at the table's head dims in both dtypes; three at two of the head dims table_config
+# adds (104 one padded part, 160 two parts), in bf16
+WINDOW_HOPPER_CASES = [
+    *((shape, head_dim, *dtype) for dtype in GPU_DTYPES for head_dim in (64, 96, 128, 192, 256)
+      for shape in WINDOW_CASES),
+    *((WINDOW_CASES[i], head_dim, *GPU_DTYPES[0]) for head_dim in (104, 160) for i in (0, -2, -1))]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
-@pytest.mark.parametrize("shape", WINDOW_CASES)
+@pytest.mark.parametrize("shape,head_dim,dtype,floor,lse_tol", WINDOW_HOPPER_CASES)
 def test_hopper_kernel_window_and_softcap(shape, head_dim, dtype, floor, lse_tol, monkeypatch):
     # (head_dim 64 at any length too: the routing gives it this kernel from MIN_QUERIES on)
     monkeypatch.setattr(dispatch._hopper(), "MIN_QUERIES", {})
@@ -351,12 +377,18 @@ def _strided_views(view, head_dim, dtype):
     return q, k, v, out
 
 
+# Every view at the table's head dims (112: boxes past the rows), causal or not; and the head
+# dims table_config adds (72, 160, 224) causal, where boxes past a head's columns read the next
+# head's (bshd) or the row's padding (padded_rows) as nothing, and write neither
+STRIDED_CASES = [*itertools.product(["bshd", "kv_slices", "padded_rows"],
+                                    [128, 80, 96, 112, 192, 256], [True, False]),
+                 *itertools.product(["bshd", "padded_rows"], [72, 160, 224], [True])]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not on_hopper(), reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("dtype,floor,lse_tol", GPU_DTYPES)
-@pytest.mark.parametrize("head_dim", [128, 80, 96, 112, 192, 256])  # 112: boxes past the rows
-@pytest.mark.parametrize("view", ["bshd", "kv_slices", "padded_rows"])
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("view,head_dim,causal", STRIDED_CASES)
 def test_hopper_kernel_strided_inputs(view, head_dim, causal, dtype, floor, lse_tol):
     # Tensors that are not contiguous take the kernel at their strides (4-D copy-engine views,
     # STRIDED): against the float64 reference, nothing read or written outside the views.
@@ -501,6 +533,23 @@ def test_block_loops_by_column_parts_and_keys():
                                     (256, 64, 1)):
         parts, config = hopper.layout_for(head_dim, kv_len, True)
         assert hopper.block_loops(*parts, config[0], kv_len) == loops, (head_dim, kv_len)
+
+
+def test_table_config_takes_multiples_of_8_by_family():
+    # table_config on the CPU: the table's own entries; other multiples of 8 above 64 take 128's
+    # config up to 128 and 256's above; nothing under 64, past 256 or off the copy engine's
+    # 16-byte rows; their column parts as column_parts gives them
+    hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
+    for head_dim, config in hopper.CONFIGS.items():
+        assert hopper.table_config(head_dim) == config
+    for head_dim in range(72, 129, 8):
+        assert hopper.table_config(head_dim) == hopper.CONFIGS[128]
+    for head_dim in range(136, 257, 8):
+        assert hopper.table_config(head_dim) == hopper.CONFIGS[256]
+    for head_dim in (8, 32, 48, 56, 100, 130, 264, 512):
+        assert hopper.table_config(head_dim) is None
+    assert [hopper.column_parts(d) for d in (72, 88, 104, 136, 160, 176, 200, 248)] == [
+        (64, 16), (64, 32), (128, 0), (128, 16), (128, 32), (128, 64), (256, 0), (256, 0)]
 
 
 def test_pingpong_for_by_head_dim_and_keys():

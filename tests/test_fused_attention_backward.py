@@ -566,6 +566,49 @@ def test_gpu_gluon_backward_bshd_views(shape, deterministic, monkeypatch):
     assert calls == [not deterministic and heads == kv_heads and hopper.fuses_dq(head_dim)]
 
 
+GLUON_PADDED_CASES = [
+    # (batch, heads, kv_heads, q_len, kv_len, head_dim, alignment (None: not causal), layout,
+    # window, softcap): head dims on head_dim 128's tiles (TILE)
+    (2, 4, 4, 1000, 1000, 96, "top_left", "bhsd", (-1, -1), 0.0),   # a ragged last key block
+    (1, 8, 2, 700, 1500, 80, "bottom_right", "bhsd", (-1, -1), 0.0),  # GQA, more keys
+    (1, 4, 4, 1500, 300, 112, "bottom_right", "bhsd", (-1, -1), 0.0),  # rows that see no key
+    (2, 3, 3, 700, 1500, 96, None, "bhsd", (-1, -1), 0.0),  # not causal
+    (1, 4, 2, 600, 700, 80, "bottom_right", "bshd", (-1, -1), 0.0),  # views at their strides
+    (1, 4, 2, 1000, 1200, 96, "bottom_right", "bhsd", (300, -1), 30.0),  # window and softcap
+    (1, 2, 2, 700, 700, 112, "top_left", "bshd", (127, -1), 0.0),  # bshd and a window
+    (1, 4, 2, 500, 900, 96, "bottom_right", "padded_rows", (-1, -1), 0.0),  # rows 64 wider
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not on_hopper(), reason="the Gluon backward kernels run on sm_90 only")
+@pytest.mark.parametrize("case", GLUON_PADDED_CASES)
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("dtype,floor", GPU_DTYPES)
+def test_gpu_gluon_backward_padded_head_dims(case, deterministic, dtype, floor, monkeypatch):
+    # head_dim 80, 96 and 112 on head_dim 128's tiles: the copy engine reads zeros past a
+    # head's columns (the next row's first ones in a contiguous tensor, a padded row's padding,
+    # here NaN) and drops those columns of dQ, dK and dV; deterministic=False runs the split
+    # kernels (the fused dQ takes 128)
+    batch, heads, kv_heads, q_len, kv_len, head_dim, alignment, layout, window, softcap = case
+    if layout == "padded_rows":  # q, k, v: the first head_dim columns of rows 64 wider
+        q, k, v = (t.index_fill(-1, torch.arange(head_dim, head_dim + 64, device="cuda"),
+                                float("nan"))[..., :head_dim]
+                   for t in make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim + 64,
+                                     dtype, "cuda"))
+        layout = "bhsd"
+    else:
+        q, k, v = make_qkv(batch, heads, kv_heads, q_len, kv_len, head_dim, dtype, "cuda",
+                           layout)
+    hopper = attention_bwd._hopper()
+    assert hopper is not None and hopper.TILE[head_dim] == 128
+    views = [t.transpose(1, 2) for t in (q, k, v)] if layout == "bshd" else [q, k, v]
+    assert hopper.supports(*views, views[0], *views, window, softcap)
+    calls = _gluon_grads(hopper, q, k, v, floor, alignment, deterministic, monkeypatch,
+                         layout=layout, window=window, softcap=softcap)
+    assert calls == [False]
+
+
 GLUON_WINDOW_CASES = [
     # (batch, heads, kv_heads, q_len, kv_len, causal, alignment, window, softcap, scale (None:
     # head_dim ** -0.5)). The dK/dV programs own 128 keys (64 a consumer) and
@@ -657,6 +700,36 @@ def test_the_dkdv_kernel_streams_64_row_blocks_under_a_softcap():
     assert hopper.dkdv_config(64) == hopper.CONFIGS[64] and hopper.CONFIGS[64][2] == 128
     assert hopper.dkdv_config(64, 30.0)[2] == 64
     assert hopper.dkdv_config(128, 30.0) == hopper.CONFIGS[128]
+
+
+def test_gluon_backward_runs_80_96_112_on_128_column_tiles(monkeypatch):
+    # The launches on CPU tensors (kernels recorded, not run; an H200's properties): the tiles'
+    # columns (HEAD_DIM) from TILE, the tensors' own (COLS) as given, and head_dim 128's
+    # configs and buffers; the fused dQ stays at 128 exactly
+    import types
+    hopper = pytest.importorskip("attnscope.kernels.attention_bwd_hopper")
+    h200 = types.SimpleNamespace(major=9, multi_processor_count=132, L2_cache_size=50 << 20)
+    monkeypatch.setattr(common, "device_properties", lambda device: h200)
+    seen = []
+
+    def record(key, grid, args, kwargs, **kw):
+        seen.append((kwargs["HEAD_DIM"], kwargs["COLS"], kw["config"]))
+    monkeypatch.setattr(hopper, "_launch", record)
+    monkeypatch.setattr(hopper, "_launch_dq", record)
+    for head_dim in (64, 80, 96, 112, 128):
+        q = torch.empty(1, 2, 300, head_dim, dtype=torch.bfloat16)
+        lse = torch.empty(1, 2, 300)
+        kw = dict(causal=True, scale=0.1, causal_offset=0)
+        hopper.attention_bwd_dkdv_hopper(q, q, q, q, q, q, lse, lse, **kw)
+        hopper.attention_bwd_dq_hopper(q, q, q, q, q, lse, lse, **kw)
+        tile = 64 if head_dim == 64 else 128
+        assert hopper.TILE[head_dim] == tile
+        assert seen[-2][:2] == seen[-1][:2] == (tile, head_dim)
+        stages, regs, block_m = hopper.CONFIGS[tile]
+        assert seen[-2][2]["BLOCK_M"] == block_m and seen[-1][2]["BLOCK_N"] == \
+            hopper.DQ_CONFIGS[tile][0]
+        assert hopper.fuses_dq(head_dim) == (head_dim == 128)
+    assert 72 not in hopper.TILE and 192 not in hopper.TILE  # the Triton kernels' calls
 
 
 def test_gluon_backward_views_strided_tensors_in_four_dimensions():

@@ -89,8 +89,9 @@ print(json.dumps(result))
 # stages; taken from 2049 queries on), 96 (two column parts, 64 + 32: every buffer and wgmma
 # twice; 80 = 64 + 16 compiles to its code but for constants, 112 pads to 128 as one part),
 # 192 (128 + 64 with 64-key blocks) and 256 (64-key blocks; the output staged in Q's buffer:
-# buffers of its own do not fit in shared memory).
-COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256)
+# buffers of its own do not fit in shared memory); and two head dims between the table's
+# (table_config: 72 as 64 + 16 with its last 8 columns read as zeros, 224 as one part of 256)
+COMPILED_HEAD_DIMS = (128, 64, 96, 192, 256, 72, 224)
 # and its packed-batch variant at every head_dim it takes (PACKED_HEAD_DIMS)
 COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # and the Gluon backward's dK/dV ("b" + head_dim) and dQ ("bq" + head_dim) kernels at the head
@@ -98,8 +99,9 @@ COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # at 128: "bn128", "bqn128"; and the dK/dV kernel that adds dQ by the copy engine's reduce-add,
 # deterministic=False's: "bd128"; and on bshd views, through 4-D descriptors: "bs128", "bqs128",
 # "bds128", "bs64", "bqs64"; with a sliding window and a softcap: "bw128", "bqw128", "bdw128",
-# and at 64, whose dK/dV kernel then streams 64-row query blocks, "bw64", "bqw64")
-COMPILED_BWD_HEAD_DIMS = (128, 64)
+# and at 64, whose dK/dV kernel then streams 64-row query blocks, "bw64", "bqw64"; 96 on 128's
+# tiles, its last 32 columns read as zeros and dropped from the stores)
+COMPILED_BWD_HEAD_DIMS = (128, 64, 96)
 # and layout_for's few-key layouts ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
 # with 64-key blocks
 COMPILED_FEW_KEYS = ("f80k100", "f80k300", "f96k300")
@@ -115,15 +117,16 @@ COMPILED_WINDOW = ("w64",)
 # and head_dim 64 on three consumer warpgroups ("t64": THREE_CONSUMERS, dense calls of many
 # tiles)
 COMPILED_THREE_CONSUMERS = ("t64",)
-# the block loops (block_loops) each of those launches passes: two at 64, 96 and 192, at their
-# few-key layouts but 80's padded one, and in packed batches at 64, 80, 96 and 192; one at one
-# part of 128 or 256 columns, packed or not; none where a tile holds one block
-BLOCK_LOOPS = {"128": 1, "64": 2, "96": 2, "192": 2, "256": 1, "o96": 0, "f80k100": 1,
-               "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1, "w64": 2, "t64": 2,
+# the block loops (block_loops) each of those launches passes: two at 64, 72, 96 and 192, at
+# their few-key layouts but 80's padded one, and in packed batches at 64, 80, 96 and 192; one at
+# one part of 128 or 256 columns (224 too), packed or not; none where a tile holds one block
+BLOCK_LOOPS = {"128": 1, "64": 2, "96": 2, "192": 2, "256": 1, "72": 2, "224": 1, "o96": 0,
+               "f80k100": 1, "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1,
+               "w64": 2, "t64": 2,
                **{f"p{d}": 1 if d in (128, 256) else 2 for d in COMPILED_PACKED_HEAD_DIMS}}
 # the forward kernels whose block loops rescale O lazily (O one part of LAZY_COLUMNS = 128
-# columns or more: 128, 256, and 80's padded few-key layout), each warp voting on its rows
-LAZY_RESCALE = {"128", "256", "p128", "p256", "s128", "s256", "f80k100"}
+# columns or more: 128, 256 and 224, and 80's padded few-key layout), each warp voting on its rows
+LAZY_RESCALE = {"128", "256", "224", "p128", "p256", "s128", "s256", "f80k100"}
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,9 @@ and dS takes the cap's derivative 1 - tanh^2; the dK/dV kernel then streams quer
 most 64 rows (`dkdv_config`).
 
 What they take (`supports`): sm_90, fp16/bf16, head_dim 128 (64 from MIN_QUERIES queries on,
-in 128-row query blocks, 64-row ones under a softcap, and 128-key dQ blocks),
+in 128-row query blocks, 64-row ones under a softcap, and 128-key dQ blocks; 80, 96 and 112 on
+head_dim 128's tiles, `TILE`, the copy engine reading zeros past a head's columns and dropping
+those columns of the gradients' stores),
 q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim] contiguous or at strides the copy engine takes
 (bshd views, e.g.: STRIDED, 4-D descriptors at each tensor's strides) at 16-byte aligned
 addresses, windows and softcaps; not a packed batch.
@@ -83,23 +85,25 @@ LOG2E_G = gl.constexpr(LOG2E)
 
 
 @gluon.jit
-def _descriptor(ptr, n_hz, n_ctx, HEAD_DIM: gl.constexpr, smem, view, STRIDED: gl.constexpr):
-    # The copy engine's view of a [batch * heads, seq, HEAD_DIM] tensor in blocks of one buffer
-    # of the ring `smem`: contiguous, [batch * heads, seq, HEAD_DIM]; STRIDED (a call with a
-    # tensor that is not contiguous, e.g. bshd views; every tensor of it is seen so), [batch,
-    # heads, seq, HEAD_DIM] at `view`'s (heads, batch stride, head stride, row stride). A block
-    # past a head's end reads zeros, and a store drops its rows there, either way.
+def _descriptor(ptr, n_hz, n_ctx, COLS: gl.constexpr, smem, view, STRIDED: gl.constexpr):
+    # The copy engine's view of a [batch * heads, seq, COLS] tensor in blocks of one buffer of
+    # the ring `smem`: contiguous, [batch * heads, seq, COLS]; STRIDED (a call with a tensor that
+    # is not contiguous, e.g. bshd views; every tensor of it is seen so), [batch, heads, seq,
+    # COLS] at `view`'s (heads, batch stride, head stride, row stride). A block past a head's end
+    # reads zeros, and a store drops its rows there, either way; so do a box's columns past COLS
+    # where the buffer is wider (a head_dim padded to its tile, HEAD_DIM).
     rows: gl.constexpr = smem.shape[1]
+    width: gl.constexpr = smem.shape[2]
     if STRIDED:
         heads, stride_z, stride_h, stride_m = view
-        desc = tma.make_tensor_descriptor(ptr, [n_hz // heads, heads, n_ctx, HEAD_DIM],
+        desc = tma.make_tensor_descriptor(ptr, [n_hz // heads, heads, n_ctx, COLS],
                                           [stride_z, stride_h, stride_m, 1],
-                                          [1, 1, rows, HEAD_DIM],
-                                          smem.index(0).reshape([1, 1, rows, HEAD_DIM]).layout)
+                                          [1, 1, rows, width],
+                                          smem.index(0).reshape([1, 1, rows, width]).layout)
     else:
-        desc = tma.make_tensor_descriptor(ptr, [n_hz, n_ctx, HEAD_DIM],
-                                          [n_ctx * HEAD_DIM, HEAD_DIM, 1], [1, rows, HEAD_DIM],
-                                          smem.index(0).reshape([1, rows, HEAD_DIM]).layout)
+        desc = tma.make_tensor_descriptor(ptr, [n_hz, n_ctx, COLS],
+                                          [n_ctx * COLS, COLS, 1], [1, rows, width],
+                                          smem.index(0).reshape([1, rows, width]).layout)
     return desc
 
 
@@ -207,18 +211,18 @@ def _query_head(off_hkvz, H, GROUP, g):
 
 
 @gluon.jit
-def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            HAS_WINDOW: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr,
-            STRIDED: gl.constexpr):
+def _loader(args, HEAD_DIM: gl.constexpr, COLS: gl.constexpr, STAGES: gl.constexpr,
+            CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, FUSED: gl.constexpr,
+            BLOCK_M: gl.constexpr, STRIDED: gl.constexpr):
     (Q, K, V, DO, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, H, GROUP, N_CTX_Q,
      N_CTX_K, vis, n_hz, NUM_TILES, HEAD_GROUP, Lse, Delta, lse_smem, delta_smem,
      views, DK, DV, staged) = args
     q_view, k_view, v_view, do_view, dk_view, dv_view = views
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
-    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem, q_view, STRIDED)
-    do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem, do_view, STRIDED)
-    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, HEAD_DIM, k_smem, k_view, STRIDED)
-    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, HEAD_DIM, v_smem, v_view, STRIDED)
+    q_desc = _descriptor(Q, n_hz, N_CTX_Q, COLS, q_smem, q_view, STRIDED)
+    do_desc = _descriptor(DO, n_hz, N_CTX_Q, COLS, do_smem, do_view, STRIDED)
+    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, COLS, k_smem, k_view, STRIDED)
+    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, COLS, v_smem, v_view, STRIDED)
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     block_bytes: gl.constexpr = ROWS * HEAD_DIM * elem
     q_bytes: gl.constexpr = BLOCK_M * HEAD_DIM * elem
@@ -252,20 +256,20 @@ def _loader(args, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.const
     if not FUSED:
         n_kv = n_hz // GROUP
         _store_staged(DK, DV, k_smem, v_smem, n_kv, N_CTX_K, hz_kv, n0, staged, dk_view, dv_view,
-                      HEAD_DIM, STRIDED)
+                      COLS, STRIDED)
 
 
 @gluon.jit
 def _store_staged(A, B, a_smem, b_smem, n_hz, n_ctx, hz, row0, staged, a_view, b_view,
-                  HEAD_DIM: gl.constexpr, STRIDED: gl.constexpr):
+                  COLS: gl.constexpr, STRIDED: gl.constexpr):
     # The loader, done loading: both consumers' gradient tiles (each warpgroup's rows of A in
     # a_smem.index(wg), of B in b_smem.index(wg); B None for one tensor), staged once
     # `staged` completes, stored by the copy engine from row row0 of head hz (rows past the end
     # dropped). Its descriptors are made while the consumers finish (each is written to global
     # memory and fenced: made by the consumers, they delayed the program's end).
-    a_desc = _descriptor(A, n_hz, n_ctx, HEAD_DIM, a_smem, a_view, STRIDED)
+    a_desc = _descriptor(A, n_hz, n_ctx, COLS, a_smem, a_view, STRIDED)
     if B is not None:
-        b_desc = _descriptor(B, n_hz, n_ctx, HEAD_DIM, b_smem, b_view, STRIDED)
+        b_desc = _descriptor(B, n_hz, n_ctx, COLS, b_smem, b_view, STRIDED)
     mbarrier.wait(staged, 0)
     for wg in gl.static_range(2):
         _store(a_desc, hz, row0 + wg * ROWS, a_smem.index(wg), a_view, STRIDED)
@@ -288,9 +292,10 @@ def _stage_stats(Lse, Delta, lse_buf, delta_buf, hz, row0, N_CTX_Q, BLOCK_M: gl.
 
 
 @gluon.jit
-def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-              FUSED: gl.constexpr, BLOCK_M: gl.constexpr, STRIDED: gl.constexpr):
+def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+              SOFTCAP: gl.constexpr, FUSED: gl.constexpr, BLOCK_M: gl.constexpr,
+              STRIDED: gl.constexpr):
     (k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, staged, DK, DV, lse_smem,
      delta_smem, H, GROUP, N_CTX_Q, N_CTX_K, vis, qk_scale, softcap_log2, sm_scale, n_hz,
      NUM_TILES, HEAD_GROUP, views) = args
@@ -427,9 +432,9 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.
     if FUSED:
         n_kv = n_hz // GROUP
         dk_view, dv_view = views[4], views[5]
-        _store(_descriptor(DK, n_kv, N_CTX_K, HEAD_DIM, k_smem, dk_view, STRIDED), hz_kv, k0,
+        _store(_descriptor(DK, n_kv, N_CTX_K, COLS, k_smem, dk_view, STRIDED), hz_kv, k0,
                k_tile, dk_view, STRIDED)
-        _store(_descriptor(DV, n_kv, N_CTX_K, HEAD_DIM, v_smem, dv_view, STRIDED), hz_kv, k0,
+        _store(_descriptor(DV, n_kv, N_CTX_K, COLS, v_smem, dv_view, STRIDED), hz_kv, k0,
                v_tile, dv_view, STRIDED)
         tma.store_wait(0)
     else:
@@ -512,8 +517,8 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
                           stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_km,
                           stride_vz, stride_vh, stride_vm, stride_doz, stride_doh, stride_dom,
                           stride_dkz, stride_dkh, stride_dkm, stride_dvz, stride_dvh, stride_dvm,
-                          STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                          CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                          STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.constexpr,
+                          STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
                           SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           SMEM_LAYOUT: gl.constexpr, FUSED: gl.constexpr,
                           DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
@@ -521,11 +526,13 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
     # grid: batch * K/V heads * key blocks of 2 * ROWS (_program_tile); q, dO, LSE and Delta
     # [batch * H, ...], streamed in blocks of BLOCK_M query rows. FUSED (BLOCK_M == ROWS): dQ =
     # dS K (before its scale) added into DQ as well, a zeroed fp32 [batch * H, N_CTX_Q,
-    # HEAD_DIM] (unused otherwise), by a fourth partition. The strides (each tensor's batch,
+    # HEAD_DIM] (unused otherwise), by a fourth partition. HEAD_DIM: the tiles' columns, COLS the
+    # tensors' (fewer where a head_dim is padded to its tile: the copy engine reads zeros past
+    # COLS and drops those columns of the stores). The strides (each tensor's batch,
     # head and row strides) are read with STRIDED only (_descriptor). CAUSAL, HAS_WINDOW (with
     # their offsets) and SOFTCAP (with qk_scale and softcap_log2) as common.visibility and
     # common.score_scales give them.
-    gl.static_assert(not FUSED or (BLOCK_M == ROWS and HEAD_DIM == 2 * ROWS),
+    gl.static_assert(not FUSED or (BLOCK_M == ROWS and HEAD_DIM == 2 * ROWS and COLS == HEAD_DIM),
                      "the fused dQ takes head_dim 128 in 64-row query blocks")
     qk_scale = qk_scale.to(gl.float32)  # (scale * log2e without a softcap)
     softcap_log2 = softcap_log2.to(gl.float32)
@@ -555,38 +562,41 @@ def _attn_bwd_dkdv_hopper(Q, K, V, DO, DK, DV, Lse, Delta, DQ, BATCH, H, GROUP, 
         fused = _fused_buffers(dtype, DS_LAYOUT, DQ_LAYOUT)
         writes = (DQ, H, GROUP, N_CTX_Q, vis, n_hz, NUM_TILES, HEAD_GROUP)
         gl.warp_specialize([
-            (_consumer, (work, fused, 0, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
+            (_consumer, (work, fused, 0, HEAD_DIM, COLS, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
                          BLOCK_M, STRIDED)),
-            (_consumer, (work, fused, 1, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
+            (_consumer, (work, fused, 1, HEAD_DIM, COLS, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
                          BLOCK_M, STRIDED)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, FUSED, BLOCK_M, STRIDED)),
+            (_loader, (loads, HEAD_DIM, COLS, STAGES, CAUSAL, HAS_WINDOW, FUSED, BLOCK_M,
+                       STRIDED)),
             (_dq_writer, (writes, fused, HEAD_DIM, CAUSAL, HAS_WINDOW)),
         ], [4, 1, 1], [CONSUMER_REGS, 32, 32])
     else:
         gl.warp_specialize([
-            (_consumer, (work, None, 0, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
+            (_consumer, (work, None, 0, HEAD_DIM, COLS, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
                          BLOCK_M, STRIDED)),
-            (_consumer, (work, None, 1, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
+            (_consumer, (work, None, 1, HEAD_DIM, COLS, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP, FUSED,
                          BLOCK_M, STRIDED)),
-            (_loader, (loads, HEAD_DIM, STAGES, CAUSAL, HAS_WINDOW, FUSED, BLOCK_M, STRIDED)),
+            (_loader, (loads, HEAD_DIM, COLS, STAGES, CAUSAL, HAS_WINDOW, FUSED, BLOCK_M,
+                       STRIDED)),
         ], [4, 1], [CONSUMER_REGS, 32])
 
 
 # ---- dQ ---------------------------------------------------------------------------------------
 
 @gluon.jit
-def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, STRIDED: gl.constexpr):
+def _dq_loader(args, HEAD_DIM: gl.constexpr, COLS: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+               STRIDED: gl.constexpr):
     (Q, K, V, DO, q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, H, GROUP, N_CTX_Q,
      N_CTX_K, vis, n_hz, NUM_TILES, HEAD_GROUP, views, DQ, staged) = args
     q_view, k_view, v_view, do_view, dq_view = views
     hz, m = _program_tile(n_hz, NUM_TILES, HEAD_GROUP, True)
     m0 = m * (2 * ROWS)
     hz_kv = hz // GROUP
-    q_desc = _descriptor(Q, n_hz, N_CTX_Q, HEAD_DIM, q_smem, q_view, STRIDED)
-    do_desc = _descriptor(DO, n_hz, N_CTX_Q, HEAD_DIM, do_smem, do_view, STRIDED)
-    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, HEAD_DIM, k_smem, k_view, STRIDED)
-    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, HEAD_DIM, v_smem, v_view, STRIDED)
+    q_desc = _descriptor(Q, n_hz, N_CTX_Q, COLS, q_smem, q_view, STRIDED)
+    do_desc = _descriptor(DO, n_hz, N_CTX_Q, COLS, do_smem, do_view, STRIDED)
+    k_desc = _descriptor(K, n_hz // GROUP, N_CTX_K, COLS, k_smem, k_view, STRIDED)
+    v_desc = _descriptor(V, n_hz // GROUP, N_CTX_K, COLS, v_smem, v_view, STRIDED)
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     # the tile's rows, once: each consumer's 64 rows of Q and of dO
     mbarrier.expect(qdo_ready, 4 * ROWS * HEAD_DIM * elem)
@@ -604,7 +614,7 @@ def _dq_loader(args, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.c
         _load(v_desc, hz_kv, j * BLOCK_N, ready.index(slot), v_smem.index(slot), v_view,
               STRIDED)
     _store_staged(DQ, None, q_smem, q_smem, n_hz, N_CTX_Q, hz, m0, staged, dq_view, dq_view,
-                  HEAD_DIM, STRIDED)
+                  COLS, STRIDED)
 
 
 @gluon.jit
@@ -708,10 +718,10 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
                         stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_km,
                         stride_vz, stride_vh, stride_vm, stride_doz, stride_doh, stride_dom,
                         stride_dqz, stride_dqh, stride_dqm, STRIDED: gl.constexpr,
-                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                        KV_LAYOUT: gl.constexpr):
+                        HEAD_DIM: gl.constexpr, COLS: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                        SOFTCAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
     # grid: batch * H * query tiles of 2 * ROWS rows (_program_tile); the same structure as the
     # dK/dV kernel
     # with the roles of queries and keys exchanged: Q and dO stay, K and V stream
@@ -738,7 +748,7 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
     gl.warp_specialize([
         (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
         (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
-        (_dq_loader, (loads, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, STRIDED)),
+        (_dq_loader, (loads, HEAD_DIM, COLS, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, STRIDED)),
     ], [4, 1], [CONSUMER_REGS, 32])
 
 
@@ -754,6 +764,11 @@ CONFIGS = {64: (2, 240, 128), 128: (2, 240, 64)}
 # The dQ kernel's (BLOCK_N, STAGES, consumer registers): S and dP of 64 keys (head_dim 128) or
 # 128 (64) next to the dQ accumulator (64 fp32 registers a thread at head_dim 128, 32 at 64).
 DQ_CONFIGS = {64: (128, 2, 240), 128: (64, 2, 240)}
+# The tiles' columns (the kernels' HEAD_DIM, the key of CONFIGS and DQ_CONFIGS) per head_dim:
+# 80, 96 and 112 run on head_dim 128's tiles and configs, the copy engine reading zeros past a
+# head's columns (COLS) and dropping those columns of the stores, as the Triton backward pads
+# to its BLOCK_D.
+TILE = {64: 64, 80: 128, 96: 128, 112: 128, 128: 128}
 # head_dim 64 takes these kernels from MIN_QUERIES queries on; below, the Triton pair is faster:
 # a 128-key program then streams only a few query blocks and pays this pair's fixed costs (the
 # partitions' start, the device-side descriptors) for them.
@@ -766,7 +781,7 @@ def dkdv_config(head_dim, softcap=0.0):
     blocks of at most 64 rows with a softcap. Its tanh tile is held next to S^T and dP^T there:
     at head_dim 64's 128-row blocks the kernel had 336 spill loads offline (Triton 3.6), at 64
     rows none."""
-    stages, regs, block_m = CONFIGS[head_dim]
+    stages, regs, block_m = CONFIGS[TILE[head_dim]]
     return stages, regs, (min(block_m, ROWS.value) if softcap > 0 else block_m)
 
 
@@ -779,11 +794,11 @@ def fuses_dq(head_dim):
 
 def supports(q, k, v, do, dq, dk, dv, window=(-1, -1), softcap=0.0, varlen=None):
     """True when these kernels compute the call's dQ, dK and dV: sm_90, fp16/bf16, head_dim in
-    CONFIGS (64 from MIN_QUERIES queries on), q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim]
+    TILE (64 from MIN_QUERIES queries on), q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim]
     contiguous or at strides the copy engine takes (`tma_strided_ok`: bshd views, e.g.) at
     16-byte aligned addresses (the copy engine reads and writes them), not a packed batch.
     Sliding windows and softcaps are taken (`window`, `softcap` as fused_attention's)."""
-    return (q.shape[-1] in CONFIGS and str(q.dtype) in _GL_DTYPES and q.is_cuda
+    return (q.shape[-1] in TILE and str(q.dtype) in _GL_DTYPES and q.is_cuda
             and q.shape[2] >= MIN_QUERIES.get(q.shape[-1], 0)
             and varlen is None
             and all(t.dtype == q.dtype and tma_strided_ok(t) and t.data_ptr() % 16 == 0
@@ -805,6 +820,7 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     (attention_bwd's deterministic=False)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
+    tile = TILE[head_dim]
     stages, regs, block_m = dkdv_config(head_dim, softcap)
     num_tiles = -(-kv_len // 128)
     grid = (batch * kv_heads * num_tiles,)
@@ -820,13 +836,13 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     args = (q, k, v, do, dk, dv, lse, delta, dq_acc if fused else lse, batch, heads,
             heads // kv_heads, q_len, kv_len, causal_offset, left_offset or 0, qk_scale,
             softcap_log2, scale, num_tiles, group, *strides)
-    kwargs = dict(STRIDED=strided, HEAD_DIM=head_dim, STAGES=stages, CAUSAL=causal,
+    kwargs = dict(STRIDED=strided, HEAD_DIM=tile, COLS=head_dim, STAGES=stages, CAUSAL=causal,
                   HAS_WINDOW=left_offset is not None, SOFTCAP=has_softcap,
-                  CONSUMER_REGS=regs, SMEM_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)),
+                  CONSUMER_REGS=regs, SMEM_LAYOUT=_smem_layout(64, tile, str(q.dtype)),
                   FUSED=fused,
                   DS_LAYOUT=_smem_layout(64, 64, str(q.dtype)),
                   DQ_LAYOUT=_smem_layout(64, 64, "torch.float32"), BLOCK_M=block_m,
-                  Q_LAYOUT=_smem_layout(block_m, head_dim, str(q.dtype)), num_warps=4)
+                  Q_LAYOUT=_smem_layout(block_m, tile, str(q.dtype)), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:
         key = ("gluon-dkdv", q.device, q.dtype, q.shape, k.shape, strides,
@@ -863,7 +879,8 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
     None)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    block_n, stages, regs = DQ_CONFIGS[head_dim]
+    tile = TILE[head_dim]
+    block_n, stages, regs = DQ_CONFIGS[tile]
     num_tiles = -(-q_len // 128)
     grid = (batch * heads * num_tiles,)
     # each query head's programs stream its K/V head's K and V (shared by its GROUP heads)
@@ -874,10 +891,11 @@ def attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, *, causal, scale, causa
     args = (q, k, v, do, dq, lse, delta, batch, heads, heads // kv_heads, q_len, kv_len,
             causal_offset, left_offset or 0, qk_scale, softcap_log2, scale, num_tiles, group,
             *strides)
-    kwargs = dict(STRIDED=strided, HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=stages,
-                  CAUSAL=causal, HAS_WINDOW=left_offset is not None, SOFTCAP=has_softcap,
-                  CONSUMER_REGS=regs, Q_LAYOUT=_smem_layout(64, head_dim, str(q.dtype)),
-                  KV_LAYOUT=_smem_layout(block_n, head_dim, str(q.dtype)), num_warps=4)
+    kwargs = dict(STRIDED=strided, HEAD_DIM=tile, COLS=head_dim, BLOCK_N=block_n,
+                  STAGES=stages, CAUSAL=causal, HAS_WINDOW=left_offset is not None,
+                  SOFTCAP=has_softcap, CONSUMER_REGS=regs,
+                  Q_LAYOUT=_smem_layout(64, tile, str(q.dtype)),
+                  KV_LAYOUT=_smem_layout(block_n, tile, str(q.dtype)), num_warps=4)
     ensure_scratch_allocator()
     if key is None:
         key = ("gluon-dq", q.device, q.dtype, q.shape, k.shape, strides,

@@ -38,7 +38,8 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
 
 What it needs (dispatch.py routes everything else to the Triton kernel): an sm_90 GPU, Triton >=
 3.6, fp16/bf16, a head_dim in CONFIGS (80, 96, 112, 128, 192, 256; 64 from MIN_QUERIES = 2049
-queries on), tiles longer than SHORT_WORK or more of them than SMs, q/k/v [batch, heads, seq,
+queries on) or another multiple of 8 from 72 to 248 (`table_config`: its family's config),
+tiles longer than SHORT_WORK or more of them than SMs, q/k/v [batch, heads, seq,
 head_dim] contiguous or at strides the copy engine takes (`tma_strided_ok`), a positive scale, and a
 launch that is not being traced (under torch.compile the Triton kernel runs). A head_dim that is not
 a power of two runs as two column parts of power-of-two widths (`column_parts`: 80 = 64 + 16, 96 =
@@ -1078,6 +1079,20 @@ CONFIG_FIELDS = ("BLOCK_N", "STAGES", "consumer_regs", "consumers")
 CONFIGS = {64: (128, 3, 240, 2), 80: (128, 2, 240, 2), 96: (128, 2, 240, 2),
            112: (128, 2, 240, 2), 128: (128, 2, 240, 2), 192: (64, 2, 240, 2),
            256: (64, 2, 240, 2)}
+
+
+def table_config(head_dim):
+    """The CONFIGS entry a head_dim runs: its own, or for another multiple of 8 between the
+    table's (72-120, 136-248) that of its family, 128's above 64 and 256's above 128: the same
+    fp32 O accumulator per consumer at most (64-key blocks once it passes 64 registers a thread
+    with S beside it), its column parts by column_parts (72 = 64 + 16 with the last 8 columns
+    read as zeros, 160 = 128 + 32, 224 = one part of 256). None where the kernel takes no such
+    head_dim (not a multiple of 8, the copy engine's 16-byte rows; under 64 or over 256)."""
+    if head_dim in CONFIGS:
+        return CONFIGS[head_dim]
+    if head_dim % 8 or not 64 < head_dim <= 256:
+        return None
+    return CONFIGS[128 if head_dim <= 128 else 256]
 # head_dim 64 takes this kernel from MIN_QUERIES queries on: below, the Triton kernel is faster
 # (0.0604 against 0.0745 ms at (8,16,1024,64), Triton 3.6); above, the two are within 1 % on
 # Triton 3.6 (0.6816 against 0.6878 ms at (4,32,4096,64)), but the Triton kernel's code is
@@ -1162,11 +1177,11 @@ SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 
 
 def supports(q, k, v, out, varlen=None):
-    """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim in
-    CONFIGS, non-empty q/k/v [batch, heads, seq, head_dim] at 16-byte aligned addresses, each
-    contiguous or with a unit last stride and the others positive 16-byte multiples (bshd,
-    padded rows, K/V slices; `tma_strided_ok`: a launch with any such tensor views every tensor at
-    its strides, otherwise each as [batch * heads, seq, head_dim]), and out with unit last
+    """True when this kernel takes the call: a CUDA sm_90 device, fp16/bf16, a head_dim table_config
+    takes, non-empty q/k/v [batch, heads, seq, head_dim] at 16-byte aligned addresses, each
+    contiguous or with a unit last stride and the others positive 16-byte multiples (bshd, padded
+    rows, K/V slices; `tma_strided_ok`: a launch with any such tensor views every tensor at its
+    strides, otherwise each as [batch * heads, seq, head_dim]), and out with unit last
     stride. Any query and key length, but a dense call of short tiles (SHORT_WORK) no more than
     the SMs runs the Triton kernel (faster there). A packed batch (`varlen`, as
     attention_fwd_triton's: the views with batch stride 0 of packed [total, heads, head_dim]
@@ -1177,7 +1192,8 @@ def supports(q, k, v, out, varlen=None):
     # cheapest refusals first: this runs on every eager call
     head_dim = q.shape[-1]
     if varlen is None:
-        shape_ok = head_dim in CONFIGS and q.shape[2] >= MIN_QUERIES.get(head_dim, 0)
+        shape_ok = (table_config(head_dim) is not None
+                    and q.shape[2] >= MIN_QUERIES.get(head_dim, 0))
     else:
         shape_ok = (head_dim in PACKED_HEAD_DIMS and packed_tiles_ok(*q.shape[:2], varlen[2])
                     and q.shape[2] >= MIN_QUERIES.get(head_dim, 0) * q.shape[0])
@@ -1272,7 +1288,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     if (config is None and varlen is None and stored_by_copy
             and three_consumers(head_dim, batch * heads, q_len, sms, window[0], has_softcap)):
         config = THREE_CONSUMERS[head_dim]
-    tile_rows = ROWS.value * (config or CONFIGS[head_dim])[3]
+    tile_rows = ROWS.value * (config or table_config(head_dim))[3]
     num_m = -(-max_q // tile_rows)
     tiles = batch * heads * num_m
     grid = (min(tiles, sms),)  # one per SM
@@ -1416,7 +1432,7 @@ def layout_for(head_dim, kv_len, many_tiles):
     one part padded to block_width(head_dim) columns if the second part is 16 columns wide (80;
     96 keeps its parts and table); from there up to SHORT_KEYS, 64-key blocks. (Measured on
     causal calls; others follow the same rule.)"""
-    parts, config = column_parts(head_dim), CONFIGS[head_dim]
+    parts, config = column_parts(head_dim), table_config(head_dim)
     if not many_tiles or not parts[1] or config[0] != 128 or kv_len > SHORT_KEYS:
         return parts, config
     if kv_len <= PADDED_KEYS:

@@ -119,7 +119,8 @@ def main():
     p.add_argument("--gluon-config", type=parse_gluon_config, default=None,
                    metavar="HEAD_DIM:STAGES,REGS,BLOCK_M:BLOCK_N,STAGES,REGS",
                    help="put this entry into the Gluon kernels' tables (attention_bwd_hopper's "
-                        "CONFIGS and DQ_CONFIGS) for the whole run and lift that head_dim's "
+                        "CONFIGS and DQ_CONFIGS, at the head_dim's TILE: 128's for 80-112) for "
+                        "the whole run and lift that head_dim's "
                         "MIN_QUERIES bound, so every call of that head_dim takes them (e.g. "
                         "64:2,240,128:128,2,240); with --triton-kernels the Triton pair runs "
                         "beside them. --nondeterministic fuses dQ only where the entry allows "
@@ -151,7 +152,10 @@ def main():
             p.error("--gluon-config: this Triton's Gluon lacks what the Gluon backward uses "
                     "(attnscope.kernels.gluon_compat.missing())")
         head_dim, dkdv, dq = args.gluon_config
-        hop.CONFIGS[head_dim], hop.DQ_CONFIGS[head_dim] = dkdv, dq
+        # the entry of the head_dim's tile (TILE: 80-112 run on 128's); a head_dim the table
+        # lacks becomes a tile of its own
+        tile = hop.TILE.setdefault(head_dim, head_dim)
+        hop.CONFIGS[tile], hop.DQ_CONFIGS[tile] = dkdv, dq
         hop.MIN_QUERIES.pop(head_dim, None)
     out_file = open(args.out, "a") if args.out else None
     for shape in args.shapes:

@@ -111,7 +111,7 @@ def _one_block(config, d, kv_len):
 def check(config, layout="bhsd", loops=None, pingpong=None):
     worst, skipped = 0.0, 0
     for b, h, hkv, lq, lk, d, causal, br, dtype in CHECK_CASES:
-        if config is None and d not in hop.CONFIGS:
+        if config is None and not hop.table_config(d):
             continue  # the table has no config for this head_dim
         if loops == 0 and not _one_block(config, d, lk):
             continue
@@ -224,15 +224,15 @@ def time_shapes(shapes, configs, repeat, out_path, parts=(), layout="bhsd", loop
             lambda c=c, p=p: hop.attention_fwd_hopper(
                 q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, config=c,
                 parts=p, **vis))
-            for c in configs if c is not None or d in hop.CONFIGS for p in (None, *parts)}
-        for n in loops if d in hop.CONFIGS else ():  # the table's config, BLOCK_LOOPS forced
+            for c in configs if c is not None or hop.table_config(d) for p in (None, *parts)}
+        for n in loops if hop.table_config(d) else ():  # the table's config, BLOCK_LOOPS forced
             if n == 0 and not _one_block(None, d, s):
                 print(f"{b},{h},{s},{d}: loops 0 skipped (tiles of more than one K/V block)",
                       flush=True)
                 continue
             cands[f"gluon loops{n}"] = lambda n=n: hop.attention_fwd_hopper(
                 q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0, loops=n, **vis)
-        for n in pingpongs if d in hop.CONFIGS else ():  # the table's config, PINGPONG forced
+        for n in pingpongs if hop.table_config(d) else ():  # the table's config, PINGPONG forced
             cands[f"gluon pingpong{n}"] = lambda n=n: hop.attention_fwd_hopper(
                 q, k, v, out, lse, causal=True, scale=d ** -0.5, causal_offset=0,
                 pingpong=bool(n), **vis)
