@@ -538,14 +538,25 @@ def test_block_loops_by_column_parts_and_keys():
 def test_table_config_takes_multiples_of_8_by_family():
     # table_config on the CPU: the table's own entries; other multiples of 8 above 64 take 128's
     # config up to 128 and 256's above; nothing under 64, past 256 or off the copy engine's
-    # 16-byte rows; their column parts as column_parts gives them
+    # 16-byte rows; their column parts as column_parts gives them. layout_for: above 128, 128's
+    # config (128-key blocks) from WIDE_BLOCK_KEYS + 1 keys where Q and that ring fit shared
+    # memory (136-160), few tiles or many
     hopper = pytest.importorskip("attnscope.kernels.attention_fwd_hopper")
     for head_dim, config in hopper.CONFIGS.items():
         assert hopper.table_config(head_dim) == config
     for head_dim in range(72, 129, 8):
         assert hopper.table_config(head_dim) == hopper.CONFIGS[128]
+    long_call = hopper.WIDE_BLOCK_KEYS + 1
     for head_dim in range(136, 257, 8):
         assert hopper.table_config(head_dim) == hopper.CONFIGS[256]
+        parts = hopper.column_parts(head_dim)
+        wide = head_dim <= 160
+        assert (hopper.ring_bytes(hopper.CONFIGS[128], parts) <= hopper.SHARED_MEMORY_BYTES) == wide
+        for many_tiles in (False, True):
+            assert hopper.layout_for(head_dim, long_call, many_tiles) == (
+                parts, hopper.CONFIGS[128 if wide else 256])
+            assert hopper.layout_for(head_dim, long_call - 1, many_tiles) == (
+                parts, hopper.CONFIGS[256])
     for head_dim in (8, 32, 48, 56, 100, 130, 264, 512):
         assert hopper.table_config(head_dim) is None
     assert [hopper.column_parts(d) for d in (72, 88, 104, 136, 160, 176, 200, 248)] == [

@@ -1087,12 +1087,22 @@ def table_config(head_dim):
     fp32 O accumulator per consumer at most (64-key blocks once it passes 64 registers a thread
     with S beside it), its column parts by column_parts (72 = 64 + 16 with the last 8 columns
     read as zeros, 160 = 128 + 32, 224 = one part of 256). None where the kernel takes no such
-    head_dim (not a multiple of 8, the copy engine's 16-byte rows; under 64 or over 256)."""
+    head_dim (not a multiple of 8, the copy engine's 16-byte rows; under 64 or over 256).
+    layout_for gives 136-160 128-key blocks on long calls."""
     if head_dim in CONFIGS:
         return CONFIGS[head_dim]
     if head_dim % 8 or not 64 < head_dim <= 256:
         return None
     return CONFIGS[128 if head_dim <= 128 else 256]
+
+
+def ring_bytes(config, parts, element_size=2):
+    """Shared memory a launch of this config and these column parts needs for its consumers' Q
+    blocks and its K/V ring (fp16/bf16 by default), without the output's staging buffers."""
+    block_n, stages, _, consumers = config
+    return (consumers * ROWS.value + 2 * stages * block_n) * sum(parts) * element_size
+
+
 # head_dim 64 takes this kernel from MIN_QUERIES queries on: below, the Triton kernel is faster
 # (0.0604 against 0.0745 ms at (8,16,1024,64), Triton 3.6); above, the two are within 1 % on
 # Triton 3.6 (0.6816 against 0.6878 ms at (4,32,4096,64)), but the Triton kernel's code is
@@ -1158,6 +1168,11 @@ SHORT_WORK = 256 * 128
 # - at 192 (64-key blocks already) padding to 256 lost 26-35 %.
 PADDED_KEYS = 128
 SHORT_KEYS = 512
+# head_dim 136-160 on 128-key blocks (O 80 registers a thread next to S, no spills offline)
+# against 64-key ones, the Gluon kernel alone (H200, Triton 3.6, hopper_lab.py, interleaved):
+# 0.905-0.91 of the time at 8192-16384 keys, 0.96-0.97 at 4096, 1.00 at 2048, 1.12 at 1024
+# (notes/lab/gluon_wide_blocks_d160_h200.txt)
+WIDE_BLOCK_KEYS = 2048
 # Packed batches (fused_attention_varlen) take this kernel at these head dims, at 64 as dense
 # calls do, from MIN_QUERIES queries, here a sequence on average (total queries / sequences):
 # with two block loops it ran 2.6-5.6 % faster than the Triton kernel on packed batches of longer
@@ -1339,7 +1354,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     if pingpong is None:
         pingpong = pingpong_for(head_dim, block_n, None if varlen else kv_len)
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
-    smem = consumers * tile_bytes + 2 * stages * block_n * (d0 + d1) * q.element_size()
+    smem = ring_bytes(config, parts, q.element_size())
     if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
         raise ValueError(f"config {config} with column parts {(d0, d1)} needs {smem} B of shared "
                          f"memory for Q and the K/V ring, more than {SHARED_MEMORY_BYTES}")
@@ -1430,12 +1445,19 @@ def layout_for(head_dim, kv_len, many_tiles):
     CONFIGS entry, except where `many_tiles` (a dense call of more 128-row tiles than SMs) has
     few keys at a head_dim split into parts with 128-key blocks (80, 96): up to PADDED_KEYS keys,
     one part padded to block_width(head_dim) columns if the second part is 16 columns wide (80;
-    96 keeps its parts and table); from there up to SHORT_KEYS, 64-key blocks. (Measured on
-    causal calls; others follow the same rule.)"""
+    96 keeps its parts and table); from there up to SHORT_KEYS, 64-key blocks. Above 128
+    columns, 128's config (128-key blocks) from WIDE_BLOCK_KEYS + 1 keys wherever Q and that
+    ring fit shared memory (`ring_bytes`: 136-160, a second part of at most 32 columns). (Measured
+    on causal calls; others follow the same rule.)"""
     parts, config = column_parts(head_dim), table_config(head_dim)
+    if head_dim > 128:
+        wide = CONFIGS[128]
+        if kv_len > WIDE_BLOCK_KEYS and ring_bytes(wide, parts) <= SHARED_MEMORY_BYTES:
+            return parts, wide
+        return parts, config
     if not many_tiles or not parts[1] or config[0] != 128 or kv_len > SHORT_KEYS:
         return parts, config
-    if kv_len <= PADDED_KEYS:
+    if kv_len <= PADDED_KEYS and head_dim < 128:
         return ((block_width(head_dim), 0), config) if parts[1] == 16 else (parts, config)
     return parts, (64,) + config[1:]
 
