@@ -81,8 +81,6 @@ from attnscope.kernels.gluon_compat import partition_barrier, tma_add, tma_load,
 from attnscope.kernels.launch import FastLaunch, ensure_scratch_allocator
 
 ROWS = gl.constexpr(64)  # keys per consumer warpgroup; the dQ kernel's query rows per warpgroup
-# The fused dQ's dS^T buffers, in steps: three, as its exchange lags a step (_consumer)
-DS_STEPS = gl.constexpr(3)
 LOG2E_G = gl.constexpr(LOG2E)
 
 
@@ -386,28 +384,32 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
             ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
             # dV += P^T dO, dK += dS^T Q
             if FUSED:  # dS^T through shared memory, where dQ needs both warpgroups'
-                # dQ lags a step: this step's dS^T goes out while the previous step's, which
-                # the other warpgroup has long staged, meets K, so neither waits for the other's
-                # softmax (_dq_of_step). DS_STEPS buffers: once the other has staged step it - 1
-                # it is done with step it - 2's products, the last to read this step's buffer.
-                # The first step's product reads a buffer no step has written: the dQ writer
-                # drops the tile it stages.
-                buf = it % DS_STEPS
-                prev = (it + DS_STEPS - 1) % DS_STEPS
-                # (the phase of step it - 1's use of its buffer, from non-negative operands)
-                mbarrier.wait(ds_ready.index(prev), ((it + DS_STEPS - 1) // DS_STEPS + 1) & 1,
-                              pred=it > 0)
-                ds_smem.index(2 * buf + WG).store(ds_t.to(dtype))
+                buf = it % 2
+                ds_own = ds_smem.index(2 * buf + WG)
+                ds_own.store(ds_t.to(dtype))
                 fence_async_shared()
                 dv = warpgroup_mma(gl.convert_layout(p_op, a_layout), do, dv,
                                    is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q, dk,
                                    is_async=True)
+                # dQ[queries, this warpgroup's 64 columns] = dS K[:, columns], from both
+                # warpgroups' dS^T (keys along rows) read transposed; two steps deep, so a
+                # warpgroup writes a buffer again only after the other's product read it
                 mbarrier.arrive(ds_ready.index(buf))
-                dq = _dq_of_step(ds_smem, k_smem, prev, WG, s_zero)
+                mbarrier.wait(ds_ready.index(buf), (it // 2) & 1)
+                dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)),
+                                   k_smem.index(0).slice(WG * ROWS, ROWS, dim=1), s_zero,
+                                   use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)),
+                                   k_smem.index(1).slice(WG * ROWS, ROWS, dim=1), dq,
+                                   is_async=True)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
                 mbarrier.arrive(empty.index(slot))
-                _stage_dq(dq, dq_smem, dq_full, dq_empty, it, WG)
+                # to the dQ writer (_dq_writer) through this warpgroup's half of its tile
+                mbarrier.wait(dq_empty, (it & 1) ^ 1)
+                dq_smem.index(WG).store(dq)
+                fence_async_shared()
+                mbarrier.arrive(dq_full)
             else:
                 dv = warpgroup_mma(gl.convert_layout(p_op, a_layout), do, dv,
                                    is_async=True)
@@ -416,13 +418,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
                 dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
                 mbarrier.arrive(empty.index(slot))
             it += 1
-    if FUSED:
-        if it > 0:  # the last step's dQ
-            last = (it - 1) % DS_STEPS
-            mbarrier.wait(ds_ready.index(last), ((it - 1) // DS_STEPS) & 1)
-            dq = warpgroup_mma_wait(0, deps=[_dq_of_step(ds_smem, k_smem, last, WG, s_zero)])
-            _stage_dq(dq, dq_smem, dq_full, dq_empty, it, WG)
-        # the other warpgroup's last dQ product reads this one's K tile, which stages dK
+    if FUSED:  # the other warpgroup's last dQ product reads this one's K tile, which stages dK
         mbarrier.arrive(kv_done)
         mbarrier.wait(kv_done, 0)
     # dS was taken w.r.t. the scaled scores: the chain rule puts the scale on dK. This warpgroup's
@@ -446,27 +442,6 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
 
 
 @gluon.jit
-def _dq_of_step(ds_smem, k_smem, step, WG: gl.constexpr, s_zero):
-    # dQ[queries, this warpgroup's 64 columns] = dS K[:, columns], from both warpgroups' dS^T
-    # (keys along rows) of one step, read transposed; issued, not waited for
-    dq = warpgroup_mma(ds_smem.index(2 * step).permute((1, 0)),
-                       k_smem.index(0).slice(WG * ROWS, ROWS, dim=1), s_zero, use_acc=False,
-                       is_async=True)
-    return warpgroup_mma(ds_smem.index(2 * step + 1).permute((1, 0)),
-                         k_smem.index(1).slice(WG * ROWS, ROWS, dim=1), dq, is_async=True)
-
-
-@gluon.jit
-def _stage_dq(dq, dq_smem, dq_full, dq_empty, tile, WG: gl.constexpr):
-    # this warpgroup's half of the program's tile-th dQ tile (step tile - 1's; tile 0 holds
-    # none) to the dQ writer (_dq_writer), once it has taken the previous tile
-    mbarrier.wait(dq_empty, (tile & 1) ^ 1)
-    dq_smem.index(WG).store(dq)
-    fence_async_shared()
-    mbarrier.arrive(dq_full)
-
-
-@gluon.jit
 def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                HAS_WINDOW: gl.constexpr):
     # One warp: each step's dQ tile (both consumers' 64-column halves) added into the fp32
@@ -480,10 +455,7 @@ def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                                          [N_CTX_Q * HEAD_DIM, HEAD_DIM, 1], [1, ROWS, ROWS],
                                          dq_smem.index(0).reshape([1, ROWS, ROWS]).layout)
     lo, hi = _query_blocks(n0, N_CTX_Q, vis, CAUSAL, HAS_WINDOW, ROWS)  # (FUSED: BLOCK_M == ROWS)
-    if hi > lo:  # the consumers' first tile holds no step's dQ (their exchange lags a step)
-        mbarrier.wait(dq_full, 0)
-        mbarrier.arrive(dq_empty)
-    it = 1
+    it = 0
     for g in range(GROUP):
         hz = _query_head(hz_kv, H, GROUP, g)
         for m in range(lo, hi):
@@ -498,18 +470,18 @@ def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
 
 @gluon.jit
 def _fused_buffers(dtype: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr):
-    # The fused dQ's shared memory: both warpgroups' dS^T DS_STEPS steps deep ([step * 2 +
+    # The fused dQ's shared memory: both warpgroups' dS^T two steps deep ([step * 2 +
     # warpgroup, keys, queries]), the dQ tile's two halves on their way to the writer, and
     # their mbarriers (both dS^T in; both halves in; the writer done with them; both warpgroups
     # done with the K tiles).
-    ds_smem = gl.allocate_shared_memory(dtype, [2 * DS_STEPS, ROWS, ROWS], DS_LAYOUT)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, ROWS], DS_LAYOUT)
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, ROWS], DQ_LAYOUT)
     layout: gl.constexpr = mbarrier.MBarrierLayout()
-    ds_ready = gl.allocate_shared_memory(gl.int64, [DS_STEPS, 1], layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [1], layout)
     dq_empty = gl.allocate_shared_memory(gl.int64, [1], layout)
     kv_done = gl.allocate_shared_memory(gl.int64, [1], layout)
-    for i in gl.static_range(DS_STEPS):
+    for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
     mbarrier.init(dq_full, count=2)
     mbarrier.init(dq_empty, count=1)
