@@ -10,12 +10,12 @@ venv; the code generated differs by version.
         [--maxnreg N] [--sass out.sass]
     python benchmarks/sass_offline.py --gluon --head-dim 128 [--config 128,2,240,2]
 
---gluon compiles the Hopper kernel (attention_fwd_hopper.py) instead; its --config is that
-module's CONFIG_FIELDS (default: its table's entry for --head-dim; --no-lse: as an inference
-call that returns no LSE compiles it). --loops lists the kernel's loops with their instruction
-counts (a consumer's block loop: the shortest with HGMMA). --gluon-bwd and
---gluon-bwd-dq compile the Gluon backward's dK/dV and dQ kernels (attention_bwd_hopper.py) at
-its table's config (head_dim 128 by default; 64 too; --config does not apply).
+--gluon compiles the Hopper kernel (attention_fwd_hopper.py) instead; its --config is that module's
+CONFIG_FIELDS (default: what a launch at --head-dim and --keys takes, layout_for's; --no-lse: as an
+inference call that returns no LSE compiles it). --loops lists the kernel's loops with their
+instruction counts (a consumer's block loop: the shortest with HGMMA). --gluon-bwd and
+--gluon-bwd-dq compile the Gluon backward's dK/dV and dQ kernels (attention_bwd_hopper.py) at its
+table's config (head_dim 128 by default; any of its TILE's; --config does not apply).
 --triton-bwd dkdv|dq compiles the Triton backward's kernels (attention_bwd.py) at a config of its
 CONFIG_FIELDS (default: its table's entry for --head-dim), --kv-heads K/V heads of 4 query heads.
 --decode compiles the split-KV decode kernel (attention_decode.py) as the op launches it for 32
@@ -118,7 +118,8 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
                   keys=1024, window=(-1, -1), softcap=0.0, lse=True):
     """The CompiledKernel of the Gluon kernel for sm_90, through the module's own launch helper
     (so descriptors, grid and constants are the ones a launch uses) with the launch replaced by
-    a warm-up compile (_offline_driver). `varlen`: the packed-sequence (VARLEN) kernel, as
+    a warm-up compile (_offline_driver). `config`: CONFIG_FIELDS, or None for the launch's own
+    choice (layout_for's, three_consumers'). `varlen`: the packed-sequence (VARLEN) kernel, as
     fused_attention_varlen launches it; `parts`: column parts (D0, D1) instead of layout_for's
     (a dense call of 1024 keys: column_parts'); `bshd`: a dense call of [batch, seq, heads,
     head_dim] tensors, which the kernel views at their strides (STRIDED); `keys`: a dense call's
@@ -136,7 +137,6 @@ def compile_gluon(head_dim, config, dtype="bf16", varlen=False, parts=None, bshd
         return compiled
     module._launch = module._launch_packed = compile_only
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
-    config = config or module.table_config(head_dim)
     if varlen:  # two sequences packed into 1024 rows, viewed as the varlen op views them
         packed = torch.empty(1024, 4, head_dim, dtype=torch_dtype).permute(1, 0, 2)
         q = packed.unsqueeze(0).expand(2, -1, -1, -1)
@@ -442,7 +442,7 @@ def main():
             if args.triton_bwd
             else "gluon" if args.gluon else "decode" if args.decode else "triton")
     print(f"triton {triton.__version__}, sm_90, {kind} kernel, "
-          f"head_dim {args.head_dim}, config {config or 'of the table'}"
+          f"head_dim {args.head_dim}, config {config or 'of the launch'}"
           + (", packed sequences" if args.varlen else "")
           + (f", column parts {args.parts}" if args.parts else "")
           + (f", page size {args.page_size}" if args.page_size else "")

@@ -284,11 +284,13 @@ WINDOW_CASES = [
 
 
 # Every case at the table's head dims in both dtypes; three at two of the head dims table_config
-# adds (104 one padded part, 160 two parts), in bf16
+# adds (104 one padded part, 160 two parts), in bf16; and 160 past WIDE_BLOCK_KEYS keys, on
+# 128-key blocks (layout_for), with GQA, a window and a softcap
 WINDOW_HOPPER_CASES = [
     *((shape, head_dim, *dtype) for dtype in GPU_DTYPES for head_dim in (64, 96, 128, 192, 256)
       for shape in WINDOW_CASES),
-    *((WINDOW_CASES[i], head_dim, *GPU_DTYPES[0]) for head_dim in (104, 160) for i in (0, -2, -1))]
+    *((WINDOW_CASES[i], head_dim, *GPU_DTYPES[0]) for head_dim in (104, 160) for i in (0, -2, -1)),
+    ((1, 4, 2, 1000, 3000, True, "bottom_right", (700, -1), 30.0, None), 160, *GPU_DTYPES[0])]
 
 
 @pytest.mark.cuda
@@ -378,8 +380,9 @@ def _strided_views(view, head_dim, dtype):
 
 
 # Every view at the table's head dims (112: boxes past the rows), causal or not; and the head
-# dims table_config adds (72, 160, 224) causal, where boxes past a head's columns read the next
-# head's (bshd) or the row's padding (padded_rows) as nothing, and write neither
+# dims table_config adds (72, 160, 224) causal: at 72 and 224 boxes past a head's columns read the
+# next head's (bshd) or the row's padding (padded_rows) as nothing and write neither; 160's two
+# parts cover its columns exactly
 STRIDED_CASES = [*itertools.product(["bshd", "kv_slices", "padded_rows"],
                                     [128, 80, 96, 112, 192, 256], [True, False]),
                  *itertools.product(["bshd", "padded_rows"], [72, 160, 224], [True])]

@@ -46,7 +46,7 @@ for name in sys.argv[2:]:
     elif name.startswith("w"):  # "w{head_dim}": a sliding window of 256 keys and a softcap of 50
         compiled = sass_offline.compile_gluon(int(name[1:]), None, "bf16", window=(256, 0),
                                               softcap=50.0)
-    elif name.startswith("f"):  # "f{head_dim}k{keys}": layout_for's few-key layout, many tiles
+    elif name.startswith("f"):  # "f{head_dim}k{keys}": layout_for's layout there, many tiles
         from attnscope.kernels.attention_fwd_hopper import layout_for
         head_dim, keys = map(int, name[1:].split("k"))
         parts, config = layout_for(head_dim, keys, True)
@@ -102,9 +102,9 @@ COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # and at 64, whose dK/dV kernel then streams 64-row query blocks, "bw64", "bqw64"; 96 on 128's
 # tiles, its last 32 columns read as zeros and dropped from the stores)
 COMPILED_BWD_HEAD_DIMS = (128, 64, 96)
-# and layout_for's few-key layouts ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
-# with 64-key blocks
-COMPILED_FEW_KEYS = ("f80k100", "f80k300", "f96k300")
+# and layout_for's layouts by keys ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
+# with 64-key blocks; 160 on 128-key blocks past WIDE_BLOCK_KEYS (its output staged in Q's buffer)
+COMPILED_FEW_KEYS = ("f80k100", "f80k300", "f96k300", "f160k4096")
 # and its strided variant ("s{head_dim}"): bshd q/k/v/out, one column part, two, and the output
 # staged in Q's buffer
 COMPILED_STRIDED = ("s128", "s96", "s256")
@@ -121,8 +121,8 @@ COMPILED_THREE_CONSUMERS = ("t64",)
 # their few-key layouts but 80's padded one, and in packed batches at 64, 80, 96 and 192; one at
 # one part of 128 or 256 columns (224 too), packed or not; none where a tile holds one block
 BLOCK_LOOPS = {"128": 1, "64": 2, "96": 2, "192": 2, "256": 1, "72": 2, "224": 1, "o96": 0,
-               "f80k100": 1, "f80k300": 2, "f96k300": 2, "s128": 1, "s96": 2, "s256": 1,
-               "w64": 2, "t64": 2,
+               "f80k100": 1, "f80k300": 2, "f96k300": 2, "f160k4096": 2, "s128": 1, "s96": 2,
+               "s256": 1, "w64": 2, "t64": 2,
                **{f"p{d}": 1 if d in (128, 256) else 2 for d in COMPILED_PACKED_HEAD_DIMS}}
 # the forward kernels whose block loops rescale O lazily (O one part of LAZY_COLUMNS = 128
 # columns or more: 128, 256 and 224, and 80's padded few-key layout), each warp voting on its rows

@@ -83,8 +83,8 @@ def compiled_kernel_record(name, source_path, source, config, compiled):
 register(Implementation(
     name="fused",
     description="attnscope's fused kernel, one launch: Triton (online softmax, causal split); "
-                "Gluon FA3-style on sm_90 (head_dim 80-256, and 64 past 2048 queries; short "
-                "calls in few tiles stay on Triton)",
+                "Gluon FA3-style on sm_90 (head_dim 72-256 in multiples of 8, and 64 past 2048 "
+                "queries; short calls in few tiles stay on Triton)",
     seed_script="",
     available=_available,
     prepare=_prepare,

@@ -38,11 +38,11 @@ Conventions shared with attention_fwd.py (same names, same masks, common.py's he
   Under a window the dK/dV program visits only the query blocks whose rows see its keys (the
   window's left edge ends them), the dQ program only the key blocks its rows see.
 
-On sm_90, eager head_dim-128 calls (head_dim 64 from 2049 queries on) whose q/k/v/dO the copy
-engine can read (contiguous or bshd views), windowed and softcapped ones too but not packed
-batches, take the Gluon dK/dV and dQ kernels of attention_bwd_hopper.py after the preprocess
-(the same split and math, warp-specialized with TMA and wgmma; notes/backward.md, lever 1).
-With deterministic=False those of them at head_dim 128 without GQA take its dK/dV kernel that
+On sm_90, eager head_dim-128 calls (80, 96 and 112 on 128's tiles; 64 from 2049 queries on) whose
+q/k/v/dO the copy engine can read (contiguous or bshd views), windowed and softcapped ones too but
+not packed batches, take the Gluon dK/dV and dQ kernels of attention_bwd_hopper.py after the
+preprocess (the same split and math, warp-specialized with TMA and wgmma; notes/backward.md, lever
+1). With deterministic=False those of them at head_dim 128 without GQA take its dK/dV kernel that
 adds dQ as well, in any order (`fused_dq`; notes/backward.md, lever 3): the one exception to the
 bitwise rule above.
 

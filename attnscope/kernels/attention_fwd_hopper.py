@@ -48,18 +48,19 @@ accumulator, O two accumulators, so no wgmma multiplies zero columns. Where two 
 many columns as one (112), one part padded to the next power of two: the descriptors' boxes are
 wider than the rows, so the copy engine fills the padding columns with zeros (they add nothing to Q
 K^T, and P V's padding columns are zeros) and drops them on the store. A dense call of many tiles
-with few keys (`layout_for`) runs one padded part at 80 up to 128 keys, and 64-key blocks at 80 and
-96 from 129 to 512: its tiles hold too few K/V blocks to repay the split's per-block costs. Any
-query and key length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], or,
+with few keys (`layout_for`) runs one padded part at 80 (and 72) up to 128 keys, and 64-key blocks
+at 80 and 96 (72, 88) from 129 to 512: its tiles hold too few K/V blocks to repay the split's
+per-block costs; 136-160 take 128-key blocks from 2049 keys on (`WIDE_BLOCK_KEYS`). Any query and
+key length: the TMA descriptors see each tensor as [batch * heads, seq, head_dim], or,
 where any of q, k, v, out is not contiguous (STRIDED: flash-attn's bshd layout, K/V slices of a
 longer cache, padded rows), as [batch, heads, seq, head_dim] at its strides; so a block that runs
 past a head's end reads the copy engine's zeros (never the next head's rows), keys past the end are
 masked to -inf in the last K/V block only, and the copy engine drops the rows of an output block
 past the end. Output blocks go to memory through shared memory and the copy engine (TMA store),
 except those of an `out` the copy engine cannot address (an address or strides that are not 16-byte
-multiples). At head_dim 256, where buffers of their own do not fit in shared memory, outputs are
-staged in the consumer's Q buffer (O_IN_Q), which takes the next tile's Q once the store has read
-it.
+multiples). At head_dim 200-256, and at 152-160 on 128-key blocks, where buffers of their own do
+not fit in shared memory, outputs are staged in the consumer's Q buffer (O_IN_Q), which takes the
+next tile's Q once the store has read it.
 
 Sliding windows and softcaps as the Triton kernel takes them (HAS_WINDOW, SOFTCAP; without them
 the kernel compiles to the code it had): a window's right edge is the causal bound moved right, its
@@ -1148,7 +1149,8 @@ CONSUMER_REGISTERS = 65536 // 128 - LOADER_REGS.value
 # the Gluon kernel won from 1024 keys at every head_dim, by 1.4-1.9x with many tiles. The bound
 # between those points (e.g. 409 keys at head_dim 80) is the rule's, not measured at each.
 SHORT_WORK = 256 * 128
-# Few keys at the head dims split into column parts with 128-key blocks (80, 96), in a dense call
+# Few keys at the head dims split into column parts with 128-key blocks (80, 96; 72 and 88 follow
+# the same rule, not timed), in a dense call
 # of more 128-row tiles than SMs (`layout_for`): a tile there holds one to four K/V blocks, too
 # few to repay the split's extra loads, wgmma and stores per block. Up to PADDED_KEYS keys (one
 # block a tile) a split whose second part is 16 columns wide (80 = 64 + 16: 32-byte box rows,
@@ -1308,8 +1310,13 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     tiles = batch * heads * num_m
     grid = (min(tiles, sms),)  # one per SM
     chosen, table = layout_for(head_dim, kv_len, varlen is None and tiles > grid[0])
+    if parts is None:
+        parts = chosen
+    else:  # a lab's parts: layout_for's config where Q and its ring fit them, else the family's
+        parts = tuple(parts)
+        if ring_bytes(table, parts, q.element_size()) > SHARED_MEMORY_BYTES:
+            table = table_config(head_dim)
     config = table if config is None else config
-    parts = chosen if parts is None else tuple(parts)
     block_n, stages, regs, consumers = config
     # a packed batch's tiles go one sequence after another, its heads grouped as a dense call's
     group = head_group(q, k) if varlen is None else head_group(q, k, kv_len=max_k, pairs=heads)
@@ -1457,7 +1464,7 @@ def layout_for(head_dim, kv_len, many_tiles):
         return parts, config
     if not many_tiles or not parts[1] or config[0] != 128 or kv_len > SHORT_KEYS:
         return parts, config
-    if kv_len <= PADDED_KEYS and head_dim < 128:
+    if kv_len <= PADDED_KEYS:
         return ((block_width(head_dim), 0), config) if parts[1] == 16 else (parts, config)
     return parts, (64,) + config[1:]
 
