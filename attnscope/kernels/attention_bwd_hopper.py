@@ -169,35 +169,6 @@ def _query_blocks(n0, N_CTX_Q, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constex
     return lo, hi
 
 
-@gluon.constexpr_function
-def _chunks(COLS, HEAD_DIM):
-    # how many wgmma groups _over_columns issues
-    if COLS == HEAD_DIM:
-        return 1
-    return 1 + (COLS - 64) // 32 + (COLS - 64) % 32 // 16
-
-
-@gluon.jit
-def _over_columns(a, b, acc, COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
-    # a b^T for a [rows, HEAD_DIM] and b [n, HEAD_DIM] in shared memory (the head's columns
-    # along both rows), over their first COLS columns only: past them the copy engine read zeros
-    # (a head_dim padded to its TILE), so at 80, 96 and 112 the product is chained over 64 + 16,
-    # 64 + 32 and 64 + 32 + 16 columns instead of 128. Issued, not waited for: _CHUNKS groups.
-    if COLS == HEAD_DIM:
-        out = warpgroup_mma(a, b.permute((1, 0)), acc, use_acc=False, is_async=True)
-    else:
-        out = warpgroup_mma(a.slice(0, 64, dim=1), b.slice(0, 64, dim=1).permute((1, 0)), acc,
-                            use_acc=False, is_async=True)
-        if COLS - 64 >= 32:
-            out = warpgroup_mma(a.slice(64, 32, dim=1), b.slice(64, 32, dim=1).permute((1, 0)),
-                                out, is_async=True)
-        if (COLS - 64) % 32 == 16:
-            out = warpgroup_mma(a.slice(COLS - 16, 16, dim=1),
-                                b.slice(COLS - 16, 16, dim=1).permute((1, 0)), out,
-                                is_async=True)
-    return out
-
-
 @gluon.jit
 def _seen(keys, queries, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr):
     # Whether key j counts for query i, keys and queries broadcast against each other: j <= i +
@@ -356,8 +327,10 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
             q = q_smem.index(slot)
             do = do_smem.index(slot)
             # S^T = K Q^T and dP^T = V dO^T, [keys, queries]
-            s_tok = _over_columns(k_tile, q, s_zero, COLS, HEAD_DIM)
-            dp_tok = _over_columns(v_tile, do, s_zero, COLS, HEAD_DIM)
+            s_tok = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            dp_tok = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
             # Each query's LSE and Delta come from shared memory (the loader's, _stage_stats)
             # along the columns. Read after S^T's wait, the LSE load queues behind the products'
             # operand reads and P's first FFMA waits on it: FUSED reads it before (-1.9 % and
@@ -368,7 +341,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
                 lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             # S^T alone: P's exponentials run while dP^T's product does.
-            s_t = warpgroup_mma_wait(_chunks(COLS, HEAD_DIM), deps=[s_tok])
+            s_t = warpgroup_mma_wait(1, deps=[s_tok])
             if not FUSED:
                 lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             p_t, d_cap = _probabilities(s_t, gl.expand_dims(lse, 0), qk_scale, softcap_log2,
@@ -663,8 +636,7 @@ def _key_blocks(m0, N_CTX_K, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr
 
 
 @gluon.jit
-def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.constexpr,
-                 BLOCK_N: gl.constexpr,
+def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
                  SOFTCAP: gl.constexpr):
     (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, staged, Lse, Delta, H, N_CTX_Q,
@@ -706,9 +678,10 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         k = k_smem.index(slot)
         # S = Q K^T and dP = dO V^T, [queries, keys]
-        s_tok = _over_columns(q, k, s_zero, COLS, HEAD_DIM)
-        dp_tok = _over_columns(do, v_smem.index(slot), s_zero, COLS, HEAD_DIM)
-        s = warpgroup_mma_wait(_chunks(COLS, HEAD_DIM), deps=[s_tok])  # S alone: P's exponentials run under dP's
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])  # S alone: P's exponentials run under dP's
         p, d_cap = _probabilities(s, gl.expand_dims(lse, 1), qk_scale, softcap_log2, SOFTCAP)
         # keys past the end (the copy engine's zeros) and keys a row does not see (_seen):
         # masked in the blocks from `full` on (under a causal bound, right of some row's
@@ -773,8 +746,8 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
             N_CTX_Q, N_CTX_K, vis, qk_scale, softcap_log2, sm_scale, n_hz, NUM_TILES,
             HEAD_GROUP)
     gl.warp_specialize([
-        (_dq_consumer, (work, 0, HEAD_DIM, COLS, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
-        (_dq_consumer, (work, 1, HEAD_DIM, COLS, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
+        (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
+        (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
         (_dq_loader, (loads, HEAD_DIM, COLS, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, STRIDED)),
     ], [4, 1], [CONSUMER_REGS, 32])
 
