@@ -702,28 +702,6 @@ def test_the_dkdv_kernel_streams_64_row_blocks_under_a_softcap():
     assert hopper.dkdv_config(128, 30.0) == hopper.CONFIGS[128]
 
 
-def test_fused_dq_buffer_back_to_rows():
-    # The fused dQ's buffer holds each warpgroup's [64, 64] tile in register order
-    # (_in_register_order: rows 16 w + 8 h + l8, columns 8 j + 2 q + p to row 32 w + 4 l8 + q,
-    # column 4 j + 2 h + p, written here with torch's reshape and permute, whose row-major
-    # meaning Gluon's share); dq_from_buffer puts it back in [query, column] order, scaled, over
-    # a ragged last query block, into a strided dq
-    hopper = pytest.importorskip("attnscope.kernels.attention_bwd_hopper")
-    gen = torch.Generator().manual_seed(3)
-    batch, heads, q_len = 2, 3, 200
-    want = torch.randn(batch, heads, q_len, 128, generator=gen)
-    acc = hopper.dq_buffer(want)
-    assert acc.shape == (batch, heads, 4, 2, 128, 32) and not acc.any()
-    rows = torch.zeros(batch, heads, 4 * 64, 128)
-    rows[:, :, :q_len] = want
-    tiles = rows.view(batch, heads, 4, 64, 2, 64).transpose(3, 4)  # [b, h, block, wg, 64, 64]
-    acc.copy_(tiles.reshape(batch, heads, 4, 2, 4, 2, 8, 8, 4, 2)
-              .permute(0, 1, 2, 3, 4, 6, 8, 7, 5, 9).reshape(acc.shape))
-    dq = torch.full((batch, q_len, heads, 128), float("nan")).transpose(1, 2)  # bshd
-    assert hopper.dq_from_buffer(acc, 0.5, dq) is dq
-    assert torch.equal(dq, want * 0.5)
-
-
 def test_gluon_backward_runs_80_96_112_on_128_column_tiles(monkeypatch):
     # The launches on CPU tensors (kernels recorded, not run; an H200's properties): the tiles'
     # columns (HEAD_DIM) from TILE, the tensors' own (COLS) as given, and head_dim 128's

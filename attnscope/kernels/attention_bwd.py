@@ -503,10 +503,10 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
                       left_offset=left_offset if has_window else None, key=key)
         if fused:
             # dS K added into a zeroed fp32 buffer by the dK/dV kernel, then scaled into dq
-            dq_acc = gluon.dq_buffer(q)
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, dq_acc=dq_acc,
                                             **shared)
-            result = gluon.dq_from_buffer(dq_acc, scale, dq)
+            result = torch.mul(dq_acc, scale, out=dq)
         else:
             gluon.attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, **shared)
             result = gluon.attention_bwd_dq_hopper(q, k, v, do, dq, lse, delta, **shared)
@@ -559,9 +559,9 @@ def _kept_gluon_backward(gluon, key, delta_launch, scale, fused):
     def run(do, q, k, v, out, lse, dq, dk, dv, delta):
         pre((out, do, delta, *pre_rest))
         if fused:
-            dq_acc = gluon.dq_buffer(q)
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             dkdv((q, k, v, do, dk, dv, lse, delta, dq_acc))
-            gluon.dq_from_buffer(dq_acc, scale, dq)
+            torch.mul(dq_acc, scale, out=dq)
         else:
             dkdv((q, k, v, do, dk, dv, lse, delta, lse))
             dq_launch((q, k, v, do, dq, lse, delta))

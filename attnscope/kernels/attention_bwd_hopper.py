@@ -69,7 +69,6 @@ addresses, windows and softcaps; not a packed batch.
 
 import functools
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -408,7 +407,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
                 mbarrier.arrive(empty.index(slot))
                 # to the dQ writer (_dq_writer) through this warpgroup's half of its tile
                 mbarrier.wait(dq_empty, (it & 1) ^ 1)
-                dq_smem.index(WG).store(_in_register_order(dq))
+                dq_smem.index(WG).store(dq)
                 fence_async_shared()
                 mbarrier.arrive(dq_full)
             else:
@@ -443,18 +442,6 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
 
 
 @gluon.jit
-def _in_register_order(dq):
-    # A warpgroup's [64, 64] wgmma accumulator as [128 threads, 32 registers]: row 16 w + 8 h +
-    # l8, column 8 j + 2 q + p (w the warp, lane 4 l8 + q, register 4 j + 2 h + p) goes to row
-    # 32 w + 4 l8 + q, column 4 j + 2 h + p. A permutation of the tile's elements that leaves
-    # every value in its register, so each thread stores its 32 as 8 STS.128 (16 STS.64 in the
-    # tile's own order); dq_from_buffer undoes it.
-    x = gl.reshape(dq, [4, 2, 8, 8, 4, 2])  # [w, h, l8, j, q, p]
-    x = gl.permute(x, [0, 2, 4, 3, 1, 5])  # [w, l8, q, j, h, p]
-    return gl.reshape(x, [2 * ROWS, ROWS // 2])
-
-
-@gluon.jit
 def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                HAS_WINDOW: gl.constexpr):
     # One warp: each step's dQ tile (both consumers' 64-column halves) added into the fp32
@@ -463,13 +450,10 @@ def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
     (DQ, H, GROUP, N_CTX_Q, vis, n_hz, NUM_TILES, HEAD_GROUP) = args
     ds_smem, dq_smem, ds_ready, dq_full, dq_empty, kv_done = fused
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
-    # DQ (dq_buffer): per (batch * H, 64-row query block, warpgroup) a [128, 32] fp32 tile in
-    # register order (_in_register_order)
-    tiles = n_hz * gl.cdiv(N_CTX_Q, ROWS) * 2
-    dq_desc = tma.make_tensor_descriptor(DQ, [tiles, 2 * ROWS, ROWS // 2],
-                                         [2 * ROWS * (ROWS // 2), ROWS // 2, 1],
-                                         [1, 2 * ROWS, ROWS // 2],
-                                         dq_smem.index(0).reshape([1, 2 * ROWS, ROWS // 2]).layout)
+    # DQ [batch * H, N_CTX_Q, HEAD_DIM] fp32 in [1, ROWS, ROWS] tiles
+    dq_desc = tma.make_tensor_descriptor(DQ, [n_hz, N_CTX_Q, HEAD_DIM],
+                                         [N_CTX_Q * HEAD_DIM, HEAD_DIM, 1], [1, ROWS, ROWS],
+                                         dq_smem.index(0).reshape([1, ROWS, ROWS]).layout)
     lo, hi = _query_blocks(n0, N_CTX_Q, vis, CAUSAL, HAS_WINDOW, ROWS)  # (FUSED: BLOCK_M == ROWS)
     it = 0
     for g in range(GROUP):
@@ -477,8 +461,8 @@ def _dq_writer(args, fused, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
         for m in range(lo, hi):
             mbarrier.wait(dq_full, it & 1)
             for wg in gl.static_range(2):
-                tma_add(dq_desc, [(hz * gl.cdiv(N_CTX_Q, ROWS) + m) * 2 + wg, 0, 0],
-                        dq_smem.index(wg).reshape([1, 2 * ROWS, ROWS // 2]))
+                tma_add(dq_desc, [hz, m * ROWS, wg * ROWS],
+                        dq_smem.index(wg).reshape([1, ROWS, ROWS]))
             tma.store_wait(0)  # the adds have read the tile: the consumers may write the next
             mbarrier.arrive(dq_empty)
             it += 1
@@ -491,7 +475,7 @@ def _fused_buffers(dtype: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.c
     # their mbarriers (both dS^T in; both halves in; the writer done with them; both warpgroups
     # done with the K tiles).
     ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, ROWS], DS_LAYOUT)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 2 * ROWS, ROWS // 2], DQ_LAYOUT)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, ROWS, ROWS], DQ_LAYOUT)
     layout: gl.constexpr = mbarrier.MBarrierLayout()
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [1], layout)
@@ -831,9 +815,9 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
     contiguous fp32 [batch, heads, q_len]. causal and causal_offset are common.visibility's
     CAUSAL and CAUSAL_OFFSET, left_offset its LEFT_OFFSET under a window (None: no window);
     softcap as fused_attention's (0: none). `key`: the backward's launch key (built when None).
-    With dq_acc (dq_buffer's), the kernel also adds dS K into it (dQ before its scale, in
-    register order) in whatever order its programs run: not reproducible bit for bit
-    (attention_bwd's deterministic=False); dq_from_buffer makes dQ of it."""
+    With dq_acc, a zeroed contiguous fp32 tensor of q's shape, the kernel also adds dS K into
+    it (dQ before its scale) in whatever order its programs run: not reproducible bit for bit
+    (attention_bwd's deterministic=False)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     tile = TILE[head_dim]
@@ -857,7 +841,7 @@ def attention_bwd_dkdv_hopper(q, k, v, do, dk, dv, lse, delta, *, causal, scale,
                   CONSUMER_REGS=regs, SMEM_LAYOUT=_smem_layout(64, tile, str(q.dtype)),
                   FUSED=fused,
                   DS_LAYOUT=_smem_layout(64, 64, str(q.dtype)),
-                  DQ_LAYOUT=_smem_layout(128, 32, "torch.float32"), BLOCK_M=block_m,
+                  DQ_LAYOUT=_smem_layout(64, 64, "torch.float32"), BLOCK_M=block_m,
                   Q_LAYOUT=_smem_layout(block_m, tile, str(q.dtype)), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:
@@ -877,25 +861,6 @@ def _dkdv_key(key, scale, fused):
 
 def _dq_key(key, scale):
     return ("gluon-dq", key, scale)
-
-
-def dq_buffer(q):
-    """The zeroed fp32 buffer the fused dK/dV kernel adds dQ into: per (batch, head, 64-row
-    query block, warpgroup) one [128, 32] tile in register order (_in_register_order)."""
-    batch, heads, q_len, _ = q.shape
-    return torch.zeros(batch, heads, -(-q_len // ROWS.value), 2, 2 * ROWS.value,
-                       ROWS.value // 2, dtype=torch.float32, device=q.device)
-
-
-def dq_from_buffer(dq_acc, scale, dq):
-    """dq = scale * the dQ that dq_buffer's tiles hold, back in [query, column] order (one pass,
-    as the scale alone took); returns dq."""
-    batch, heads, blocks = dq_acc.shape[:3]
-    # [b, h, block, wg, w, l8, q, j, hh, p] -> rows 16 w + 8 hh + l8, columns 64 wg + 8 j + 2 q + p
-    tiles = dq_acc.view(batch, heads, blocks, 2, 4, 8, 4, 8, 2, 2)
-    rows = tiles.permute(0, 1, 2, 4, 8, 5, 3, 7, 6, 9).reshape(batch, heads, blocks * ROWS.value,
-                                                               2 * ROWS.value)
-    return torch.mul(rows[:, :, :dq.shape[2]], scale, out=dq)
 
 
 def kept_launches(key, scale, fused):
