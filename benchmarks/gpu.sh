@@ -40,10 +40,10 @@
 #            lab and bwdlab take several BEFORE_TREE folders (space-separated, e.g. main's tree
 #            and a variant's): each runs where "before" does above, in the order given, into
 #            NAME_before_<folder name>.jsonl, and the ratios are this tree's against each
-# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED, TEST_ARGS; BENCH_SWEEP, BENCH_SHAPES, BENCH_MODES, BENCH_IMPLS (forward
-# peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE, BEFORE_IMPLS; COMPARE_ARGS,
-# NCU_ARGS; LAB_SHAPES, LAB_ARGS, LAB_REPEAT; BWDLAB_SHAPES, BWDLAB_ARGS; STEP_TIMEOUT (seconds per
-# command, default 280).
+# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED, TEST_ARGS; BENCH_SWEEP, BENCH_SHAPES,
+# BENCH_MODES, BENCH_IMPLS (forward peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE,
+# BEFORE_IMPLS; COMPARE_ARGS, NCU_ARGS; LAB_SHAPES, LAB_ARGS, LAB_REPEAT; BWDLAB_SHAPES,
+# BWDLAB_ARGS; STEP_TIMEOUT (seconds per command, default 280).
 set -uo pipefail
 # The scripts under benchmarks/ import this tree's attnscope even where `pip install -e` cannot
 # build (no network for an isolated build): the repository root goes on the path.
