@@ -61,7 +61,9 @@ most 64 rows (`dkdv_config`).
 What they take (`supports`): sm_90, fp16/bf16, head_dim 128 (64 from MIN_QUERIES queries on,
 in 128-row query blocks, 64-row ones under a softcap, and 128-key dQ blocks; 80, 96 and 112 on
 head_dim 128's tiles, `TILE`, the copy engine reading zeros past a head's columns and dropping
-those columns of the gradients' stores),
+those columns of the gradients' stores; the products skip those columns: S and dP chained over
+the head's (_over_columns), dK, dV and dQ at 80 and 96 as two accumulators of 64 and 16 or 32
+columns),
 q/k/v/dO/dQ/dK/dV [batch, heads, seq, head_dim] contiguous or at strides the copy engine takes
 (bshd views, e.g.: STRIDED, 4-D descriptors at each tensor's strides) at 16-byte aligned
 addresses, windows and softcaps; not a packed batch.
@@ -167,6 +169,52 @@ def _query_blocks(n0, N_CTX_Q, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constex
     else:
         hi = gl.cdiv(N_CTX_Q, BLOCK_M)
     return lo, hi
+
+
+@gluon.constexpr_function
+def _chunks(COLS, HEAD_DIM):
+    # how many wgmma groups _over_columns issues
+    if COLS == HEAD_DIM:
+        return 1
+    return 1 + (COLS - 64) // 32 + (COLS - 64) % 32 // 16
+
+
+@gluon.constexpr_function
+def _out_width(COLS, HEAD_DIM):
+    # the columns of the first accumulator of dK, dV or dQ: the tile's, or 64 where the head's
+    # rest fits a second one of at most 32 columns (80 = 64 + 16, 96 = 64 + 32)
+    if COLS == HEAD_DIM or COLS - 64 > 32:
+        return HEAD_DIM
+    return 64
+
+
+@gluon.constexpr_function
+def _rest_width(COLS, HEAD_DIM):
+    # the second accumulator's columns (0: none)
+    if COLS == HEAD_DIM or COLS - 64 > 32:
+        return 0
+    return 16 if COLS - 64 <= 16 else 32
+
+
+@gluon.jit
+def _over_columns(a, b, acc, COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    # a b^T for a [rows, HEAD_DIM] and b [n, HEAD_DIM] in shared memory (the head's columns
+    # along both rows), over their first COLS columns only: past them the copy engine read zeros
+    # (a head_dim padded to its TILE), so at 80, 96 and 112 the product is chained over 64 + 16,
+    # 64 + 32 and 64 + 32 + 16 columns instead of 128. Issued, not waited for: _CHUNKS groups.
+    if COLS == HEAD_DIM:
+        out = warpgroup_mma(a, b.permute((1, 0)), acc, use_acc=False, is_async=True)
+    else:
+        out = warpgroup_mma(a.slice(0, 64, dim=1), b.slice(0, 64, dim=1).permute((1, 0)), acc,
+                            use_acc=False, is_async=True)
+        if COLS - 64 >= 32:
+            out = warpgroup_mma(a.slice(64, 32, dim=1), b.slice(64, 32, dim=1).permute((1, 0)),
+                                out, is_async=True)
+        if (COLS - 64) % 32 == 16:
+            out = warpgroup_mma(a.slice(COLS - 16, 16, dim=1),
+                                b.slice(COLS - 16, 16, dim=1).permute((1, 0)), out,
+                                is_async=True)
+    return out
 
 
 @gluon.jit
@@ -307,15 +355,26 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
+    # dK and dV as one accumulator of the tile's columns, or at 80 and 96 two: the head's first
+    # 64 columns and its rest (REST, 16 or 32), so the products skip the tile's padding
+    W0: gl.constexpr = _out_width(COLS, HEAD_DIM)
+    REST: gl.constexpr = _rest_width(COLS, HEAD_DIM)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+                                                         instr_shape=[16, W0, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     keys = k0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     k_tile = k_smem.index(WG)
     v_tile = v_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_M], gl.float32, s_layout)
-    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    dk = gl.zeros([ROWS, W0], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, W0], gl.float32, acc_layout)
+    if REST > 0:
+        rest_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, REST, 16])
+        rest_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=rest_layout,
+                                                   k_width=2)
+        dk1 = gl.zeros([ROWS, REST], gl.float32, rest_layout)
+        dv1 = gl.zeros([ROWS, REST], gl.float32, rest_layout)
     mbarrier.wait(kv_ready, 0)
     lo, hi = _query_blocks(n0, N_CTX_Q, vis, CAUSAL, HAS_WINDOW, BLOCK_M)
     it = 0
@@ -327,10 +386,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
             q = q_smem.index(slot)
             do = do_smem.index(slot)
             # S^T = K Q^T and dP^T = V dO^T, [keys, queries]
-            s_tok = warpgroup_mma(k_tile, q.permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            dp_tok = warpgroup_mma(v_tile, do.permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
+            s_tok = _over_columns(k_tile, q, s_zero, COLS, HEAD_DIM)
+            dp_tok = _over_columns(v_tile, do, s_zero, COLS, HEAD_DIM)
             # Each query's LSE and Delta come from shared memory (the loader's, _stage_stats)
             # along the columns. Read after S^T's wait, the LSE load queues behind the products'
             # operand reads and P's first FFMA waits on it: FUSED reads it before (-1.9 % and
@@ -341,7 +398,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
                 lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             # S^T alone: P's exponentials run while dP^T's product does.
-            s_t = warpgroup_mma_wait(1, deps=[s_tok])
+            s_t = warpgroup_mma_wait(_chunks(COLS, HEAD_DIM), deps=[s_tok])
             if not FUSED:
                 lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             p_t, d_cap = _probabilities(s_t, gl.expand_dims(lse, 0), qk_scale, softcap_log2,
@@ -410,6 +467,18 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
                 dq_smem.index(WG).store(dq)
                 fence_async_shared()
                 mbarrier.arrive(dq_full)
+            elif REST > 0:
+                dv = warpgroup_mma(gl.convert_layout(p_op, a_layout), do.slice(0, W0, dim=1), dv,
+                                   is_async=True)
+                dv1 = warpgroup_mma(gl.convert_layout(p_op, rest_a), do.slice(W0, REST, dim=1),
+                                    dv1, is_async=True)
+                ds_op = ds_t.to(dtype)
+                dk = warpgroup_mma(gl.convert_layout(ds_op, a_layout), q.slice(0, W0, dim=1), dk,
+                                   is_async=True)
+                dk1 = warpgroup_mma(gl.convert_layout(ds_op, rest_a), q.slice(W0, REST, dim=1),
+                                    dk1, is_async=True)
+                dv, dv1, dk, dk1 = warpgroup_mma_wait(0, deps=[dv, dv1, dk, dk1])
+                mbarrier.arrive(empty.index(slot))
             else:
                 dv = warpgroup_mma(gl.convert_layout(p_op, a_layout), do, dv,
                                    is_async=True)
@@ -426,8 +495,14 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
     # the copy engine, which drops the rows past the keys' end: stored by the loader in the split
     # kernel (_store_staged), by this warpgroup in the fused one (the loader's stores measured
     # 4-6 % slower there: notes/lab/bwd_loader_stores_h200.txt).
-    k_tile.store((dk * sm_scale).to(dtype))
-    v_tile.store(dv.to(dtype))
+    if REST > 0:  # the tile's columns past the head's are the copy engine's to drop
+        k_tile.slice(0, W0, dim=1).store((dk * sm_scale).to(dtype))
+        k_tile.slice(W0, REST, dim=1).store((dk1 * sm_scale).to(dtype))
+        v_tile.slice(0, W0, dim=1).store(dv.to(dtype))
+        v_tile.slice(W0, REST, dim=1).store(dv1.to(dtype))
+    else:
+        k_tile.store((dk * sm_scale).to(dtype))
+        v_tile.store(dv.to(dtype))
     fence_async_shared()
     if FUSED:
         n_kv = n_hz // GROUP
@@ -636,7 +711,8 @@ def _key_blocks(m0, N_CTX_K, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr
 
 
 @gluon.jit
-def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.constexpr,
+                 BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
                  SOFTCAP: gl.constexpr):
     (q_smem, do_smem, k_smem, v_smem, qdo_ready, ready, empty, staged, Lse, Delta, H, N_CTX_Q,
@@ -648,8 +724,10 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
+    W0: gl.constexpr = _out_width(COLS, HEAD_DIM)  # dQ's accumulators, as dK's and dV's
+    REST: gl.constexpr = _rest_width(COLS, HEAD_DIM)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+                                                         instr_shape=[16, W0, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     # each row's LSE (log2 units; +inf for a row that sees no key or past the end: P is 0
@@ -661,7 +739,13 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
     q = q_smem.index(WG)
     do = do_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    dq = gl.zeros([ROWS, W0], gl.float32, acc_layout)
+    if REST > 0:
+        rest_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, REST, 16])
+        rest_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=rest_layout,
+                                                   k_width=2)
+        dq1 = gl.zeros([ROWS, REST], gl.float32, rest_layout)
     # key blocks [first_full, full) every row of this warpgroup sees whole: no mask. Under a
     # window its last row sees keys from r0 + ROWS - 1 + LEFT_OFFSET on.
     if CAUSAL:
@@ -678,10 +762,10 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         k = k_smem.index(slot)
         # S = Q K^T and dP = dO V^T, [queries, keys]
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])  # S alone: P's exponentials run under dP's
+        s_tok = _over_columns(q, k, s_zero, COLS, HEAD_DIM)
+        dp_tok = _over_columns(do, v_smem.index(slot), s_zero, COLS, HEAD_DIM)
+        # S alone: P's exponentials run under dP's
+        s = warpgroup_mma_wait(_chunks(COLS, HEAD_DIM), deps=[s_tok])
         p, d_cap = _probabilities(s, gl.expand_dims(lse, 1), qk_scale, softcap_log2, SOFTCAP)
         # keys past the end (the copy engine's zeros) and keys a row does not see (_seen):
         # masked in the blocks from `full` on (under a causal bound, right of some row's
@@ -701,12 +785,24 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
         if SOFTCAP:
             ds = ds * d_cap
         # dQ += dS K
-        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=[dq])
+        if REST > 0:
+            ds_op = ds.to(dtype)
+            dq = warpgroup_mma(gl.convert_layout(ds_op, a_layout), k.slice(0, W0, dim=1), dq,
+                               is_async=True)
+            dq1 = warpgroup_mma(gl.convert_layout(ds_op, rest_a), k.slice(W0, REST, dim=1), dq1,
+                                is_async=True)
+            dq, dq1 = warpgroup_mma_wait(0, deps=[dq, dq1])
+        else:
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq])
         mbarrier.arrive(empty.index(slot))
     # dS was taken w.r.t. the scaled scores: the chain rule puts the scale on dQ. This warpgroup's
     # Q buffer is no longer read: it stages dQ for the loader's store (_store_staged).
-    q.store((dq * sm_scale).to(dtype))
+    if REST > 0:
+        q.slice(0, W0, dim=1).store((dq * sm_scale).to(dtype))
+        q.slice(W0, REST, dim=1).store((dq1 * sm_scale).to(dtype))
+    else:
+        q.store((dq * sm_scale).to(dtype))
     fence_async_shared()
     mbarrier.arrive(staged)
 
@@ -746,8 +842,8 @@ def _attn_bwd_dq_hopper(Q, K, V, DO, DQ, Lse, Delta, BATCH, H, GROUP, N_CTX_Q, N
             N_CTX_Q, N_CTX_K, vis, qk_scale, softcap_log2, sm_scale, n_hz, NUM_TILES,
             HEAD_GROUP)
     gl.warp_specialize([
-        (_dq_consumer, (work, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
-        (_dq_consumer, (work, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
+        (_dq_consumer, (work, 0, HEAD_DIM, COLS, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
+        (_dq_consumer, (work, 1, HEAD_DIM, COLS, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP)),
         (_dq_loader, (loads, HEAD_DIM, COLS, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, STRIDED)),
     ], [4, 1], [CONSUMER_REGS, 32])
 
