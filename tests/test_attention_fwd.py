@@ -60,6 +60,7 @@ def test_config_for_short_causal_sequences(monkeypatch):
     short, long = attention_fwd.SHORT_CONFIGS[64], attention_fwd.CONFIGS[64]
     assert short != long
     assert attention_fwd.config_for(64, 1024, True) == short
+    assert attention_fwd.config_for(64, 1024, True, 1024) == short
     assert attention_fwd.config_for(48, attention_fwd.SHORT_SEQ, True) == short
     assert attention_fwd.config_for(64, attention_fwd.SHORT_SEQ + 1, True) == long
     assert attention_fwd.config_for(64, 1024, False) == long
@@ -84,6 +85,21 @@ def test_config_for_few_keys_at_head_dims_up_to_128(monkeypatch):
         assert attention_fwd.config_for(head_dim, n, False, n) == long
         assert attention_fwd.config_for(head_dim, n, True, None) == long
     assert attention_fwd.config_for(192, 128, True, 128) == attention_fwd.CONFIGS[256]
+
+
+def test_config_for_few_keys_at_head_dim_64(monkeypatch):
+    # At head_dim <= 64 those calls take 32-key blocks on the short rule's 64-row tiles; a
+    # longer call, a non-causal one or a packed batch keeps the short rule's or the table's.
+    monkeypatch.setattr(attention_fwd, "is_interpreted", lambda: False)
+    few, short = attention_fwd.FEW_KEYS_CONFIGS[64], attention_fwd.SHORT_CONFIGS[64]
+    n = attention_fwd.FEW_KEYS
+    assert few != short and len(few) == len(attention_fwd.CONFIG_FIELDS)
+    for head_dim in (32, 64):
+        assert attention_fwd.config_for(head_dim, n, True, n) == few
+        assert attention_fwd.config_for(head_dim, 1, True, 5) == few
+        assert attention_fwd.config_for(head_dim, n + 1, True, n + 1) == short
+        assert attention_fwd.config_for(head_dim, n, True, None) == short
+        assert attention_fwd.config_for(head_dim, n, False, n) == attention_fwd.CONFIGS[64]
 
 
 @pytest.mark.cuda

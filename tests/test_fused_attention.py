@@ -207,6 +207,8 @@ GPU_SHAPES = [
     (1, 8, 8, 300, 1500, 256, "top_left"),       # widest head_dim
     (3, 4, 4, 1, 4096, 48, "bottom_right"),      # single-token decoding
     (1, 4, 4, 2500, 2500, 64, "top_left"),       # past SHORT_SEQ: the long-sequence config
+    (5, 4, 2, 201, 201, 64, "top_left"),         # FEW_KEYS at head_dim 64: 32-key blocks
+    (2, 4, 4, 97, 250, 32, "bottom_right"),      # the same at head_dim 32, fewer queries
 ]
 
 

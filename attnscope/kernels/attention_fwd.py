@@ -316,6 +316,14 @@ SHORT_CONFIGS = {64: (64, 64, 4, 3, False, False)}
 # minima of 0.0110 and 0.0140); 167-168 registers, no spills, where the table's 128 x 64 takes
 # 180-182.
 FEW_KEYS = 256
+# Those calls at head_dim <= 64 take 32-key blocks on the same 64-row tiles, a tile there holding
+# one to four 64-key blocks. H200, Triton 3.6, fused_lab.py against SHORT_CONFIGS[64], three jobs
+# (notes/lab/triton_few_keys_d64_h200.txt): 0.7115 against 0.7601, 0.7253 against 0.7693 and
+# 0.7305 against 0.7533 ms at (2048,16,128,64); 0.4437 against 0.4707, 0.4571 against 0.4800 and
+# 0.4506 against 0.4666 at (512,16,256,64); 0.1174 against 0.1270 at (128,16,256,64); 0.0115
+# against 0.0107 and 0.0120 against 0.0115 at (4,16,256,64) (256 programs: under a microsecond).
+# Past the bound they are level at 384-512 keys and 6-11 % slower from 1024 keys.
+FEW_KEYS_CONFIGS = {64: (64, 32, 4, 3, False, False)}
 # The interpreter runs one config; small tiles with BLOCK_M != BLOCK_N make CPU tests cross
 # several blocks and a diagonal band that spans two K blocks.
 INTERPRETER_CONFIG = (32, 16, 4, 1, True, False)
@@ -328,10 +336,13 @@ def config_for(head_dim, q_len=None, causal=False, kv_len=None):
     if is_interpreted():
         return INTERPRETER_CONFIG
     cls = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    few = (causal and q_len is not None and kv_len is not None
+           and max(q_len, kv_len) <= FEW_KEYS)
+    if few and cls in FEW_KEYS_CONFIGS:
+        return FEW_KEYS_CONFIGS[cls]
     if causal and q_len is not None and q_len <= SHORT_SEQ and cls in SHORT_CONFIGS:
         return SHORT_CONFIGS[cls]
-    if (causal and cls == 128 and q_len is not None and kv_len is not None
-            and max(q_len, kv_len) <= FEW_KEYS):
+    if few and cls == 128:
         return SHORT_CONFIGS[64]
     return CONFIGS[cls]
 
