@@ -196,6 +196,19 @@ def _rest_width(COLS, HEAD_DIM):
     return 16 if COLS - 64 <= 16 else 32
 
 
+@gluon.constexpr_function
+def _mma_layout(width):
+    # a consumer warpgroup's wgmma result of `width` columns (4 warps, 64 rows)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, width, 16])
+
+
+@gluon.constexpr_function
+def _a_layout(width):
+    # the register operand of a wgmma whose result is _mma_layout(width)
+    return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(width), k_width=2)
+
+
 @gluon.jit
 def _over_columns(a, b, acc, COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
     # a b^T for a [rows, HEAD_DIM] and b [n, HEAD_DIM] in shared memory (the head's columns
@@ -353,15 +366,13 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
     hz_kv, n0 = _key_block(GROUP, n_hz, NUM_TILES, HEAD_GROUP)
     k0 = n0 + WG * ROWS  # this warpgroup's first key
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     # dK and dV as one accumulator of the tile's columns, or at 80 and 96 two: the head's first
     # 64 columns and its rest (REST, 16 or 32), so the products skip the tile's padding
     W0: gl.constexpr = _out_width(COLS, HEAD_DIM)
     REST: gl.constexpr = _rest_width(COLS, HEAD_DIM)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, W0, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    acc_layout: gl.constexpr = _mma_layout(W0)
+    a_layout: gl.constexpr = _a_layout(W0)
     keys = k0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     k_tile = k_smem.index(WG)
     v_tile = v_smem.index(WG)
@@ -369,10 +380,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
     dk = gl.zeros([ROWS, W0], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, W0], gl.float32, acc_layout)
     if REST > 0:
-        rest_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, REST, 16])
-        rest_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=rest_layout,
-                                                   k_width=2)
+        rest_layout: gl.constexpr = _mma_layout(REST)
+        rest_a: gl.constexpr = _a_layout(REST)
         dk1 = gl.zeros([ROWS, REST], gl.float32, rest_layout)
         dv1 = gl.zeros([ROWS, REST], gl.float32, rest_layout)
     mbarrier.wait(kv_ready, 0)
@@ -722,13 +731,11 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
     m0 = m * (2 * ROWS)
     r0 = m0 + WG * ROWS  # this warpgroup's first query row
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N)
     W0: gl.constexpr = _out_width(COLS, HEAD_DIM)  # dQ's accumulators, as dK's and dV's
     REST: gl.constexpr = _rest_width(COLS, HEAD_DIM)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, W0, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    acc_layout: gl.constexpr = _mma_layout(W0)
+    a_layout: gl.constexpr = _a_layout(W0)
     rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     # each row's LSE (log2 units; +inf for a row that sees no key or past the end: P is 0
     # there) and Delta
@@ -741,10 +748,8 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, W0], gl.float32, acc_layout)
     if REST > 0:
-        rest_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, REST, 16])
-        rest_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=rest_layout,
-                                                   k_width=2)
+        rest_layout: gl.constexpr = _mma_layout(REST)
+        rest_a: gl.constexpr = _a_layout(REST)
         dq1 = gl.zeros([ROWS, REST], gl.float32, rest_layout)
     # key blocks [first_full, full) every row of this warpgroup sees whole: no mask. Under a
     # window its last row sees keys from r0 + ROWS - 1 + LEFT_OFFSET on.
