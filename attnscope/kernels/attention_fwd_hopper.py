@@ -372,21 +372,9 @@ def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_rea
 
 
 @gluon.jit
-def _stamp(buf, idx, WARPS: gl.constexpr, PHASES: gl.constexpr):
-    # (lab) the global timer (ns) into buf[program, idx], int64, when PHASES
-    if PHASES:
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        offs = gl.arange(0, 32 * WARPS, layout=layout)
-        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [offs],
-                                      dtype=gl.int64, is_pure=False, pack=1)
-        gl.store(buf + gl.program_id(0) * 16 + idx + offs * 0, t, mask=offs == 0)
-
-
-@gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr,
-            VARLEN: gl.constexpr, STRIDED: gl.constexpr, O_IN_Q: gl.constexpr,
-            PHASES: gl.constexpr):
+            VARLEN: gl.constexpr, STRIDED: gl.constexpr, O_IN_Q: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
      k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, CuQ, CuK, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm, stride_qz, stride_qh,
@@ -395,7 +383,6 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
     # (Host-made descriptors cost ~50 us of Triton's launch per call.) A split head_dim has a
     # second set for its columns from D0 on.
     SPLIT: gl.constexpr = D1 > 0
-    _stamp(Counter, 0, 1, PHASES)
     # heads of the descriptors' views: all (batch, head) pairs, or the heads of one packed row
     q_hz = H if VARLEN else n_hz
     kv_hz = q_hz // GROUP
@@ -405,7 +392,6 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
                                    stride_km, H // GROUP, stride_kz, stride_kh, STRIDED, SPLIT)
     v_desc, v_desc1 = _descriptors(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem, v_smem1, VARLEN,
                                    stride_vm, H // GROUP, stride_vz, stride_vh, STRIDED, SPLIT)
-    _stamp(Counter, 1, 1, PHASES)
     D0: gl.constexpr = q_smem.shape[2]
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
@@ -438,8 +424,6 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
         if not O_IN_Q:
             _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem, q_smem1,
                     ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-        if r == 0:
-            _stamp(Counter, 2, 1, PHASES)
         early = gl.minimum(n_blocks, STAGES)  # (O_IN_Q) K/V blocks loaded before Q
         for j in range(n_blocks):
             if O_IN_Q:
@@ -467,7 +451,6 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
         t, count, fetched, seq, seq_first, more = _tile_number(
             r, count, fetched, seq, seq_first, sched, Counter, ids, ids_ready, ids_empty,
             n_tiles, batch, H, num_m, head_group, CuQ, False, VARLEN, True, TILE_M)
-    _stamp(Counter, 3, 1, PHASES)
 
 
 @gluon.jit
@@ -763,16 +746,14 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
               SOFTCAP: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
               O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, STORE_LSE: gl.constexpr,
-              PINGPONG: gl.constexpr, PHASES: gl.constexpr):
+              PINGPONG: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
     (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
      k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
-     softcap_log2, ids, ids_ready, ids_empty, Stamps) = args
-    STAMP: gl.constexpr = PHASES and WG == 0
-    _stamp(Stamps, 4, 4, STAMP)
+     softcap_log2, ids, ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -804,7 +785,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         o_desc, o_desc1 = _descriptors(Out, H if VARLEN else n_hz, N_CTX_Q, HEAD_DIM, o_smem,
                                        o_smem1, VARLEN, stride_om, H, stride_oz, stride_oh,
                                        STRIDED, SPLIT)
-    _stamp(Stamps, 5, 4, STAMP)
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
     # the tiles, as the loader walks them (_tile_number)
@@ -851,8 +831,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 acc1 = acc
 
             mbarrier.wait(q_ready.index(WG), ti & 1)
-            if r == 0:
-                _stamp(Stamps, 6, 4, STAMP)
             if n_blocks > 0:
                 mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
                 # turn k waits for phase k of this warpgroup's turn barrier
@@ -866,8 +844,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 if PINGPONG:
                     mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
                 s = warpgroup_mma_wait(0, deps=[s_tok])
-                if r == 0:
-                    _stamp(Stamps, 7, 4, STAMP)
                 mbarrier.arrive(k_empty.index(it % STAGES))
                 p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
                                                     HAS_WINDOW, SOFTCAP, BLOCK_N)
@@ -907,10 +883,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                         ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
                         full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
                         PINGPONG)
-            if r == 0:
-                _stamp(Stamps, 8, 4, STAMP)
-            if r == 1:
-                _stamp(Stamps, 14, 4, STAMP)
             # Q is no longer read: the loader may bring in the next tile's while this one ends
             # (O_IN_Q: once the output staged in Q's buffer has left, below)
             if not O_IN_Q:
@@ -919,8 +891,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             if n_blocks > 0:
                 last = (it + n_blocks - 1) % STAGES
                 mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-                if r == 0:
-                    _stamp(Stamps, 11, 4, STAMP)
                 if not PINGPONG:  # the last block's factor, before its P V
                     acc, acc1 = _scale_o(acc, acc1, alpha, SPLIT,
                                          (not SPLIT) and D0 >= LAZY_COLUMNS)
@@ -931,8 +901,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                     acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
                 else:
                     acc = warpgroup_mma_wait(0, deps=[acc])
-                if r == 0:
-                    _stamp(Stamps, 12, 4, STAMP)
                 mbarrier.arrive(v_empty.index(last))
 
             # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
@@ -943,8 +911,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 else:
                     lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
                 gl.store(lse_row + rows, lse, mask=rows < q_len)
-            if r == 0:
-                _stamp(Stamps, 13, 4, STAMP)
             l_safe = gl.where(l_i == 0.0, 1.0, l_i)
             o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
             if TMA_STORE and VARLEN:
@@ -964,10 +930,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
                 tma.store_wait(0)
                 mbarrier.arrive(q_empty.index(WG))
-            if r == 0:
-                _stamp(Stamps, 9, 4, STAMP)
-            if r == 1:
-                _stamp(Stamps, 15, 4, STAMP)
         it += n_blocks
         ti += 1
         r += 1
@@ -976,7 +938,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             H, num_m, head_group, CuQ, False, VARLEN, False, TILE_M)
     if TMA_STORE:
         tma.store_wait(0)  # the last store must have read shared memory before the exit
-    _stamp(Stamps, 10, 4, STAMP)
 
 
 @gluon.jit
@@ -992,7 +953,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
                      TMA_STORE: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
                      O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, NUM_WG: gl.constexpr,
-                     STORE_LSE: gl.constexpr, PINGPONG: gl.constexpr, PHASES: gl.constexpr):
+                     STORE_LSE: gl.constexpr, PINGPONG: gl.constexpr):
     # Persistent: program pid runs the tiles of row pid of the host's schedule (tile_schedule):
     # their count, then their numbers in _tile's order. NUM_M: query tiles per head (of the
     # longest sequence, for a packed batch: VARLEN, CuQ and CuK its cumulative lengths, Q, K
@@ -1063,8 +1024,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
               q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
               stride_om, sched, n_hz, num_m, HEAD_GROUP, H, CuQ, CuK, N_CTX_Q, N_CTX_K,
-              CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, ids, ids_ready, ids_empty,
-              Counter)
+              CAUSAL_OFFSET, LEFT_OFFSET, qk_scale, softcap_log2, ids, ids_ready, ids_empty)
     loads = (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty,
              k_ready, k_empty, v_ready, v_empty, sched, n_hz, num_m, HEAD_GROUP, H, GROUP, CuQ,
              CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm,
@@ -1076,26 +1036,26 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, PHASES)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, PHASES)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, PHASES)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
-                       STRIDED, O_IN_Q, PHASES)),
+                       STRIDED, O_IN_Q)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, PHASES)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, PHASES)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
-                       STRIDED, O_IN_Q, PHASES)),
+                       STRIDED, O_IN_Q)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1308,7 +1268,7 @@ def _packed(t):
 
 def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, window=(-1, -1),
                          softcap=0.0, varlen=None, config=None, parts=None, loops=None,
-                         pingpong=None, key=None, phases=None):
+                         pingpong=None, key=None):
     """Launch the Hopper forward on inputs `supports` accepts; arguments as
     attention_fwd.attention_fwd_triton's (`window` and `softcap` as fused_attention's; `varlen`:
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for a packed batch, q/k/v/out its
@@ -1363,7 +1323,7 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     if varlen is None:
         sched = tile_schedule(q.device, batch * heads, num_m, group, grid[0], tile_rows, block_n,
                               kv_len, bounded, offset, left_offset if has_window else None)
-        sched_width, counter = sched.shape[1], phases
+        sched_width, counter = sched.shape[1], None
     else:  # tiles handed out on the device (_loader), counted from zero at every launch
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
         sched, sched_width = counter, 0  # a placeholder: the kernel reads no schedule
@@ -1414,15 +1374,14 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
                   KV_LAYOUT1=_smem_layout(block_n, d1 or d0, dtype),
                   TMA_STORE=stored_by_copy, O_IN_Q=stored_by_copy and not staging_fits,
                   VARLEN=varlen is not None, STRIDED=strided, BLOCK_LOOPS=loops, NUM_WG=consumers,
-                  STORE_LSE=lse is not None, PINGPONG=bool(pingpong),
-                  PHASES=phases is not None and varlen is None, num_warps=4)
+                  STORE_LSE=lse is not None, PINGPONG=bool(pingpong), num_warps=4)
     ensure_scratch_allocator()  # the loader makes its TMA descriptors on the device
     if key is None:  # q, k, v are 16-byte aligned (supports): shapes and strides say the rest
         key = ("gluon", q.device, q.dtype, lse is None or lse.dtype, q.shape, k.shape,
                q.stride(), k.stride(), v.stride(), out.stride(),
                aligned(out, out if lse is None else lse), stored_by_copy, sched_width,
                causal, causal_offset, scale, window, softcap, grid, config, parts, loops,
-               pingpong, phases is not None)
+               pingpong)
         if varlen is not None:
             key += ("varlen", max_q, max_k, aligned(cu_q, cu_k))
     launch = _launch if varlen is None else _launch_packed
