@@ -170,3 +170,15 @@ def test_gpu_realistic(causal, alignment, window, softcap, head_dim, dtype):
     q, k, v = make_qkv(1, 8, 2, 3000, 4096, head_dim, dtype, "cuda")
     check_both(q, k, v, dtype, causal=causal, causal_alignment=alignment, window=window,
                softcap=softcap)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [d for d, _, _ in GPU_DTYPES])
+@pytest.mark.parametrize("window,softcap", [((37, -1), 0.0), ((100, -1), 20.0), ((-1, -1), 20.0)])
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_gpu_few_keys(window, softcap, head_dim, dtype):
+    # at most FEW_KEYS (256) queries and keys: the Triton kernel's few-key configs (32-key
+    # blocks at head_dim 64, 64-row tiles at 96) under a window's left edge and a softcap
+    q, k, v = make_qkv(2, 4, 2, 200, 250, head_dim, dtype, "cuda")
+    check_both(q, k, v, dtype, causal=True, causal_alignment="bottom_right", window=window,
+               softcap=softcap)

@@ -730,6 +730,15 @@ def test_gluon_backward_runs_80_96_112_on_128_column_tiles(monkeypatch):
             hopper.DQ_CONFIGS[tile][0]
         assert hopper.fuses_dq(head_dim) == (head_dim == 128)
     assert 72 not in hopper.TILE and 192 not in hopper.TILE  # the Triton kernels' calls
+    # the products' column chains: one group over a whole tile, two or three at 80, 96, 112;
+    # another head_dim put into TILE is refused when the kernels compile, not run short
+    assert [hopper._chunks(c, t) for c, t in ((64, 64), (128, 128), (80, 128), (96, 128),
+                                              (112, 128))] == [1, 1, 2, 2, 3]
+    assert [(hopper._first_width(c, 128), hopper._rest_width(c, 128))
+            for c in (80, 96, 112, 128)] == [(64, 16), (64, 32), (128, 0), (128, 0)]
+    for cols in (72, 88, 104, 120):
+        with pytest.raises(ValueError, match="80, 96 or 112"):
+            hopper._chunks(cols, 128)
 
 
 def test_gluon_backward_views_strided_tensors_in_four_dimensions():

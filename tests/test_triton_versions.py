@@ -99,9 +99,9 @@ COMPILED_PACKED_HEAD_DIMS = (128, 64, 80, 96, 192, 256)
 # at 128: "bn128", "bqn128"; and the dK/dV kernel that adds dQ by the copy engine's reduce-add,
 # deterministic=False's: "bd128"; and on bshd views, through 4-D descriptors: "bs128", "bqs128",
 # "bds128", "bs64", "bqs64"; with a sliding window and a softcap: "bw128", "bqw128", "bdw128",
-# and at 64, whose dK/dV kernel then streams 64-row query blocks, "bw64", "bqw64"; 96 on 128's
-# tiles, its last 32 columns read as zeros and dropped from the stores)
-COMPILED_BWD_HEAD_DIMS = (128, 64, 96)
+# and at 64, whose dK/dV kernel then streams 64-row query blocks, "bw64", "bqw64"; 80, 96 and
+# 112 on 128's tiles, their products chained over 64 + 16, 64 + 32 and 64 + 32 + 16 columns)
+COMPILED_BWD_HEAD_DIMS = (128, 64, 80, 96, 112)
 # and layout_for's layouts by keys ("f{head_dim}k{keys}"): 80 as one padded part, 80 and 96
 # with 64-key blocks; 160 on 128-key blocks past WIDE_BLOCK_KEYS (its output staged in Q's buffer)
 COMPILED_FEW_KEYS = ("f80k100", "f80k300", "f96k300", "f160k4096")

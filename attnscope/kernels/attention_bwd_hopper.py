@@ -173,14 +173,18 @@ def _query_blocks(n0, N_CTX_Q, vis, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constex
 
 @gluon.constexpr_function
 def _chunks(COLS, HEAD_DIM):
-    # how many wgmma groups _over_columns issues
+    # how many wgmma groups _over_columns issues: one over the whole tile, or over 64 + 16,
+    # 64 + 32 and 64 + 32 + 16 of a 128-column tile's columns (the only split it knows)
     if COLS == HEAD_DIM:
         return 1
+    if HEAD_DIM != 128 or COLS not in (80, 96, 112):
+        raise ValueError(f"_over_columns takes 80, 96 or 112 of 128 columns, not {COLS} of "
+                         f"{HEAD_DIM}")
     return 1 + (COLS - 64) // 32 + (COLS - 64) % 32 // 16
 
 
 @gluon.constexpr_function
-def _out_width(COLS, HEAD_DIM):
+def _first_width(COLS, HEAD_DIM):
     # the columns of the first accumulator of dK, dV or dQ: the tile's, or 64 where the head's
     # rest fits a second one of at most 32 columns (80 = 64 + 16, 96 = 64 + 32)
     if COLS == HEAD_DIM or COLS - 64 > 32:
@@ -214,7 +218,7 @@ def _over_columns(a, b, acc, COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
     # a b^T for a [rows, HEAD_DIM] and b [n, HEAD_DIM] in shared memory (the head's columns
     # along both rows), over their first COLS columns only: past them the copy engine read zeros
     # (a head_dim padded to its TILE), so at 80, 96 and 112 the product is chained over 64 + 16,
-    # 64 + 32 and 64 + 32 + 16 columns instead of 128. Issued, not waited for: _CHUNKS groups.
+    # 64 + 32 and 64 + 32 + 16 columns instead of 128. Issued, not waited for: _chunks groups.
     if COLS == HEAD_DIM:
         out = warpgroup_mma(a, b.permute((1, 0)), acc, use_acc=False, is_async=True)
     else:
@@ -369,7 +373,7 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
     s_layout: gl.constexpr = _mma_layout(BLOCK_M)
     # dK and dV as one accumulator of the tile's columns, or at 80 and 96 two: the head's first
     # 64 columns and its rest (REST, 16 or 32), so the products skip the tile's padding
-    W0: gl.constexpr = _out_width(COLS, HEAD_DIM)
+    W0: gl.constexpr = _first_width(COLS, HEAD_DIM)
     REST: gl.constexpr = _rest_width(COLS, HEAD_DIM)
     acc_layout: gl.constexpr = _mma_layout(W0)
     a_layout: gl.constexpr = _a_layout(W0)
@@ -406,7 +410,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
             if FUSED:
                 lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
             cols = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            # S^T alone: P's exponentials run while dP^T's product does.
+            # S^T alone: P's exponentials run while dP^T's product does. (dP^T's chain has as
+            # many groups as S^T's: waiting until that many are left in flight waits for S^T.)
             s_t = warpgroup_mma_wait(_chunks(COLS, HEAD_DIM), deps=[s_tok])
             if not FUSED:
                 lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
@@ -732,7 +737,7 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
     r0 = m0 + WG * ROWS  # this warpgroup's first query row
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_N)
-    W0: gl.constexpr = _out_width(COLS, HEAD_DIM)  # dQ's accumulators, as dK's and dV's
+    W0: gl.constexpr = _first_width(COLS, HEAD_DIM)  # dQ's accumulators, as dK's and dV's
     REST: gl.constexpr = _rest_width(COLS, HEAD_DIM)
     acc_layout: gl.constexpr = _mma_layout(W0)
     a_layout: gl.constexpr = _a_layout(W0)
@@ -769,7 +774,7 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
         # S = Q K^T and dP = dO V^T, [queries, keys]
         s_tok = _over_columns(q, k, s_zero, COLS, HEAD_DIM)
         dp_tok = _over_columns(do, v_smem.index(slot), s_zero, COLS, HEAD_DIM)
-        # S alone: P's exponentials run under dP's
+        # S alone: P's exponentials run under dP's (as many groups as S's, left in flight)
         s = warpgroup_mma_wait(_chunks(COLS, HEAD_DIM), deps=[s_tok])
         p, d_cap = _probabilities(s, gl.expand_dims(lse, 1), qk_scale, softcap_log2, SOFTCAP)
         # keys past the end (the copy engine's zeros) and keys a row does not see (_seen):
