@@ -255,18 +255,6 @@ def _view_head(off_hz, H, VARLEN: gl.constexpr, STRIDED: gl.constexpr):
 
 
 @gluon.jit
-def _kv_view(off_hz, H, GROUP, VARLEN: gl.constexpr, STRIDED: gl.constexpr):
-    # (batch, query head, K/V head) of tile head off_hz in the descriptors' coordinates
-    # (_view_head's; the K/V head is the query head's group)
-    batch_of, q_head = _view_head(off_hz, H, VARLEN, STRIDED)
-    if VARLEN or STRIDED:  # heads within a packed row or a batch
-        kv_head = q_head // GROUP
-    else:
-        kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
-    return batch_of, q_head, kv_head
-
-
-@gluon.jit
 def _load_q(q_desc, q_desc1, b, hz, row, q_ready, q_empty, q_smem, q_smem1, ti, q_bytes,
             VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
             SPLIT: gl.constexpr):
@@ -393,9 +381,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
      stride_kz, stride_kh, stride_vz, stride_vh, ids, ids_ready, ids_empty, Counter) = args
     # The copy engine's descriptors, made here on the device once per program (_descriptor).
     # (Host-made descriptors cost ~50 us of Triton's launch per call.) A split head_dim has a
-    # second set for its columns from D0 on. Making one takes ~0.6 us (a write to global memory
-    # and a fence), so V's is made after the first tile's Q and first K block are issued: the
-    # first S = Q K^T waits for those two only.
+    # second set for its columns from D0 on.
     SPLIT: gl.constexpr = D1 > 0
     # heads of the descriptors' views: all (batch, head) pairs, or the heads of one packed row
     q_hz = H if VARLEN else n_hz
@@ -404,6 +390,8 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
                                    stride_qm, H, stride_qz, stride_qh, STRIDED, SPLIT)
     k_desc, k_desc1 = _descriptors(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem, k_smem1, VARLEN,
                                    stride_km, H // GROUP, stride_kz, stride_kh, STRIDED, SPLIT)
+    v_desc, v_desc1 = _descriptors(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem, v_smem1, VARLEN,
+                                   stride_vm, H // GROUP, stride_vz, stride_vh, STRIDED, SPLIT)
     D0: gl.constexpr = q_smem.shape[2]
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
@@ -420,31 +408,20 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
     t, count, fetched, seq, seq_first, more = _tile_number(
         r, 0, 0, 0, 0, sched, Counter, ids, ids_ready, ids_empty, n_tiles, batch, H, num_m,
         head_group, CuQ, True, VARLEN, True, TILE_M)
-    if more:  # the first tile's Q (unless O_IN_Q) and first K block, before V's descriptor
-        off_hz, first_row, lo, n_blocks, q_start, q_len, k_start, k_len, offset, left = _tile(
-            t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-            LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N)
-        batch_of, q_head, kv_head = _kv_view(off_hz, H, GROUP, VARLEN, STRIDED)
-        if not O_IN_Q:
-            _load_q(q_desc, q_desc1, batch_of, q_head, q_start + first_row, q_ready, q_empty,
-                    q_smem, q_smem1, 0, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-        if n_blocks > 0:  # ring slot 0, free at the start
-            mbarrier.expect(k_ready.index(0), kv_bytes)
-            _load_parts(k_desc, k_desc1, batch_of, kv_head, k_start + lo * BLOCK_N,
-                        k_ready.index(0), k_smem.index(0), k_smem1.index(0), VARLEN, STRIDED,
-                        HEAD_DIM, SPLIT)
-    v_desc, v_desc1 = _descriptors(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem, v_smem1, VARLEN,
-                                   stride_vm, H // GROUP, stride_vz, stride_vh, STRIDED, SPLIT)
     while more:
         off_hz, first_row, lo, n_blocks, q_start, q_len, k_start, k_len, offset, left = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
             LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N)
-        batch_of, q_head, kv_head = _kv_view(off_hz, H, GROUP, VARLEN, STRIDED)
+        batch_of, q_head = _view_head(off_hz, H, VARLEN, STRIDED)
+        if VARLEN or STRIDED:  # heads within a packed row or a batch
+            kv_head = q_head // GROUP
+        else:
+            kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
         # The tile's Q blocks, then its K/V blocks. With O_IN_Q a consumer frees its Q buffer
         # only once its output has left it, so its first STAGES K/V blocks go first (their ring
         # slots free up before the consumers' epilogue) and the Q blocks after them.
         q_row = q_start + first_row
-        if not O_IN_Q and r > 0:  # (the first tile's went before V's descriptor)
+        if not O_IN_Q:
             _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem, q_smem1,
                     ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         early = gl.minimum(n_blocks, STAGES)  # (O_IN_Q) K/V blocks loaded before Q
@@ -456,12 +433,10 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             row = k_start + (lo + j) * BLOCK_N
-            if r > 0 or j > 0:  # (the first tile's first K block went before V's descriptor)
-                mbarrier.wait(k_empty.index(slot), phase)
-                mbarrier.expect(k_ready.index(slot), kv_bytes)
-                _load_parts(k_desc, k_desc1, batch_of, kv_head, row, k_ready.index(slot),
-                            k_smem.index(slot), k_smem1.index(slot), VARLEN, STRIDED, HEAD_DIM,
-                            SPLIT)
+            mbarrier.wait(k_empty.index(slot), phase)
+            mbarrier.expect(k_ready.index(slot), kv_bytes)
+            _load_parts(k_desc, k_desc1, batch_of, kv_head, row, k_ready.index(slot),
+                        k_smem.index(slot), k_smem1.index(slot), VARLEN, STRIDED, HEAD_DIM, SPLIT)
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), kv_bytes)
             _load_parts(v_desc, v_desc1, batch_of, kv_head, row, v_ready.index(slot),
