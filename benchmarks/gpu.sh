@@ -14,9 +14,10 @@
 #            with TEST_ARGS (pytest arguments, e.g. "tests/test_fused_attention_backward.py -k
 #            padded"), those tests once, in file order, instead
 #   bench    `attnscope bench --sweep BENCH_SWEEP` (default: default; with BENCH_SHAPES, a
-#            list of B,H,S,D[,KV], `--shape BENCH_SHAPES` instead) forward, backward, and
-#            forward+backward (BENCH_MODES) into bench_MODE.json; with BEFORE_TREE (a folder
-#            holding an earlier tree of the project, e.g. `git archive REV | tar -x -C
+#            list of B,H,S,D[,KV], `--shape BENCH_SHAPES` instead; with BENCH_ARGS, those
+#            arguments instead, e.g. "--scenario chunked --q-len 512 --kv-len 4096") forward,
+#            backward, and forward+backward (BENCH_MODES) into bench_MODE.json; with BEFORE_TREE
+#            (a folder holding an earlier tree of the project, e.g. `git archive REV | tar -x -C
 #            build/before`), each mode first runs there too for BEFORE_IMPLS (default: fused),
 #            into bench_before_MODE.json, and the fused rows' time ratios (after / before) are
 #            printed
@@ -40,7 +41,7 @@
 #            lab and bwdlab take several BEFORE_TREE folders (space-separated, e.g. main's tree
 #            and a variant's): each runs where "before" does above, in the order given, into
 #            NAME_before_<folder name>.jsonl, and the ratios are this tree's against each
-# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED, TEST_ARGS; BENCH_SWEEP, BENCH_SHAPES,
+# Environment: OUT; TEST_ORDER, TEST_ORDER_SEED, TEST_ARGS; BENCH_SWEEP, BENCH_SHAPES, BENCH_ARGS,
 # BENCH_MODES, BENCH_IMPLS (forward peers), BENCH_BWD_IMPLS (those with a backward), BEFORE_TREE,
 # BEFORE_IMPLS; COMPARE_ARGS, NCU_ARGS; LAB_SHAPES, LAB_ARGS, LAB_REPEAT; BWDLAB_SHAPES,
 # BWDLAB_ARGS; STEP_TIMEOUT (seconds per command, default 280).
@@ -97,6 +98,8 @@ step_bench() {
   shapes=(--sweep "$BENCH_SWEEP")
   # shellcheck disable=SC2206  # the shapes are separate arguments
   [ -z "${BENCH_SHAPES:-}" ] || shapes=(--shape $BENCH_SHAPES)
+  # shellcheck disable=SC2206  # so are these
+  [ -z "${BENCH_ARGS:-}" ] || shapes=($BENCH_ARGS)
   [ "$(before_count)" -le 1 ] \
     || { echo "bench: BEFORE_TREE is one folder here (lab and bwdlab take several)"; return 2; }
   for mode in ${BENCH_MODES:-fwd bwd fwd_bwd}; do
