@@ -672,32 +672,15 @@ def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
 
 
 @gluon.jit
-def _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len, VARLEN: gl.constexpr,
-              STORE_LSE: gl.constexpr):
-    # A tile's rows once their softmax is done: the LSE stored (not where an inference call
-    # wants none: Lse is then Out) and 1 / l returned, 1 for rows that saw no key (l_i == 0:
-    # their output is written as zeros). Issued while the last P V product runs.
-    if STORE_LSE:
-        lse = (m_i + gl.log2(l_i)) * LN2
-        if VARLEN:  # flash-attn's [heads, total_q]
-            lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
-        else:
-            lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
-        gl.store(lse_row + rows, lse, mask=rows < q_len)
-    return 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
+def _normalized(acc, l_safe):
+    # O / l in the output's dtype (acc in its wgmma layout, l per row in the scores' layout)
+    l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, acc.type.layout))
+    return acc / gl.expand_dims(l_o, 1)
 
 
 @gluon.jit
-def _normalized(acc, inv_l):
-    # O / l in the output's dtype (acc in its wgmma layout, 1 / l per row in the scores' layout):
-    # one reciprocal a row, a multiply an element
-    inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, acc.type.layout))
-    return acc * gl.expand_dims(inv_o, 1)
-
-
-@gluon.jit
-def _stage(acc, inv_l, buf):
-    buf.store(_normalized(acc, inv_l).to(buf.dtype))
+def _stage(acc, l_safe, buf):
+    buf.store(_normalized(acc, l_safe).to(buf.dtype))
 
 
 @gluon.jit
@@ -714,7 +697,7 @@ def _store(desc, b, hz, row, col, buf, VARLEN: gl.constexpr, STRIDED: gl.constex
 
 
 @gluon.jit
-def _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
+def _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
                    WG: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
                    HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
     # A consumer's block (both column parts of a split head_dim) staged in its shared buffers
@@ -723,9 +706,9 @@ def _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, b, hz, ro
     # epilogue waits for it (the buffers are reused). (With O_IN_Q the buffers are Q's, and the
     # consumer waits for the store at once: the next tile's Q needs them.)
     tma.store_wait(0)
-    _stage(acc, inv_l, o_smem.index(WG))
+    _stage(acc, l_safe, o_smem.index(WG))
     if SPLIT:
-        _stage(acc1, inv_l, o_smem1.index(WG))
+        _stage(acc1, l_safe, o_smem1.index(WG))
     fence_async_shared()
     _store(o_desc, b, hz, row, 0, o_smem.index(WG), VARLEN, STRIDED, HEAD_DIM)
     if SPLIT:
@@ -733,7 +716,7 @@ def _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, b, hz, ro
 
 
 @gluon.jit
-def _store_part(acc, inv_l, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
+def _store_part(acc, l_safe, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
     # Register stores of one column part (columns col0 on) of a consumer's rows; rows past the
     # sequence's n_rows and padding columns past HEAD_DIM are not out's.
     layout: gl.constexpr = acc.type.layout
@@ -742,19 +725,19 @@ def _store_part(acc, inv_l, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.co
     o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
               + gl.expand_dims(o_cols, 0))
     o_mask = gl.expand_dims(o_rows < n_rows, 1) & gl.expand_dims(o_cols < HEAD_DIM, 0)
-    gl.store(o_ptrs, _normalized(acc, inv_l).to(o_base.dtype.element_ty), mask=o_mask)
+    gl.store(o_ptrs, _normalized(acc, l_safe).to(o_base.dtype.element_ty), mask=o_mask)
 
 
 @gluon.jit
-def _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
+def _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
                 m0, n_rows, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
     # A consumer's rows [m0, m0 + 64) of (batch, head) off_hz by register stores (both column
     # parts of a split head_dim); a packed sequence's rows start at q_start.
     o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
               + (off_hz % H).to(gl.int64) * stride_oh + gl.cast(q_start, gl.int64) * stride_om)
-    _store_part(acc, inv_l, o_base, stride_om, m0, 0, n_rows, HEAD_DIM)
+    _store_part(acc, l_safe, o_base, stride_om, m0, 0, n_rows, HEAD_DIM)
     if SPLIT:
-        _store_part(acc1, inv_l, o_base, stride_om, m0, acc.shape[1], n_rows, HEAD_DIM)
+        _store_part(acc1, l_safe, o_base, stride_om, m0, acc.shape[1], n_rows, HEAD_DIM)
 
 
 @gluon.jit
@@ -915,32 +898,34 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 if SPLIT:
                     acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
                                          v_smem1.index(last), acc1, is_async=True)
-                inv_l = _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len,
-                                  VARLEN, STORE_LSE)
-                if SPLIT:
                     acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
                 else:
                     acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(v_empty.index(last))
-            else:
-                inv_l = _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len,
-                                  VARLEN, STORE_LSE)
 
-            # epilogue: O / l, stored
+            # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
+            if STORE_LSE:  # (not where an inference call wants none: Lse is then Out)
+                lse = (m_i + gl.log2(l_i)) * LN2
+                if VARLEN:  # flash-attn's [heads, total_q]
+                    lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
+                else:
+                    lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
+                gl.store(lse_row + rows, lse, mask=rows < q_len)
+            l_safe = gl.where(l_i == 0.0, 1.0, l_i)
             o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
             if TMA_STORE and VARLEN:
                 # the copy engine may store only a block wholly inside its sequence
                 if m0 + ROWS <= q_len:
-                    _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch,
+                    _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch,
                                    o_head, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
                 else:
-                    _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om,
+                    _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om,
                                 off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
             elif TMA_STORE:  # it drops the rows past a head's end
-                _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
+                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
                                m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             else:  # an out the copy engine cannot address
-                _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om, off_hz, H,
+                _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H,
                             q_start, m0, q_len, HEAD_DIM, SPLIT)
             if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
                 tma.store_wait(0)
