@@ -214,6 +214,26 @@ def _a_layout(width):
 
 
 @gluon.jit
+def _mma_parts(a, b, acc, acc1, W0: gl.constexpr, REST: gl.constexpr):
+    # acc += a b[:, :W0] and acc1 += a b[:, W0:W0 + REST] (a in registers, b in shared memory):
+    # a gradient as its two accumulators at 80 and 96 (_first_width, _rest_width). Issued, not
+    # waited for.
+    acc = warpgroup_mma(gl.convert_layout(a, _a_layout(W0)), b.slice(0, W0, dim=1), acc,
+                        is_async=True)
+    acc1 = warpgroup_mma(gl.convert_layout(a, _a_layout(REST)), b.slice(W0, REST, dim=1), acc1,
+                         is_async=True)
+    return acc, acc1
+
+
+@gluon.jit
+def _stage_parts(buf, acc, acc1, W0: gl.constexpr, REST: gl.constexpr):
+    # a gradient's two accumulators into their columns of the tile buf (the tile's columns past
+    # the head's are the copy engine's to drop)
+    buf.slice(0, W0, dim=1).store(acc.to(buf.dtype))
+    buf.slice(W0, REST, dim=1).store(acc1.to(buf.dtype))
+
+
+@gluon.jit
 def _over_columns(a, b, acc, COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
     # a b^T for a [rows, HEAD_DIM] and b [n, HEAD_DIM] in shared memory (the head's columns
     # along both rows), over their first COLS columns only: past them the copy engine read zeros
@@ -384,10 +404,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
     dk = gl.zeros([ROWS, W0], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, W0], gl.float32, acc_layout)
     if REST > 0:
-        rest_layout: gl.constexpr = _mma_layout(REST)
-        rest_a: gl.constexpr = _a_layout(REST)
-        dk1 = gl.zeros([ROWS, REST], gl.float32, rest_layout)
-        dv1 = gl.zeros([ROWS, REST], gl.float32, rest_layout)
+        dk1 = gl.zeros([ROWS, REST], gl.float32, _mma_layout(REST))
+        dv1 = gl.zeros([ROWS, REST], gl.float32, _mma_layout(REST))
     mbarrier.wait(kv_ready, 0)
     lo, hi = _query_blocks(n0, N_CTX_Q, vis, CAUSAL, HAS_WINDOW, BLOCK_M)
     it = 0
@@ -482,15 +500,8 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
                 fence_async_shared()
                 mbarrier.arrive(dq_full)
             elif REST > 0:
-                dv = warpgroup_mma(gl.convert_layout(p_op, a_layout), do.slice(0, W0, dim=1), dv,
-                                   is_async=True)
-                dv1 = warpgroup_mma(gl.convert_layout(p_op, rest_a), do.slice(W0, REST, dim=1),
-                                    dv1, is_async=True)
-                ds_op = ds_t.to(dtype)
-                dk = warpgroup_mma(gl.convert_layout(ds_op, a_layout), q.slice(0, W0, dim=1), dk,
-                                   is_async=True)
-                dk1 = warpgroup_mma(gl.convert_layout(ds_op, rest_a), q.slice(W0, REST, dim=1),
-                                    dk1, is_async=True)
+                dv, dv1 = _mma_parts(p_op, do, dv, dv1, W0, REST)
+                dk, dk1 = _mma_parts(ds_t.to(dtype), q, dk, dk1, W0, REST)
                 dv, dv1, dk, dk1 = warpgroup_mma_wait(0, deps=[dv, dv1, dk, dk1])
                 mbarrier.arrive(empty.index(slot))
             else:
@@ -509,11 +520,9 @@ def _consumer(args, fused, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.co
     # the copy engine, which drops the rows past the keys' end: stored by the loader in the split
     # kernel (_store_staged), by this warpgroup in the fused one (the loader's stores measured
     # 4-6 % slower there: notes/lab/bwd_loader_stores_h200.txt).
-    if REST > 0:  # the tile's columns past the head's are the copy engine's to drop
-        k_tile.slice(0, W0, dim=1).store((dk * sm_scale).to(dtype))
-        k_tile.slice(W0, REST, dim=1).store((dk1 * sm_scale).to(dtype))
-        v_tile.slice(0, W0, dim=1).store(dv.to(dtype))
-        v_tile.slice(W0, REST, dim=1).store(dv1.to(dtype))
+    if REST > 0:
+        _stage_parts(k_tile, dk * sm_scale, dk1 * sm_scale, W0, REST)
+        _stage_parts(v_tile, dv, dv1, W0, REST)
     else:
         k_tile.store((dk * sm_scale).to(dtype))
         v_tile.store(dv.to(dtype))
@@ -753,9 +762,7 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([ROWS, W0], gl.float32, acc_layout)
     if REST > 0:
-        rest_layout: gl.constexpr = _mma_layout(REST)
-        rest_a: gl.constexpr = _a_layout(REST)
-        dq1 = gl.zeros([ROWS, REST], gl.float32, rest_layout)
+        dq1 = gl.zeros([ROWS, REST], gl.float32, _mma_layout(REST))
     # key blocks [first_full, full) every row of this warpgroup sees whole: no mask. Under a
     # window its last row sees keys from r0 + ROWS - 1 + LEFT_OFFSET on.
     if CAUSAL:
@@ -796,11 +803,7 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
             ds = ds * d_cap
         # dQ += dS K
         if REST > 0:
-            ds_op = ds.to(dtype)
-            dq = warpgroup_mma(gl.convert_layout(ds_op, a_layout), k.slice(0, W0, dim=1), dq,
-                               is_async=True)
-            dq1 = warpgroup_mma(gl.convert_layout(ds_op, rest_a), k.slice(W0, REST, dim=1), dq1,
-                                is_async=True)
+            dq, dq1 = _mma_parts(ds.to(dtype), k, dq, dq1, W0, REST)
             dq, dq1 = warpgroup_mma_wait(0, deps=[dq, dq1])
         else:
             dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
@@ -809,8 +812,7 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
     # dS was taken w.r.t. the scaled scores: the chain rule puts the scale on dQ. This warpgroup's
     # Q buffer is no longer read: it stages dQ for the loader's store (_store_staged).
     if REST > 0:
-        q.slice(0, W0, dim=1).store((dq * sm_scale).to(dtype))
-        q.slice(W0, REST, dim=1).store((dq1 * sm_scale).to(dtype))
+        _stage_parts(q, dq * sm_scale, dq1 * sm_scale, W0, REST)
     else:
         q.store((dq * sm_scale).to(dtype))
     fence_async_shared()
