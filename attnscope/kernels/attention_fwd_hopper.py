@@ -255,6 +255,18 @@ def _view_head(off_hz, H, VARLEN: gl.constexpr, STRIDED: gl.constexpr):
 
 
 @gluon.jit
+def _kv_view(off_hz, H, GROUP, VARLEN: gl.constexpr, STRIDED: gl.constexpr):
+    # (batch, query head, K/V head) of tile head off_hz in the descriptors' coordinates
+    # (_view_head's; the K/V head is the query head's group)
+    batch_of, q_head = _view_head(off_hz, H, VARLEN, STRIDED)
+    if VARLEN or STRIDED:  # heads within a packed row or a batch
+        kv_head = q_head // GROUP
+    else:
+        kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
+    return batch_of, q_head, kv_head
+
+
+@gluon.jit
 def _load_q(q_desc, q_desc1, b, hz, row, q_ready, q_empty, q_smem, q_smem1, ti, q_bytes,
             VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
             SPLIT: gl.constexpr):
@@ -381,7 +393,9 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
      stride_kz, stride_kh, stride_vz, stride_vh, ids, ids_ready, ids_empty, Counter) = args
     # The copy engine's descriptors, made here on the device once per program (_descriptor).
     # (Host-made descriptors cost ~50 us of Triton's launch per call.) A split head_dim has a
-    # second set for its columns from D0 on.
+    # second set for its columns from D0 on. Making one takes ~0.6 us (a write to global memory
+    # and a fence), so V's is made after the first tile's Q and first K block are issued: the
+    # first S = Q K^T waits for those two only.
     SPLIT: gl.constexpr = D1 > 0
     # heads of the descriptors' views: all (batch, head) pairs, or the heads of one packed row
     q_hz = H if VARLEN else n_hz
@@ -390,8 +404,6 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
                                    stride_qm, H, stride_qz, stride_qh, STRIDED, SPLIT)
     k_desc, k_desc1 = _descriptors(K, kv_hz, N_CTX_K, HEAD_DIM, k_smem, k_smem1, VARLEN,
                                    stride_km, H // GROUP, stride_kz, stride_kh, STRIDED, SPLIT)
-    v_desc, v_desc1 = _descriptors(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem, v_smem1, VARLEN,
-                                   stride_vm, H // GROUP, stride_vz, stride_vh, STRIDED, SPLIT)
     D0: gl.constexpr = q_smem.shape[2]
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
@@ -408,20 +420,31 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
     t, count, fetched, seq, seq_first, more = _tile_number(
         r, 0, 0, 0, 0, sched, Counter, ids, ids_ready, ids_empty, n_tiles, batch, H, num_m,
         head_group, CuQ, True, VARLEN, True, TILE_M)
+    if more:  # the first tile's Q (unless O_IN_Q) and first K block, before V's descriptor
+        off_hz, first_row, lo, n_blocks, q_start, q_len, k_start, k_len, offset, left = _tile(
+            t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
+            LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N)
+        batch_of, q_head, kv_head = _kv_view(off_hz, H, GROUP, VARLEN, STRIDED)
+        if not O_IN_Q:
+            _load_q(q_desc, q_desc1, batch_of, q_head, q_start + first_row, q_ready, q_empty,
+                    q_smem, q_smem1, 0, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+        if n_blocks > 0:  # ring slot 0, free at the start
+            mbarrier.expect(k_ready.index(0), kv_bytes)
+            _load_parts(k_desc, k_desc1, batch_of, kv_head, k_start + lo * BLOCK_N,
+                        k_ready.index(0), k_smem.index(0), k_smem1.index(0), VARLEN, STRIDED,
+                        HEAD_DIM, SPLIT)
+    v_desc, v_desc1 = _descriptors(V, kv_hz, N_CTX_K, HEAD_DIM, v_smem, v_smem1, VARLEN,
+                                   stride_vm, H // GROUP, stride_vz, stride_vh, STRIDED, SPLIT)
     while more:
         off_hz, first_row, lo, n_blocks, q_start, q_len, k_start, k_len, offset, left = _tile(
             t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
             LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N)
-        batch_of, q_head = _view_head(off_hz, H, VARLEN, STRIDED)
-        if VARLEN or STRIDED:  # heads within a packed row or a batch
-            kv_head = q_head // GROUP
-        else:
-            kv_head = off_hz // H * (H // GROUP) + off_hz % H // GROUP
+        batch_of, q_head, kv_head = _kv_view(off_hz, H, GROUP, VARLEN, STRIDED)
         # The tile's Q blocks, then its K/V blocks. With O_IN_Q a consumer frees its Q buffer
         # only once its output has left it, so its first STAGES K/V blocks go first (their ring
         # slots free up before the consumers' epilogue) and the Q blocks after them.
         q_row = q_start + first_row
-        if not O_IN_Q:
+        if not O_IN_Q and r > 0:  # (the first tile's went before V's descriptor)
             _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem, q_smem1,
                     ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         early = gl.minimum(n_blocks, STAGES)  # (O_IN_Q) K/V blocks loaded before Q
@@ -433,10 +456,12 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             row = k_start + (lo + j) * BLOCK_N
-            mbarrier.wait(k_empty.index(slot), phase)
-            mbarrier.expect(k_ready.index(slot), kv_bytes)
-            _load_parts(k_desc, k_desc1, batch_of, kv_head, row, k_ready.index(slot),
-                        k_smem.index(slot), k_smem1.index(slot), VARLEN, STRIDED, HEAD_DIM, SPLIT)
+            if r > 0 or j > 0:  # (the first tile's first K block went before V's descriptor)
+                mbarrier.wait(k_empty.index(slot), phase)
+                mbarrier.expect(k_ready.index(slot), kv_bytes)
+                _load_parts(k_desc, k_desc1, batch_of, kv_head, row, k_ready.index(slot),
+                            k_smem.index(slot), k_smem1.index(slot), VARLEN, STRIDED, HEAD_DIM,
+                            SPLIT)
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), kv_bytes)
             _load_parts(v_desc, v_desc1, batch_of, kv_head, row, v_ready.index(slot),
@@ -672,15 +697,32 @@ def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
 
 
 @gluon.jit
-def _normalized(acc, l_safe):
-    # O / l in the output's dtype (acc in its wgmma layout, l per row in the scores' layout)
-    l_o = gl.convert_layout(l_safe, gl.SliceLayout(1, acc.type.layout))
-    return acc / gl.expand_dims(l_o, 1)
+def _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len, VARLEN: gl.constexpr,
+              STORE_LSE: gl.constexpr):
+    # A tile's rows once their softmax is done: the LSE stored (not where an inference call
+    # wants none: Lse is then Out) and 1 / l returned, 1 for rows that saw no key (l_i == 0:
+    # their output is written as zeros). Issued while the last P V product runs.
+    if STORE_LSE:
+        lse = (m_i + gl.log2(l_i)) * LN2
+        if VARLEN:  # flash-attn's [heads, total_q]
+            lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
+        else:
+            lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
+        gl.store(lse_row + rows, lse, mask=rows < q_len)
+    return 1.0 / gl.where(l_i == 0.0, 1.0, l_i)
 
 
 @gluon.jit
-def _stage(acc, l_safe, buf):
-    buf.store(_normalized(acc, l_safe).to(buf.dtype))
+def _normalized(acc, inv_l):
+    # O / l in the output's dtype (acc in its wgmma layout, 1 / l per row in the scores' layout):
+    # one reciprocal a row, a multiply an element
+    inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, acc.type.layout))
+    return acc * gl.expand_dims(inv_o, 1)
+
+
+@gluon.jit
+def _stage(acc, inv_l, buf):
+    buf.store(_normalized(acc, inv_l).to(buf.dtype))
 
 
 @gluon.jit
@@ -697,7 +739,7 @@ def _store(desc, b, hz, row, col, buf, VARLEN: gl.constexpr, STRIDED: gl.constex
 
 
 @gluon.jit
-def _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
+def _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
                    WG: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
                    HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
     # A consumer's block (both column parts of a split head_dim) staged in its shared buffers
@@ -706,9 +748,9 @@ def _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, b, hz, r
     # epilogue waits for it (the buffers are reused). (With O_IN_Q the buffers are Q's, and the
     # consumer waits for the store at once: the next tile's Q needs them.)
     tma.store_wait(0)
-    _stage(acc, l_safe, o_smem.index(WG))
+    _stage(acc, inv_l, o_smem.index(WG))
     if SPLIT:
-        _stage(acc1, l_safe, o_smem1.index(WG))
+        _stage(acc1, inv_l, o_smem1.index(WG))
     fence_async_shared()
     _store(o_desc, b, hz, row, 0, o_smem.index(WG), VARLEN, STRIDED, HEAD_DIM)
     if SPLIT:
@@ -716,7 +758,7 @@ def _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, b, hz, r
 
 
 @gluon.jit
-def _store_part(acc, l_safe, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
+def _store_part(acc, inv_l, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
     # Register stores of one column part (columns col0 on) of a consumer's rows; rows past the
     # sequence's n_rows and padding columns past HEAD_DIM are not out's.
     layout: gl.constexpr = acc.type.layout
@@ -725,19 +767,19 @@ def _store_part(acc, l_safe, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.c
     o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
               + gl.expand_dims(o_cols, 0))
     o_mask = gl.expand_dims(o_rows < n_rows, 1) & gl.expand_dims(o_cols < HEAD_DIM, 0)
-    gl.store(o_ptrs, _normalized(acc, l_safe).to(o_base.dtype.element_ty), mask=o_mask)
+    gl.store(o_ptrs, _normalized(acc, inv_l).to(o_base.dtype.element_ty), mask=o_mask)
 
 
 @gluon.jit
-def _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
+def _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
                 m0, n_rows, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
     # A consumer's rows [m0, m0 + 64) of (batch, head) off_hz by register stores (both column
     # parts of a split head_dim); a packed sequence's rows start at q_start.
     o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
               + (off_hz % H).to(gl.int64) * stride_oh + gl.cast(q_start, gl.int64) * stride_om)
-    _store_part(acc, l_safe, o_base, stride_om, m0, 0, n_rows, HEAD_DIM)
+    _store_part(acc, inv_l, o_base, stride_om, m0, 0, n_rows, HEAD_DIM)
     if SPLIT:
-        _store_part(acc1, l_safe, o_base, stride_om, m0, acc.shape[1], n_rows, HEAD_DIM)
+        _store_part(acc1, inv_l, o_base, stride_om, m0, acc.shape[1], n_rows, HEAD_DIM)
 
 
 @gluon.jit
@@ -898,34 +940,32 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 if SPLIT:
                     acc1 = warpgroup_mma(gl.convert_layout(p_op, p_layout1),
                                          v_smem1.index(last), acc1, is_async=True)
+                inv_l = _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len,
+                                  VARLEN, STORE_LSE)
+                if SPLIT:
                     acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
                 else:
                     acc = warpgroup_mma_wait(0, deps=[acc])
                 mbarrier.arrive(v_empty.index(last))
+            else:
+                inv_l = _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len,
+                                  VARLEN, STORE_LSE)
 
-            # epilogue: normalise; rows that saw no key have l_i == 0 and are written as zeros
-            if STORE_LSE:  # (not where an inference call wants none: Lse is then Out)
-                lse = (m_i + gl.log2(l_i)) * LN2
-                if VARLEN:  # flash-attn's [heads, total_q]
-                    lse_row = Lse + (off_hz % H).to(gl.int64) * N_CTX_Q + q_start
-                else:
-                    lse_row = Lse + off_hz.to(gl.int64) * N_CTX_Q
-                gl.store(lse_row + rows, lse, mask=rows < q_len)
-            l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+            # epilogue: O / l, stored
             o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
             if TMA_STORE and VARLEN:
                 # the copy engine may store only a block wholly inside its sequence
                 if m0 + ROWS <= q_len:
-                    _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch,
+                    _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch,
                                    o_head, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
                 else:
-                    _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om,
+                    _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om,
                                 off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
             elif TMA_STORE:  # it drops the rows past a head's end
-                _store_by_copy(acc, acc1, l_safe, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
+                _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
                                m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             else:  # an out the copy engine cannot address
-                _store_rows(acc, acc1, l_safe, Out, stride_oz, stride_oh, stride_om, off_hz, H,
+                _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om, off_hz, H,
                             q_start, m0, q_len, HEAD_DIM, SPLIT)
             if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
                 tma.store_wait(0)
