@@ -677,47 +677,6 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, f
 
 
 @gluon.jit
-def _next_tile(r, count, fetched, seq, seq_first, sched, ids, ids_ready, ids_empty, n_tiles,
-               n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-               LEFT_OFFSET, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-               VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               AHEAD: gl.constexpr):
-    # A consumer's next tile (r + 1 of its walk: _tile_number's values) and (AHEAD) whether
-    # warpgroup WG has rows and K/V blocks in it, so its first S may be issued ahead
-    t, count, fetched, seq, seq_first, more = _tile_number(
-        r + 1, count, fetched, seq, seq_first, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0,
-        H, num_m, head_group, CuQ, False, VARLEN, False, BLOCK_M)
-    pre = n_hz < 0
-    if AHEAD and more:
-        (next_hz, next_row, next_lo, next_blocks, next_start, next_len, next_kstart, next_klen,
-         next_offset, next_left) = _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q,
-                                         N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, CAUSAL,
-                                         HAS_WINDOW, VARLEN, BLOCK_M, BLOCK_N)
-        pre = (next_row + WG * ROWS < next_len) and (next_blocks > 0)
-    return t, count, fetched, seq, seq_first, more, pre
-
-
-@gluon.jit
-def _first_s(ring, g, s_zero, WG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-             PINGPONG: gl.constexpr):
-    # A tile's first S = Q K_g^T issued as asynchronous wgmma (in this warpgroup's turn under
-    # PINGPONG) once K/V block g has landed; the caller has waited for Q.
-    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
-    NUM_WG: gl.constexpr = turn.shape[0]
-    slot = g % STAGES
-    mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-    if PINGPONG:  # turn g waits for phase g of this warpgroup's turn barrier
-        mbarrier.wait(turn.index(WG), g & 1)
-    s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    if SPLIT:
-        s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-    return s_tok
-
-
-@gluon.jit
 def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
                  PINGPONG: gl.constexpr):
     # A consumer's part in the barriers of a tile's n_blocks K/V blocks (the ring's from `it`)
@@ -754,17 +713,16 @@ def _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len, VARLEN: g
 
 
 @gluon.jit
-def _normalized(acc, acc1, inv_l, dtype: gl.constexpr, SPLIT: gl.constexpr):
-    # O / l in dtype, both column parts of a split head_dim (acc in its wgmma layout, 1 / l per
-    # row in the scores' layout): one reciprocal a row, a multiply an element
+def _normalized(acc, inv_l):
+    # O / l in the output's dtype (acc in its wgmma layout, 1 / l per row in the scores' layout):
+    # one reciprocal a row, a multiply an element
     inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, acc.type.layout))
-    out = (acc * gl.expand_dims(inv_o, 1)).to(dtype)
-    if SPLIT:
-        inv_o1 = gl.convert_layout(inv_l, gl.SliceLayout(1, acc1.type.layout))
-        out1 = (acc1 * gl.expand_dims(inv_o1, 1)).to(dtype)
-    else:  # unused
-        out1 = out
-    return out, out1
+    return acc * gl.expand_dims(inv_o, 1)
+
+
+@gluon.jit
+def _stage(acc, inv_l, buf):
+    buf.store(_normalized(acc, inv_l).to(buf.dtype))
 
 
 @gluon.jit
@@ -781,7 +739,7 @@ def _store(desc, b, hz, row, col, buf, VARLEN: gl.constexpr, STRIDED: gl.constex
 
 
 @gluon.jit
-def _store_by_copy(out, out1, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
+def _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
                    WG: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
                    HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
     # A consumer's block (both column parts of a split head_dim) staged in its shared buffers
@@ -790,65 +748,38 @@ def _store_by_copy(out, out1, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
     # epilogue waits for it (the buffers are reused). (With O_IN_Q the buffers are Q's, and the
     # consumer waits for the store at once: the next tile's Q needs them.)
     tma.store_wait(0)
-    o_smem.index(WG).store(out)
+    _stage(acc, inv_l, o_smem.index(WG))
     if SPLIT:
-        o_smem1.index(WG).store(out1)
+        _stage(acc1, inv_l, o_smem1.index(WG))
     fence_async_shared()
     _store(o_desc, b, hz, row, 0, o_smem.index(WG), VARLEN, STRIDED, HEAD_DIM)
     if SPLIT:
-        _store(o_desc1, b, hz, row, out.shape[1], o_smem1.index(WG), VARLEN, STRIDED, HEAD_DIM)
+        _store(o_desc1, b, hz, row, acc.shape[1], o_smem1.index(WG), VARLEN, STRIDED, HEAD_DIM)
 
 
 @gluon.jit
-def _store_part(out, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
+def _store_part(acc, inv_l, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
     # Register stores of one column part (columns col0 on) of a consumer's rows; rows past the
     # sequence's n_rows and padding columns past HEAD_DIM are not out's.
-    layout: gl.constexpr = out.type.layout
-    o_rows = m0 + gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, layout))
-    o_cols = col0 + gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, layout))
+    layout: gl.constexpr = acc.type.layout
+    o_rows = m0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    o_cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
               + gl.expand_dims(o_cols, 0))
     o_mask = gl.expand_dims(o_rows < n_rows, 1) & gl.expand_dims(o_cols < HEAD_DIM, 0)
-    gl.store(o_ptrs, out, mask=o_mask)
+    gl.store(o_ptrs, _normalized(acc, inv_l).to(o_base.dtype.element_ty), mask=o_mask)
 
 
 @gluon.jit
-def _store_rows(out, out1, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
+def _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
                 m0, n_rows, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
     # A consumer's rows [m0, m0 + 64) of (batch, head) off_hz by register stores (both column
     # parts of a split head_dim); a packed sequence's rows start at q_start.
     o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
               + (off_hz % H).to(gl.int64) * stride_oh + gl.cast(q_start, gl.int64) * stride_om)
-    _store_part(out, o_base, stride_om, m0, 0, n_rows, HEAD_DIM)
+    _store_part(acc, inv_l, o_base, stride_om, m0, 0, n_rows, HEAD_DIM)
     if SPLIT:
-        _store_part(out1, o_base, stride_om, m0, out.shape[1], n_rows, HEAD_DIM)
-
-
-@gluon.jit
-def _epilogue(out, out1, o_smem, o_smem1, o_desc, o_desc1, Out, stride_oz, stride_oh,
-              stride_om, off_hz, H, q_start, m0, q_len, q_empty, WG: gl.constexpr,
-              VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
-              SPLIT: gl.constexpr, TMA_STORE: gl.constexpr, O_IN_Q: gl.constexpr):
-    # A consumer's rows of a tile, O / l in out (out1: a split head_dim's second part), stored
-    # (by the copy engine where it can)
-    o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
-    if TMA_STORE and VARLEN:
-        # the copy engine may store only a block wholly inside its sequence
-        if m0 + ROWS <= q_len:
-            _store_by_copy(out, out1, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
-                           q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-        else:
-            _store_rows(out, out1, Out, stride_oz, stride_oh, stride_om, off_hz, H,
-                        q_start, m0, q_len, HEAD_DIM, SPLIT)
-    elif TMA_STORE:  # it drops the rows past a head's end
-        _store_by_copy(out, out1, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head, m0,
-                       WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-    else:  # an out the copy engine cannot address
-        _store_rows(out, out1, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
-                    m0, q_len, HEAD_DIM, SPLIT)
-    if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
-        tma.store_wait(0)
-        mbarrier.arrive(q_empty.index(WG))
+        _store_part(acc1, inv_l, o_base, stride_om, m0, acc.shape[1], n_rows, HEAD_DIM)
 
 
 @gluon.jit
@@ -896,19 +827,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         o_desc, o_desc1 = _descriptors(Out, H if VARLEN else n_hz, N_CTX_Q, HEAD_DIM, o_smem,
                                        o_smem1, VARLEN, stride_om, H, stride_oz, stride_oh,
                                        STRIDED, SPLIT)
-    else:  # unused
-        o_desc = None
-        o_desc1 = None
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
     ti = 0  # tiles so far: Q phase
-    # AHEAD: a tile's first S = Q K^T is issued before the tile before it ends, between that
-    # tile's last P V product and its epilogue, so the tensor cores run it (and Q's wait is
-    # over) while the epilogue stores. Not with O_IN_Q: the next Q comes into the buffer the
-    # output leaves from. `pre`: whether this tile's first S was issued so, s_pre that S.
-    AHEAD: gl.constexpr = not O_IN_Q
-    r_false = n_hz < 0  # (a run-time False: pre is one)
-    pre = r_false
-    s_pre = s_zero
     # the tiles, as the loader walks them (_tile_number)
     n_tiles = n_hz * num_m
     r = 0
@@ -941,11 +861,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             mbarrier.wait(q_ready.index(WG), ti & 1)
             mbarrier.arrive(q_empty.index(WG))
             _pass_blocks(ring, it, n_blocks, WG, STAGES, PINGPONG)
-            pre = r_false
-            s_pre = s_zero
-            t, count, fetched, seq, seq_first, more = _tile_number(
-                r + 1, count, fetched, seq, seq_first, sched, 0, ids, ids_ready, ids_empty,
-                n_tiles, 0, H, num_m, head_group, CuQ, False, VARLEN, False, TILE_M)
         else:
             m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
             l_i = gl.zeros([ROWS], gl.float32, row_layout)
@@ -957,14 +872,20 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             else:  # unused
                 acc1 = acc
 
-            if not pre:
-                mbarrier.wait(q_ready.index(WG), ti & 1)
+            mbarrier.wait(q_ready.index(WG), ti & 1)
             if n_blocks > 0:
-                if pre:
-                    s = s_pre
-                else:
-                    s = warpgroup_mma_wait(0, deps=[_first_s(ring, it, s_zero, WG, STAGES, SPLIT,
-                                                             PINGPONG)])
+                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+                # turn k waits for phase k of this warpgroup's turn barrier
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), it & 1)
+                s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                if SPLIT:
+                    s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
+                                          s_tok, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                s = warpgroup_mma_wait(0, deps=[s_tok])
                 mbarrier.arrive(k_empty.index(it % STAGES))
                 p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
                                                     HAS_WINDOW, SOFTCAP, BLOCK_N)
@@ -1021,11 +942,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                                          v_smem1.index(last), acc1, is_async=True)
                 inv_l = _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len,
                                   VARLEN, STORE_LSE)
-                # the next tile, while the last P V product runs
-                t, count, fetched, seq, seq_first, more, pre = _next_tile(
-                    r, count, fetched, seq, seq_first, sched, ids, ids_ready, ids_empty, n_tiles,
-                    n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-                    LEFT_OFFSET, WG, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N, AHEAD)
                 if SPLIT:
                     acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
                 else:
@@ -1034,28 +950,32 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             else:
                 inv_l = _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len,
                                   VARLEN, STORE_LSE)
-                t, count, fetched, seq, seq_first, more, pre = _next_tile(
-                    r, count, fetched, seq, seq_first, sched, ids, ids_ready, ids_empty, n_tiles,
-                    n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-                    LEFT_OFFSET, WG, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N, AHEAD)
 
-            # epilogue: O / l, stored; (pre) the next tile's first S runs meanwhile
-            out, out1 = _normalized(acc, acc1, inv_l, dtype, SPLIT)
-            if pre:
-                mbarrier.wait(q_ready.index(WG), (ti + 1) & 1)
-                s_tok = _first_s(ring, it + n_blocks, s_zero, WG, STAGES, SPLIT, PINGPONG)
-                _epilogue(out, out1, o_smem, o_smem1, o_desc, o_desc1, Out, stride_oz, stride_oh,
-                          stride_om, off_hz, H, q_start, m0, q_len, q_empty, WG, VARLEN, STRIDED,
-                          HEAD_DIM, SPLIT, TMA_STORE, O_IN_Q)
-                s_pre = warpgroup_mma_wait(0, deps=[s_tok])
-            else:
-                _epilogue(out, out1, o_smem, o_smem1, o_desc, o_desc1, Out, stride_oz, stride_oh,
-                          stride_om, off_hz, H, q_start, m0, q_len, q_empty, WG, VARLEN, STRIDED,
-                          HEAD_DIM, SPLIT, TMA_STORE, O_IN_Q)
-                s_pre = s_zero  # (not held through the next tile)
+            # epilogue: O / l, stored
+            o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
+            if TMA_STORE and VARLEN:
+                # the copy engine may store only a block wholly inside its sequence
+                if m0 + ROWS <= q_len:
+                    _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch,
+                                   o_head, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+                else:
+                    _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om,
+                                off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
+            elif TMA_STORE:  # it drops the rows past a head's end
+                _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
+                               m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+            else:  # an out the copy engine cannot address
+                _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om, off_hz, H,
+                            q_start, m0, q_len, HEAD_DIM, SPLIT)
+            if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty.index(WG))
         it += n_blocks
         ti += 1
         r += 1
+        t, count, fetched, seq, seq_first, more = _tile_number(
+            r, count, fetched, seq, seq_first, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0,
+            H, num_m, head_group, CuQ, False, VARLEN, False, TILE_M)
     if TMA_STORE:
         tma.store_wait(0)  # the last store must have read shared memory before the exit
 
