@@ -269,24 +269,16 @@ def _kv_view(off_hz, H, GROUP, VARLEN: gl.constexpr, STRIDED: gl.constexpr):
 @gluon.jit
 def _load_q(q_desc, q_desc1, b, hz, row, q_ready, q_empty, q_smem, q_smem1, ti, q_bytes,
             VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
-            SPLIT: gl.constexpr, Q_BUFS: gl.constexpr):
+            SPLIT: gl.constexpr):
     # The loader's Q blocks of tile number ti (this program's), one per consumer from `row`,
-    # each once its consumer has freed its buffer (q_empty): buffer ti % Q_BUFS of each
-    # consumer's Q_BUFS (_q_buffer). A fresh mbarrier is in phase 0, so a wait for parity 1
-    # passes at once: the first loads wait for nobody.
-    NUM_WG: gl.constexpr = q_smem.shape[0] // Q_BUFS  # the consumers
+    # each once its consumer has freed its buffer (q_empty). A fresh mbarrier is in phase 0, so
+    # a wait for parity 1 passes at once: the first loads wait for nobody.
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # the consumers, one Q block each
     for wg in gl.static_range(NUM_WG):
-        qb = _q_buffer(ti, wg, NUM_WG, Q_BUFS)
-        mbarrier.wait(q_empty.index(qb), ((ti // Q_BUFS) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(qb), q_bytes)
-        _load_parts(q_desc, q_desc1, b, hz, row + wg * ROWS, q_ready.index(qb), q_smem.index(qb),
-                    q_smem1.index(qb), VARLEN, STRIDED, HEAD_DIM, SPLIT)
-
-
-@gluon.jit
-def _q_buffer(ti, wg, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
-    # Consumer wg's Q buffer for its tile number ti: Q_BUFS buffers each, taken in turn
-    return (ti % Q_BUFS) * NUM_WG + wg
+        mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
+        mbarrier.expect(q_ready.index(wg), q_bytes)
+        _load_parts(q_desc, q_desc1, b, hz, row + wg * ROWS, q_ready.index(wg), q_smem.index(wg),
+                    q_smem1.index(wg), VARLEN, STRIDED, HEAD_DIM, SPLIT)
 
 
 @gluon.jit
@@ -394,8 +386,7 @@ def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_rea
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr,
-            VARLEN: gl.constexpr, STRIDED: gl.constexpr, O_IN_Q: gl.constexpr,
-            Q_BUFS: gl.constexpr):
+            VARLEN: gl.constexpr, STRIDED: gl.constexpr, O_IN_Q: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
      k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, CuQ, CuK, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm, stride_qz, stride_qh,
@@ -416,9 +407,9 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
     D0: gl.constexpr = q_smem.shape[2]
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
-    TILE_M: gl.constexpr = q_smem.shape[0] // Q_BUFS * ROWS  # a tile's rows: a Q block a consumer
+    TILE_M: gl.constexpr = q_smem.shape[0] * ROWS  # a tile's rows: one Q block per consumer
     kv_bytes: gl.constexpr = BLOCK_N * (D0 + D1) * elem
-    it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q buffer, phase)
+    it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
     # The tiles: a dense call's from the host's schedule; a packed batch's handed out as
     # programs ask for them (the host cannot schedule what it does not know: the lengths are
@@ -436,7 +427,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
         batch_of, q_head, kv_head = _kv_view(off_hz, H, GROUP, VARLEN, STRIDED)
         if not O_IN_Q:
             _load_q(q_desc, q_desc1, batch_of, q_head, q_start + first_row, q_ready, q_empty,
-                    q_smem, q_smem1, 0, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT, Q_BUFS)
+                    q_smem, q_smem1, 0, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         if n_blocks > 0:  # ring slot 0, free at the start
             mbarrier.expect(k_ready.index(0), kv_bytes)
             _load_parts(k_desc, k_desc1, batch_of, kv_head, k_start + lo * BLOCK_N,
@@ -455,13 +446,13 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
         q_row = q_start + first_row
         if not O_IN_Q and r > 0:  # (the first tile's went before V's descriptor)
             _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem, q_smem1,
-                    ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT, Q_BUFS)
+                    ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         early = gl.minimum(n_blocks, STAGES)  # (O_IN_Q) K/V blocks loaded before Q
         for j in range(n_blocks):
             if O_IN_Q:
                 if j == early:
                     _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem,
-                            q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT, Q_BUFS)
+                            q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             row = k_start + (lo + j) * BLOCK_N
@@ -478,7 +469,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
         if O_IN_Q:
             if early == n_blocks:  # no more blocks than stages: Q after all of them
                 _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem,
-                        q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT, Q_BUFS)
+                        q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         it += n_blocks
         ti += 1
         r += 1
@@ -686,47 +677,6 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, f
 
 
 @gluon.jit
-def _next_tile(r, count, fetched, seq, seq_first, sched, ids, ids_ready, ids_empty, n_tiles,
-               n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-               LEFT_OFFSET, WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-               VARLEN: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               AHEAD: gl.constexpr):
-    # A consumer's next tile (r + 1 of its walk: _tile_number's values) and (AHEAD) whether
-    # warpgroup WG has rows and K/V blocks in it, so its first S may be issued ahead
-    t, count, fetched, seq, seq_first, more = _tile_number(
-        r + 1, count, fetched, seq, seq_first, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0,
-        H, num_m, head_group, CuQ, False, VARLEN, False, BLOCK_M)
-    pre = n_hz < 0
-    if AHEAD and more:
-        (next_hz, next_row, next_lo, next_blocks, next_start, next_len, next_kstart, next_klen,
-         next_offset, next_left) = _tile(t, n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q,
-                                         N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, CAUSAL,
-                                         HAS_WINDOW, VARLEN, BLOCK_M, BLOCK_N)
-        pre = (next_row + WG * ROWS < next_len) and (next_blocks > 0)
-    return t, count, fetched, seq, seq_first, more, pre
-
-
-@gluon.jit
-def _first_s(ring, g, s_zero, WG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-             PINGPONG: gl.constexpr):
-    # A tile's first S = Q K_g^T issued as asynchronous wgmma (in this warpgroup's turn under
-    # PINGPONG) once K/V block g has landed; the caller has waited for Q.
-    q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
-    NUM_WG: gl.constexpr = turn.shape[0]
-    slot = g % STAGES
-    mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-    if PINGPONG:  # turn g waits for phase g of this warpgroup's turn barrier
-        mbarrier.wait(turn.index(WG), g & 1)
-    s_tok = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    if SPLIT:
-        s_tok = warpgroup_mma(q1, k_smem1.index(slot).permute((1, 0)), s_tok, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-    return s_tok
-
-
-@gluon.jit
 def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
                  PINGPONG: gl.constexpr):
     # A consumer's part in the barriers of a tile's n_blocks K/V blocks (the ring's from `it`)
@@ -763,17 +713,16 @@ def _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len, VARLEN: g
 
 
 @gluon.jit
-def _normalized(acc, acc1, inv_l, dtype: gl.constexpr, SPLIT: gl.constexpr):
-    # O / l in dtype, both column parts of a split head_dim (acc in its wgmma layout, 1 / l per
-    # row in the scores' layout): one reciprocal a row, a multiply an element
+def _normalized(acc, inv_l):
+    # O / l in the output's dtype (acc in its wgmma layout, 1 / l per row in the scores' layout):
+    # one reciprocal a row, a multiply an element
     inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, acc.type.layout))
-    out = (acc * gl.expand_dims(inv_o, 1)).to(dtype)
-    if SPLIT:
-        inv_o1 = gl.convert_layout(inv_l, gl.SliceLayout(1, acc1.type.layout))
-        out1 = (acc1 * gl.expand_dims(inv_o1, 1)).to(dtype)
-    else:  # unused
-        out1 = out
-    return out, out1
+    return acc * gl.expand_dims(inv_o, 1)
+
+
+@gluon.jit
+def _stage(acc, inv_l, buf):
+    buf.store(_normalized(acc, inv_l).to(buf.dtype))
 
 
 @gluon.jit
@@ -790,74 +739,47 @@ def _store(desc, b, hz, row, col, buf, VARLEN: gl.constexpr, STRIDED: gl.constex
 
 
 @gluon.jit
-def _store_by_copy(out, out1, o_smem, o_smem1, o_desc, o_desc1, b, hz, row, ob,
-                   VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   SPLIT: gl.constexpr):
-    # A consumer's block (both column parts of a split head_dim, O / l in the output's dtype)
-    # staged in buffer ob of o_smem (and o_smem1) and stored by the copy engine at head hz, rows
-    # from `row` (_store's coordinates). The copy engine stores it while this warpgroup moves on
-    # to its next tile; only a later wait reads that it is done (the buffers are reused: Q's,
-    # _consumer).
+def _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
+                   WG: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
+    # A consumer's block (both column parts of a split head_dim) staged in its shared buffers
+    # and stored by the copy engine at head hz, rows from `row` (_store's coordinates). The copy
+    # engine stores it while this warpgroup moves on to its next tile; only the next tile's
+    # epilogue waits for it (the buffers are reused). (With O_IN_Q the buffers are Q's, and the
+    # consumer waits for the store at once: the next tile's Q needs them.)
     tma.store_wait(0)
-    o_smem.index(ob).store(out)
+    _stage(acc, inv_l, o_smem.index(WG))
     if SPLIT:
-        o_smem1.index(ob).store(out1)
+        _stage(acc1, inv_l, o_smem1.index(WG))
     fence_async_shared()
-    _store(o_desc, b, hz, row, 0, o_smem.index(ob), VARLEN, STRIDED, HEAD_DIM)
+    _store(o_desc, b, hz, row, 0, o_smem.index(WG), VARLEN, STRIDED, HEAD_DIM)
     if SPLIT:
-        _store(o_desc1, b, hz, row, out.shape[1], o_smem1.index(ob), VARLEN, STRIDED, HEAD_DIM)
+        _store(o_desc1, b, hz, row, acc.shape[1], o_smem1.index(WG), VARLEN, STRIDED, HEAD_DIM)
 
 
 @gluon.jit
-def _store_part(out, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
+def _store_part(acc, inv_l, o_base, stride_om, m0, col0, n_rows, HEAD_DIM: gl.constexpr):
     # Register stores of one column part (columns col0 on) of a consumer's rows; rows past the
     # sequence's n_rows and padding columns past HEAD_DIM are not out's.
-    layout: gl.constexpr = out.type.layout
-    o_rows = m0 + gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, layout))
-    o_cols = col0 + gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, layout))
+    layout: gl.constexpr = acc.type.layout
+    o_rows = m0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    o_cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     o_ptrs = (o_base + gl.expand_dims(o_rows.to(gl.int64) * stride_om, 1)
               + gl.expand_dims(o_cols, 0))
     o_mask = gl.expand_dims(o_rows < n_rows, 1) & gl.expand_dims(o_cols < HEAD_DIM, 0)
-    gl.store(o_ptrs, out, mask=o_mask)
+    gl.store(o_ptrs, _normalized(acc, inv_l).to(o_base.dtype.element_ty), mask=o_mask)
 
 
 @gluon.jit
-def _store_rows(out, out1, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
+def _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
                 m0, n_rows, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
     # A consumer's rows [m0, m0 + 64) of (batch, head) off_hz by register stores (both column
     # parts of a split head_dim); a packed sequence's rows start at q_start.
     o_base = (Out + (off_hz // H).to(gl.int64) * stride_oz
               + (off_hz % H).to(gl.int64) * stride_oh + gl.cast(q_start, gl.int64) * stride_om)
-    _store_part(out, o_base, stride_om, m0, 0, n_rows, HEAD_DIM)
+    _store_part(acc, inv_l, o_base, stride_om, m0, 0, n_rows, HEAD_DIM)
     if SPLIT:
-        _store_part(out1, o_base, stride_om, m0, out.shape[1], n_rows, HEAD_DIM)
-
-
-@gluon.jit
-def _epilogue(out, out1, o_smem, o_smem1, o_desc, o_desc1, Out, stride_oz, stride_oh,
-              stride_om, off_hz, H, q_start, m0, q_len, q_empty, qb,
-              VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
-              SPLIT: gl.constexpr, TMA_STORE: gl.constexpr, O_IN_Q: gl.constexpr):
-    # A consumer's rows of a tile, O / l in out (out1: a split head_dim's second part), stored
-    # (by the copy engine where it can)
-    o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
-    if TMA_STORE and VARLEN:
-        # the copy engine may store only a block wholly inside its sequence
-        if m0 + ROWS <= q_len:
-            _store_by_copy(out, out1, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
-                           q_start + m0, qb, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-        else:
-            _store_rows(out, out1, Out, stride_oz, stride_oh, stride_om, off_hz, H,
-                        q_start, m0, q_len, HEAD_DIM, SPLIT)
-    elif TMA_STORE:  # it drops the rows past a head's end
-        _store_by_copy(out, out1, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head, m0,
-                       qb, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-    else:  # an out the copy engine cannot address
-        _store_rows(out, out1, Out, stride_oz, stride_oh, stride_om, off_hz, H, q_start,
-                    m0, q_len, HEAD_DIM, SPLIT)
-    if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
-        tma.store_wait(0)
-        mbarrier.arrive(q_empty.index(qb))
+        _store_part(acc1, inv_l, o_base, stride_om, m0, acc.shape[1], n_rows, HEAD_DIM)
 
 
 @gluon.jit
@@ -866,14 +788,10 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
               SOFTCAP: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
               O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, STORE_LSE: gl.constexpr,
-              PINGPONG: gl.constexpr, Q_BUFS: gl.constexpr):
+              PINGPONG: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
-    # Q_BUFS 2: two Q buffers a consumer, taken by tiles in turn (_q_buffer), and a tile's
-    # output staged in its own Q buffer (o_smem is q_smem): the next tile's Q comes into the
-    # other while this tile runs, and a buffer is given back once its output store has read it,
-    # checked during the next tile's first block (`held`: a buffer waits for that).
     (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
      k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
@@ -882,7 +800,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     D0: gl.constexpr = q_smem.shape[2]
-    NUM_WG: gl.constexpr = q_smem.shape[0] // Q_BUFS  # the consumers
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # the consumers, one Q block each
     TILE_M: gl.constexpr = NUM_WG * ROWS
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D0, 16])
@@ -894,7 +812,13 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                                                             instr_shape=[16, D1, 16])
         p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout1,
                                                       k_width=2)
+    q = q_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    if SPLIT:
+        q1 = q_smem1.index(WG)
+    else:  # unused
+        q1 = q
+    ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn)
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM], or [batch, heads, seq,
         # HEAD_DIM] at 16-byte aligned strides for STRIDED (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end. A packed out is
@@ -903,21 +827,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         o_desc, o_desc1 = _descriptors(Out, H if VARLEN else n_hz, N_CTX_Q, HEAD_DIM, o_smem,
                                        o_smem1, VARLEN, stride_om, H, stride_oz, stride_oh,
                                        STRIDED, SPLIT)
-    else:  # unused
-        o_desc = None
-        o_desc1 = None
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
-    ti = 0  # tiles so far: Q buffer and phase
-    held = n_hz < 0  # (Q_BUFS 2) whether buffer `held_qb` waits for its output store
-    held_qb = 0
-    # AHEAD: a tile's first S = Q K^T is issued before the tile before it ends, between that
-    # tile's last P V product and its epilogue, so the tensor cores run it while the epilogue
-    # stores. With two Q buffers only: the next tile's Q is in (or on its way) by then.
-    # `pre`: whether this tile's first S was issued so, s_pre that S.
-    AHEAD: gl.constexpr = Q_BUFS == 2
-    r_false = n_hz < 0  # (a run-time False: pre is one)
-    pre = r_false
-    s_pre = s_zero
+    ti = 0  # tiles so far: Q phase
     # the tiles, as the loader walks them (_tile_number)
     n_tiles = n_hz * num_m
     r = 0
@@ -930,14 +841,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N)
         m0 = first_row + WG * ROWS
         rows = m0 + gl.arange(0, ROWS, layout=row_layout)
-        qb = _q_buffer(ti, WG, NUM_WG, Q_BUFS)
-        q_phase = (ti // Q_BUFS) & 1
-        q = q_smem.index(qb)
-        if SPLIT:
-            q1 = q_smem1.index(qb)
-        else:  # unused
-            q1 = q
-        ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn)
         # K blocks [first_full, full_blocks) are fully visible to every row of this warpgroup:
         # left of full_blocks for its first row, and (HAS_WINDOW) right of the window's left
         # edge for its last
@@ -955,18 +858,9 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         if m0 >= q_len:
             # Every row of this warpgroup is past the sequence's end (a ragged last tile): no
             # product, no store, only its part in the ring's and the ping-pong's barriers.
-            mbarrier.wait(q_ready.index(qb), q_phase)
-            mbarrier.arrive(q_empty.index(qb))
-            if held:
-                tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(held_qb))
-                held = n_hz < 0
+            mbarrier.wait(q_ready.index(WG), ti & 1)
+            mbarrier.arrive(q_empty.index(WG))
             _pass_blocks(ring, it, n_blocks, WG, STAGES, PINGPONG)
-            pre = r_false
-            s_pre = s_zero
-            t, count, fetched, seq, seq_first, more = _tile_number(
-                r + 1, count, fetched, seq, seq_first, sched, 0, ids, ids_ready, ids_empty,
-                n_tiles, 0, H, num_m, head_group, CuQ, False, VARLEN, False, TILE_M)
         else:
             m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
             l_i = gl.zeros([ROWS], gl.float32, row_layout)
@@ -978,22 +872,24 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             else:  # unused
                 acc1 = acc
 
-            if not pre:
-                mbarrier.wait(q_ready.index(qb), q_phase)
+            mbarrier.wait(q_ready.index(WG), ti & 1)
             if n_blocks > 0:
-                if pre:
-                    s = s_pre
-                else:
-                    s = warpgroup_mma_wait(0, deps=[_first_s(ring, it, s_zero, WG, STAGES, SPLIT,
-                                                             PINGPONG)])
+                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+                # turn k waits for phase k of this warpgroup's turn barrier
+                if PINGPONG:
+                    mbarrier.wait(turn.index(WG), it & 1)
+                s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                if SPLIT:
+                    s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
+                                          s_tok, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
+                s = warpgroup_mma_wait(0, deps=[s_tok])
                 mbarrier.arrive(k_empty.index(it % STAGES))
                 p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
                                                     HAS_WINDOW, SOFTCAP, BLOCK_N)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-            if held:  # the tile before's output has left its buffer by now, or soon
-                tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(held_qb))
-                held = n_hz < 0
 
             # The blocks past the first, as BLOCK_LOOPS says (the launch's rule, `block_loops`):
             # none (every tile holds one K/V block), one loop choosing each block's mask at run
@@ -1031,8 +927,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                         PINGPONG)
             # Q is no longer read: the loader may bring in the next tile's while this one ends
             # (O_IN_Q: once the output staged in Q's buffer has left, below)
-            if not O_IN_Q and Q_BUFS == 1:
-                mbarrier.arrive(q_empty.index(qb))
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(WG))
 
             if n_blocks > 0:
                 last = (it + n_blocks - 1) % STAGES
@@ -1046,11 +942,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                                          v_smem1.index(last), acc1, is_async=True)
                 inv_l = _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len,
                                   VARLEN, STORE_LSE)
-                # the next tile, while the last P V product runs
-                t, count, fetched, seq, seq_first, more, pre = _next_tile(
-                    r, count, fetched, seq, seq_first, sched, ids, ids_ready, ids_empty, n_tiles,
-                    n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-                    LEFT_OFFSET, WG, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N, AHEAD)
                 if SPLIT:
                     acc, acc1 = warpgroup_mma_wait(0, deps=[acc, acc1])
                 else:
@@ -1059,39 +950,32 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             else:
                 inv_l = _row_ends(m_i, l_i, rows, Lse, off_hz, H, N_CTX_Q, q_start, q_len,
                                   VARLEN, STORE_LSE)
-                t, count, fetched, seq, seq_first, more, pre = _next_tile(
-                    r, count, fetched, seq, seq_first, sched, ids, ids_ready, ids_empty, n_tiles,
-                    n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET,
-                    LEFT_OFFSET, WG, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N, AHEAD)
 
-            # epilogue: O / l, stored; (pre) the next tile's first S runs meanwhile
-            out, out1 = _normalized(acc, acc1, inv_l, dtype, SPLIT)
-            if pre:
-                next_qb = _q_buffer(ti + 1, WG, NUM_WG, Q_BUFS)
-                mbarrier.wait(q_ready.index(next_qb), ((ti + 1) // Q_BUFS) & 1)
-                next_q = q_smem.index(next_qb)
-                if SPLIT:
-                    next_q1 = q_smem1.index(next_qb)
-                else:  # unused
-                    next_q1 = next_q
-                s_tok = _first_s((next_q, next_q1, k_smem, k_smem1, v_smem, v_smem1, k_ready,
-                                  k_empty, v_ready, v_empty, turn), it + n_blocks, s_zero, WG,
-                                 STAGES, SPLIT, PINGPONG)
-                _epilogue(out, out1, o_smem, o_smem1, o_desc, o_desc1, Out, stride_oz, stride_oh,
-                          stride_om, off_hz, H, q_start, m0, q_len, q_empty, qb, VARLEN, STRIDED,
-                          HEAD_DIM, SPLIT, TMA_STORE, O_IN_Q)
-                s_pre = warpgroup_mma_wait(0, deps=[s_tok])
-            else:
-                _epilogue(out, out1, o_smem, o_smem1, o_desc, o_desc1, Out, stride_oz, stride_oh,
-                          stride_om, off_hz, H, q_start, m0, q_len, q_empty, qb, VARLEN, STRIDED,
-                          HEAD_DIM, SPLIT, TMA_STORE, O_IN_Q)
-                s_pre = s_zero  # (not held through the next tile)
-            if Q_BUFS == 2:  # given back during the next tile's first block
-                held = n_hz >= 0
-                held_qb = qb
+            # epilogue: O / l, stored
+            o_batch, o_head = _view_head(off_hz, H, VARLEN, STRIDED)
+            if TMA_STORE and VARLEN:
+                # the copy engine may store only a block wholly inside its sequence
+                if m0 + ROWS <= q_len:
+                    _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch,
+                                   o_head, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+                else:
+                    _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om,
+                                off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
+            elif TMA_STORE:  # it drops the rows past a head's end
+                _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
+                               m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+            else:  # an out the copy engine cannot address
+                _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om, off_hz, H,
+                            q_start, m0, q_len, HEAD_DIM, SPLIT)
+            if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty.index(WG))
         it += n_blocks
         ti += 1
         r += 1
+        t, count, fetched, seq, seq_first, more = _tile_number(
+            r, count, fetched, seq, seq_first, sched, 0, ids, ids_ready, ids_empty, n_tiles, 0,
+            H, num_m, head_group, CuQ, False, VARLEN, False, TILE_M)
     if TMA_STORE:
         tma.store_wait(0)  # the last store must have read shared memory before the exit
 
@@ -1127,14 +1011,11 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     dtype: gl.constexpr = Q.dtype.element_ty
     # Q, the K/V ring and the output staging hold columns [0, BLOCK_D0) of head_dim; a split
     # head_dim (BLOCK_D1 > 0) has a second set of buffers for the columns from BLOCK_D0 on.
-    # Q_BUFS: Q buffers a consumer; two where outputs leave by the copy engine from buffers of
-    # their own otherwise (they are staged in Q's instead: _consumer)
-    Q_BUFS: gl.constexpr = 2 if TMA_STORE and not O_IN_Q else 1
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
     if BLOCK_D1 > 0:
-        q_smem1 = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
+        q_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
         k_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
         v_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
     else:  # unused
@@ -1142,17 +1023,16 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         k_smem1 = k_smem
         v_smem1 = v_smem
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    for i in gl.static_range(Q_BUFS * NUM_WG):
+    for i in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
-    for i in gl.static_range(NUM_WG):
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -1175,8 +1055,12 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
 
-    o_smem = q_smem  # unused without TMA_STORE; else outputs are staged in Q's buffers
+    o_smem = q_smem  # unused without TMA_STORE; with O_IN_Q, outputs are staged in Q's buffers
     o_smem1 = q_smem1
+    if TMA_STORE and not O_IN_Q:  # one output block per consumer for the copy engine's stores
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
+        if BLOCK_D1 > 0:
+            o_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
     shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
               q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
               stride_om, sched, n_hz, num_m, HEAD_GROUP, H, CuQ, CuK, N_CTX_Q, N_CTX_K,
@@ -1192,26 +1076,26 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
-                       STRIDED, O_IN_Q, Q_BUFS)),
+                       STRIDED, O_IN_Q)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
-                       STRIDED, O_IN_Q, Q_BUFS)),
+                       STRIDED, O_IN_Q)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
