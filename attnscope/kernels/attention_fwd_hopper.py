@@ -15,10 +15,8 @@ lower, in Gluon (triton.experimental.gluon), so the schedule is ours instead of 
   (`three_consumers`), three of them at 160 registers on 192-row tiles, as FA3 and FA4 run it.
   A consumer whose rows all lie past the sequence's end (a ragged last tile) only passes the
   barriers on (`_pass_blocks`).
-  Each consumer has two Q buffers, taken by tiles in turn, so the loader brings in the next
-  tile's Q while the current one runs; a tile's output is staged in its own Q buffer, which
-  goes back to the loader once the output's store has read it (checked during the next tile's
-  first block). So a tile's start-up and epilogue overlap its neighbours' work.
+  The loader brings in the next tile's Q as soon as the consumers' last Q K^T of the current
+  one is done, so a tile's start-up and epilogue overlap its neighbours' work.
 - The loader makes the copy engine's descriptors on the device (no host-side descriptor per
   launch) and streams K and V tiles through a STAGES-deep shared-memory ring with TMA. Each slot
   has a "ready" mbarrier (the copy engine signals it when the bytes land) and an "empty"
@@ -60,10 +58,9 @@ past a head's end reads the copy engine's zeros (never the next head's rows), ke
 masked to -inf in the last K/V block only, and the copy engine drops the rows of an output block
 past the end. Output blocks go to memory through shared memory and the copy engine (TMA store),
 except those of an `out` the copy engine cannot address (an address or strides that are not 16-byte
-multiples). Outputs are staged in the tile's Q buffer (Q_BUFS 2 in _consumer: two a consumer,
-where both fit in shared memory). At head_dim 200-256, and at 152-160 on 128-key blocks, where a
-second Q buffer does not fit, they are staged in the consumer's one Q buffer (O_IN_Q), which takes
-the next tile's Q once the store has read it.
+multiples). At head_dim 200-256, and at 152-160 on 128-key blocks, where buffers of their own do
+not fit in shared memory, outputs are staged in the consumer's Q buffer (O_IN_Q), which takes the
+next tile's Q once the store has read it.
 
 Sliding windows and softcaps as the Triton kernel takes them (HAS_WINDOW, SOFTCAP; without them
 the kernel compiles to the code it had): a window's right edge is the causal bound moved right, its
@@ -272,24 +269,16 @@ def _kv_view(off_hz, H, GROUP, VARLEN: gl.constexpr, STRIDED: gl.constexpr):
 @gluon.jit
 def _load_q(q_desc, q_desc1, b, hz, row, q_ready, q_empty, q_smem, q_smem1, ti, q_bytes,
             VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
-            SPLIT: gl.constexpr, Q_BUFS: gl.constexpr):
+            SPLIT: gl.constexpr):
     # The loader's Q blocks of tile number ti (this program's), one per consumer from `row`,
-    # each once its consumer has freed its buffer (q_empty): buffer ti % Q_BUFS of each
-    # consumer's Q_BUFS (_q_buffer). A fresh mbarrier is in phase 0, so a wait for parity 1
-    # passes at once: the first loads wait for nobody.
-    NUM_WG: gl.constexpr = q_smem.shape[0] // Q_BUFS  # the consumers
+    # each once its consumer has freed its buffer (q_empty). A fresh mbarrier is in phase 0, so
+    # a wait for parity 1 passes at once: the first loads wait for nobody.
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # the consumers, one Q block each
     for wg in gl.static_range(NUM_WG):
-        qb = _q_buffer(ti, wg, NUM_WG, Q_BUFS)
-        mbarrier.wait(q_empty.index(qb), ((ti // Q_BUFS) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(qb), q_bytes)
-        _load_parts(q_desc, q_desc1, b, hz, row + wg * ROWS, q_ready.index(qb), q_smem.index(qb),
-                    q_smem1.index(qb), VARLEN, STRIDED, HEAD_DIM, SPLIT)
-
-
-@gluon.jit
-def _q_buffer(ti, wg, NUM_WG: gl.constexpr, Q_BUFS: gl.constexpr):
-    # Consumer wg's Q buffer for its tile number ti: Q_BUFS buffers each, taken in turn
-    return (ti % Q_BUFS) * NUM_WG + wg
+        mbarrier.wait(q_empty.index(wg), (ti & 1) ^ 1)
+        mbarrier.expect(q_ready.index(wg), q_bytes)
+        _load_parts(q_desc, q_desc1, b, hz, row + wg * ROWS, q_ready.index(wg), q_smem.index(wg),
+                    q_smem1.index(wg), VARLEN, STRIDED, HEAD_DIM, SPLIT)
 
 
 @gluon.jit
@@ -397,8 +386,7 @@ def _tile_number(r, count, fetched, seq, seq_first, sched, Counter, ids, ids_rea
 @gluon.jit
 def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, D1: gl.constexpr,
-            VARLEN: gl.constexpr, STRIDED: gl.constexpr, O_IN_Q: gl.constexpr,
-            Q_BUFS: gl.constexpr):
+            VARLEN: gl.constexpr, STRIDED: gl.constexpr, O_IN_Q: gl.constexpr):
     (Q, K, V, q_smem, k_smem, v_smem, q_smem1, k_smem1, v_smem1, q_ready, q_empty, k_ready,
      k_empty, v_ready, v_empty, sched, n_hz, num_m, head_group, H, GROUP, CuQ, CuK, N_CTX_Q,
      N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, stride_qm, stride_km, stride_vm, stride_qz, stride_qh,
@@ -419,9 +407,9 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
     D0: gl.constexpr = q_smem.shape[2]
     elem: gl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
     q_bytes: gl.constexpr = ROWS * (D0 + D1) * elem  # what one Q block's copies bring in
-    TILE_M: gl.constexpr = q_smem.shape[0] // Q_BUFS * ROWS  # a tile's rows: a Q block a consumer
+    TILE_M: gl.constexpr = q_smem.shape[0] * ROWS  # a tile's rows: one Q block per consumer
     kv_bytes: gl.constexpr = BLOCK_N * (D0 + D1) * elem
-    it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q buffer, phase)
+    it = 0  # K/V blocks loaded so far (ring slot and phase); ti: tiles so far (Q phase)
     ti = 0
     # The tiles: a dense call's from the host's schedule; a packed batch's handed out as
     # programs ask for them (the host cannot schedule what it does not know: the lengths are
@@ -439,7 +427,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
         batch_of, q_head, kv_head = _kv_view(off_hz, H, GROUP, VARLEN, STRIDED)
         if not O_IN_Q:
             _load_q(q_desc, q_desc1, batch_of, q_head, q_start + first_row, q_ready, q_empty,
-                    q_smem, q_smem1, 0, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT, Q_BUFS)
+                    q_smem, q_smem1, 0, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         if n_blocks > 0:  # ring slot 0, free at the start
             mbarrier.expect(k_ready.index(0), kv_bytes)
             _load_parts(k_desc, k_desc1, batch_of, kv_head, k_start + lo * BLOCK_N,
@@ -458,13 +446,13 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
         q_row = q_start + first_row
         if not O_IN_Q and r > 0:  # (the first tile's went before V's descriptor)
             _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem, q_smem1,
-                    ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT, Q_BUFS)
+                    ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         early = gl.minimum(n_blocks, STAGES)  # (O_IN_Q) K/V blocks loaded before Q
         for j in range(n_blocks):
             if O_IN_Q:
                 if j == early:
                     _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem,
-                            q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT, Q_BUFS)
+                            q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             row = k_start + (lo + j) * BLOCK_N
@@ -481,7 +469,7 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
         if O_IN_Q:
             if early == n_blocks:  # no more blocks than stages: Q after all of them
                 _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem,
-                        q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT, Q_BUFS)
+                        q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
         it += n_blocks
         ti += 1
         r += 1
@@ -751,21 +739,22 @@ def _store(desc, b, hz, row, col, buf, VARLEN: gl.constexpr, STRIDED: gl.constex
 
 
 @gluon.jit
-def _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, b, hz, row, ob,
-                   VARLEN: gl.constexpr, STRIDED: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   SPLIT: gl.constexpr):
-    # A consumer's block (both column parts of a split head_dim) staged in buffer ob of o_smem
-    # (and o_smem1) and stored by the copy engine at head hz, rows from `row` (_store's
-    # coordinates). The copy engine stores it while this warpgroup moves on to its next tile;
-    # only a later wait reads that it is done (the buffers are reused: Q's, _consumer).
+def _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, b, hz, row,
+                   WG: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
+    # A consumer's block (both column parts of a split head_dim) staged in its shared buffers
+    # and stored by the copy engine at head hz, rows from `row` (_store's coordinates). The copy
+    # engine stores it while this warpgroup moves on to its next tile; only the next tile's
+    # epilogue waits for it (the buffers are reused). (With O_IN_Q the buffers are Q's, and the
+    # consumer waits for the store at once: the next tile's Q needs them.)
     tma.store_wait(0)
-    _stage(acc, inv_l, o_smem.index(ob))
+    _stage(acc, inv_l, o_smem.index(WG))
     if SPLIT:
-        _stage(acc1, inv_l, o_smem1.index(ob))
+        _stage(acc1, inv_l, o_smem1.index(WG))
     fence_async_shared()
-    _store(o_desc, b, hz, row, 0, o_smem.index(ob), VARLEN, STRIDED, HEAD_DIM)
+    _store(o_desc, b, hz, row, 0, o_smem.index(WG), VARLEN, STRIDED, HEAD_DIM)
     if SPLIT:
-        _store(o_desc1, b, hz, row, acc.shape[1], o_smem1.index(ob), VARLEN, STRIDED, HEAD_DIM)
+        _store(o_desc1, b, hz, row, acc.shape[1], o_smem1.index(WG), VARLEN, STRIDED, HEAD_DIM)
 
 
 @gluon.jit
@@ -799,14 +788,10 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
               SOFTCAP: gl.constexpr, TMA_STORE: gl.constexpr,
               D1: gl.constexpr, VARLEN: gl.constexpr, STRIDED: gl.constexpr,
               O_IN_Q: gl.constexpr, BLOCK_LOOPS: gl.constexpr, STORE_LSE: gl.constexpr,
-              PINGPONG: gl.constexpr, Q_BUFS: gl.constexpr):
+              PINGPONG: gl.constexpr):
     # Consumer warpgroup WG of NUM_WG: rows [WG * 64, WG * 64 + 64) of each tile. With a split
     # head_dim (D1 > 0) every product runs as two wgmma, one per column part: S = Q0 K0^T +
     # Q1 K1^T chained on one accumulator, O0 += P V0 and O1 += P V1 into two.
-    # Q_BUFS 2: two Q buffers a consumer, taken by tiles in turn (_q_buffer), and a tile's
-    # output staged in its own Q buffer (o_smem is q_smem): the next tile's Q comes into the
-    # other while this tile runs, and a buffer is given back once its output store has read it,
-    # checked during the next tile's first block (`held`: a buffer waits for that).
     (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready, q_empty,
      k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh, stride_om, sched,
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
@@ -815,7 +800,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     D0: gl.constexpr = q_smem.shape[2]
-    NUM_WG: gl.constexpr = q_smem.shape[0] // Q_BUFS  # the consumers
+    NUM_WG: gl.constexpr = q_smem.shape[0]  # the consumers, one Q block each
     TILE_M: gl.constexpr = NUM_WG * ROWS
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D0, 16])
@@ -827,7 +812,13 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                                                             instr_shape=[16, D1, 16])
         p_layout1: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout1,
                                                       k_width=2)
+    q = q_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    if SPLIT:
+        q1 = q_smem1.index(WG)
+    else:  # unused
+        q1 = q
+    ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn)
     if TMA_STORE:  # out is contiguous [heads, seq, HEAD_DIM], or [batch, heads, seq,
         # HEAD_DIM] at 16-byte aligned strides for STRIDED (the launch checked); the copy
         # engine drops the rows of a block that run past the head's end. A packed out is
@@ -837,9 +828,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                                        o_smem1, VARLEN, stride_om, H, stride_oz, stride_oh,
                                        STRIDED, SPLIT)
     it = 0  # K/V blocks consumed so far: ring slot, phases and ping-pong turn parity
-    ti = 0  # tiles so far: Q buffer and phase
-    held = False  # (Q_BUFS 2) whether buffer `held_qb` waits for its output store
-    held_qb = 0
+    ti = 0  # tiles so far: Q phase
     # the tiles, as the loader walks them (_tile_number)
     n_tiles = n_hz * num_m
     r = 0
@@ -852,14 +841,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N)
         m0 = first_row + WG * ROWS
         rows = m0 + gl.arange(0, ROWS, layout=row_layout)
-        qb = _q_buffer(ti, WG, NUM_WG, Q_BUFS)
-        q_phase = (ti // Q_BUFS) & 1
-        q = q_smem.index(qb)
-        if SPLIT:
-            q1 = q_smem1.index(qb)
-        else:  # unused
-            q1 = q
-        ring = (q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn)
         # K blocks [first_full, full_blocks) are fully visible to every row of this warpgroup:
         # left of full_blocks for its first row, and (HAS_WINDOW) right of the window's left
         # edge for its last
@@ -877,13 +858,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
         if m0 >= q_len:
             # Every row of this warpgroup is past the sequence's end (a ragged last tile): no
             # product, no store, only its part in the ring's and the ping-pong's barriers.
-            mbarrier.wait(q_ready.index(qb), q_phase)
-            mbarrier.arrive(q_empty.index(qb))
-            if Q_BUFS == 2:
-                if held:
-                    tma.store_wait(0)
-                    mbarrier.arrive(q_empty.index(held_qb))
-                    held = False
+            mbarrier.wait(q_ready.index(WG), ti & 1)
+            mbarrier.arrive(q_empty.index(WG))
             _pass_blocks(ring, it, n_blocks, WG, STAGES, PINGPONG)
         else:
             m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
@@ -896,7 +872,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             else:  # unused
                 acc1 = acc
 
-            mbarrier.wait(q_ready.index(qb), q_phase)
+            mbarrier.wait(q_ready.index(WG), ti & 1)
             if n_blocks > 0:
                 mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
                 # turn k waits for phase k of this warpgroup's turn barrier
@@ -914,11 +890,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
                                                     HAS_WINDOW, SOFTCAP, BLOCK_N)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-            if Q_BUFS == 2:
-                if held:  # the tile before's output has left its buffer by now, or soon
-                    tma.store_wait(0)
-                    mbarrier.arrive(q_empty.index(held_qb))
-                    held = False
 
             # The blocks past the first, as BLOCK_LOOPS says (the launch's rule, `block_loops`):
             # none (every tile holds one K/V block), one loop choosing each block's mask at run
@@ -956,8 +927,8 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                         PINGPONG)
             # Q is no longer read: the loader may bring in the next tile's while this one ends
             # (O_IN_Q: once the output staged in Q's buffer has left, below)
-            if not O_IN_Q and Q_BUFS == 1:
-                mbarrier.arrive(q_empty.index(qb))
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(WG))
 
             if n_blocks > 0:
                 last = (it + n_blocks - 1) % STAGES
@@ -986,22 +957,19 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 # the copy engine may store only a block wholly inside its sequence
                 if m0 + ROWS <= q_len:
                     _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch,
-                                   o_head, q_start + m0, qb, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+                                   o_head, q_start + m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
                 else:
                     _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om,
                                 off_hz, H, q_start, m0, q_len, HEAD_DIM, SPLIT)
             elif TMA_STORE:  # it drops the rows past a head's end
                 _store_by_copy(acc, acc1, inv_l, o_smem, o_smem1, o_desc, o_desc1, o_batch, o_head,
-                               m0, qb, VARLEN, STRIDED, HEAD_DIM, SPLIT)
+                               m0, WG, VARLEN, STRIDED, HEAD_DIM, SPLIT)
             else:  # an out the copy engine cannot address
                 _store_rows(acc, acc1, inv_l, Out, stride_oz, stride_oh, stride_om, off_hz, H,
                             q_start, m0, q_len, HEAD_DIM, SPLIT)
             if O_IN_Q:  # the store has read Q's buffer: the next tile's Q may come in
                 tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(qb))
-            if Q_BUFS == 2:  # given back during the next tile's first block
-                held = True
-                held_qb = qb
+                mbarrier.arrive(q_empty.index(WG))
         it += n_blocks
         ti += 1
         r += 1
@@ -1043,14 +1011,11 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     dtype: gl.constexpr = Q.dtype.element_ty
     # Q, the K/V ring and the output staging hold columns [0, BLOCK_D0) of head_dim; a split
     # head_dim (BLOCK_D1 > 0) has a second set of buffers for the columns from BLOCK_D0 on.
-    # Q_BUFS: Q buffers a consumer; two where outputs leave by the copy engine from buffers of
-    # their own otherwise (they are staged in Q's instead: _consumer)
-    Q_BUFS: gl.constexpr = 2 if TMA_STORE and not O_IN_Q else 1
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
     if BLOCK_D1 > 0:
-        q_smem1 = gl.allocate_shared_memory(dtype, [Q_BUFS * NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
+        q_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
         k_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
         v_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
     else:  # unused
@@ -1058,17 +1023,16 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         k_smem1 = k_smem
         v_smem1 = v_smem
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS * NUM_WG, 1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    for i in gl.static_range(Q_BUFS * NUM_WG):
+    for i in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
-    for i in gl.static_range(NUM_WG):
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -1091,8 +1055,12 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     mbarrier.arrive(turn.index(0))
     fence_async_shared()
 
-    o_smem = q_smem  # unused without TMA_STORE; else outputs are staged in Q's buffers
+    o_smem = q_smem  # unused without TMA_STORE; with O_IN_Q, outputs are staged in Q's buffers
     o_smem1 = q_smem1
+    if TMA_STORE and not O_IN_Q:  # one output block per consumer for the copy engine's stores
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
+        if BLOCK_D1 > 0:
+            o_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
     shared = (q_smem, k_smem, v_smem, o_smem, q_smem1, k_smem1, v_smem1, o_smem1, q_ready,
               q_empty, k_ready, k_empty, v_ready, v_empty, turn, Out, Lse, stride_oz, stride_oh,
               stride_om, sched, n_hz, num_m, HEAD_GROUP, H, CuQ, CuK, N_CTX_Q, N_CTX_K,
@@ -1108,26 +1076,26 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
-                       STRIDED, O_IN_Q, Q_BUFS)),
+                       STRIDED, O_IN_Q)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (shared, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_consumer, (shared, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW, SOFTCAP,
                          TMA_STORE, BLOCK_D1, VARLEN, STRIDED, O_IN_Q, BLOCK_LOOPS,
-                         STORE_LSE, PINGPONG, Q_BUFS)),
+                         STORE_LSE, PINGPONG)),
             (_loader, (loads, HEAD_DIM, CAUSAL, HAS_WINDOW, BLOCK_N, STAGES, BLOCK_D1, VARLEN,
-                       STRIDED, O_IN_Q, Q_BUFS)),
+                       STRIDED, O_IN_Q)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1437,7 +1405,6 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
         raise ValueError(f"config {config} with column parts {(d0, d1)} needs {smem} B of shared "
                          f"memory for Q and the K/V ring, more than {SHARED_MEMORY_BYTES}")
-    # outputs are staged in a second Q buffer a consumer (the kernel's Q_BUFS 2) where it fits
     staging_fits = smem + consumers * tile_bytes <= SHARED_MEMORY_BYTES
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_N=block_n, STAGES=stages,
                   CAUSAL=bounded, HAS_WINDOW=has_window, SOFTCAP=has_softcap, CONSUMER_REGS=regs,
