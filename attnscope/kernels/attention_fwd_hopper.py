@@ -397,7 +397,6 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
     # and a fence), so V's is made after the first tile's Q and first K block are issued: the
     # first S = Q K^T waits for those two only.
     SPLIT: gl.constexpr = D1 > 0
-    K_STAGES: gl.constexpr = k_ready.shape[0]  # K's slots: STAGES, or fewer (the kernel's)
     # heads of the descriptors' views: all (batch, head) pairs, or the heads of one packed row
     q_hz = H if VARLEN else n_hz
     kv_hz = q_hz // GROUP
@@ -442,28 +441,27 @@ def _loader(args, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.c
             LEFT_OFFSET, CAUSAL, HAS_WINDOW, VARLEN, TILE_M, BLOCK_N)
         batch_of, q_head, kv_head = _kv_view(off_hz, H, GROUP, VARLEN, STRIDED)
         # The tile's Q blocks, then its K/V blocks. With O_IN_Q a consumer frees its Q buffer
-        # only once its output has left it, so its first K_STAGES K/V blocks go first (their
-        # ring slots free up before the consumers' epilogue) and the Q blocks after them.
+        # only once its output has left it, so its first STAGES K/V blocks go first (their ring
+        # slots free up before the consumers' epilogue) and the Q blocks after them.
         q_row = q_start + first_row
         if not O_IN_Q and r > 0:  # (the first tile's went before V's descriptor)
             _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem, q_smem1,
                     ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-        early = gl.minimum(n_blocks, K_STAGES)  # (O_IN_Q) K/V blocks loaded before Q
+        early = gl.minimum(n_blocks, STAGES)  # (O_IN_Q) K/V blocks loaded before Q
         for j in range(n_blocks):
             if O_IN_Q:
                 if j == early:
                     _load_q(q_desc, q_desc1, batch_of, q_head, q_row, q_ready, q_empty, q_smem,
                             q_smem1, ti, q_bytes, VARLEN, STRIDED, HEAD_DIM, SPLIT)
-            k_slot = (it + j) % K_STAGES
             slot = (it + j) % STAGES
             phase = (((it + j) // STAGES) & 1) ^ 1
             row = k_start + (lo + j) * BLOCK_N
             if r > 0 or j > 0:  # (the first tile's first K block went before V's descriptor)
-                mbarrier.wait(k_empty.index(k_slot), (((it + j) // K_STAGES) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(k_slot), kv_bytes)
-                _load_parts(k_desc, k_desc1, batch_of, kv_head, row, k_ready.index(k_slot),
-                            k_smem.index(k_slot), k_smem1.index(k_slot), VARLEN, STRIDED,
-                            HEAD_DIM, SPLIT)
+                mbarrier.wait(k_empty.index(slot), phase)
+                mbarrier.expect(k_ready.index(slot), kv_bytes)
+                _load_parts(k_desc, k_desc1, batch_of, kv_head, row, k_ready.index(slot),
+                            k_smem.index(slot), k_smem1.index(slot), VARLEN, STRIDED, HEAD_DIM,
+                            SPLIT)
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), kv_bytes)
             _load_parts(v_desc, v_desc1, batch_of, kv_head, row, v_ready.index(slot),
@@ -622,10 +620,9 @@ def _next_block(ring, g, acc, acc1, p_op, l_i, m_i, alpha_in, s_zero, rows, j, f
     # at 160 registers, P_{j-1} held through the masked softmax spills. (Not under SPLIT, whose
     # branch comes first, nor in BLOCK_LOOPS 1's loop, whose blocks' MASKED is None.)
     SERIAL: gl.constexpr = (NUM_WG == 3) and (MASKED is True)
-    K_STAGES: gl.constexpr = k_ready.shape[0]  # K's ring slots (STAGES: V's)
-    slot = g % K_STAGES
+    slot = g % STAGES
     prev = (g - 1) % STAGES
-    mbarrier.wait(k_ready.index(slot), (g // K_STAGES) & 1)
+    mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     EARLY: gl.constexpr = not PINGPONG  # O rescaled before the P V product
     if PINGPONG:
@@ -687,16 +684,14 @@ def _pass_blocks(ring, it, n_blocks, WG: gl.constexpr, STAGES: gl.constexpr,
     # (an arrival before the slot's load would count toward the release of the block before).
     q, q1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready, v_empty, turn = ring
     NUM_WG: gl.constexpr = turn.shape[0]
-    K_STAGES: gl.constexpr = k_ready.shape[0]
     for j in range(n_blocks):
         g = it + j
-        k_slot = g % K_STAGES
-        mbarrier.wait(k_ready.index(k_slot), (g // K_STAGES) & 1)
+        slot = g % STAGES
+        mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn.index(WG), g & 1)
             mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
-        mbarrier.arrive(k_empty.index(k_slot))
-        slot = g % STAGES
+        mbarrier.arrive(k_empty.index(slot))
         mbarrier.wait(v_ready.index(slot), (g // STAGES) & 1)
         mbarrier.arrive(v_empty.index(slot))
 
@@ -802,7 +797,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
      n_hz, num_m, head_group, H, CuQ, CuK, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
      softcap_log2, ids, ids_ready, ids_empty) = args
     SPLIT: gl.constexpr = D1 > 0
-    K_STAGES: gl.constexpr = k_ready.shape[0]  # K's ring slots (STAGES: V's)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     D0: gl.constexpr = q_smem.shape[2]
@@ -880,20 +874,19 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 
             mbarrier.wait(q_ready.index(WG), ti & 1)
             if n_blocks > 0:
-                k_slot = it % K_STAGES
-                mbarrier.wait(k_ready.index(k_slot), (it // K_STAGES) & 1)
+                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
                 # turn k waits for phase k of this warpgroup's turn barrier
                 if PINGPONG:
                     mbarrier.wait(turn.index(WG), it & 1)
-                s_tok = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)), s_zero,
+                s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
                                       use_acc=False, is_async=True)
                 if SPLIT:
-                    s_tok = warpgroup_mma(q1, k_smem1.index(k_slot).permute((1, 0)),
+                    s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
                                           s_tok, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
                 s = warpgroup_mma_wait(0, deps=[s_tok])
-                mbarrier.arrive(k_empty.index(k_slot))
+                mbarrier.arrive(k_empty.index(it % STAGES))
                 p, alpha, l_i, m_i = _block_softmax(s, m_i, l_i, rows, lo, full_blocks, vis, CAUSAL,
                                                     HAS_WINDOW, SOFTCAP, BLOCK_N)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -994,7 +987,7 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
                      BATCH, H, GROUP, N_CTX_Q, N_CTX_K, CAUSAL_OFFSET, LEFT_OFFSET, qk_scale,
                      softcap_log2, HEAD_GROUP, SCHED_STRIDE, NUM_M,
                      HEAD_DIM: gl.constexpr, BLOCK_D0: gl.constexpr, BLOCK_D1: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, K_STAGES: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, Q_LAYOUT: gl.constexpr,
                      KV_LAYOUT: gl.constexpr, Q_LAYOUT1: gl.constexpr, KV_LAYOUT1: gl.constexpr,
@@ -1019,11 +1012,11 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     # Q, the K/V ring and the output staging hold columns [0, BLOCK_D0) of head_dim; a split
     # head_dim (BLOCK_D1 > 0) has a second set of buffers for the columns from BLOCK_D0 on.
     q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D0], Q_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D0], KV_LAYOUT)
     if BLOCK_D1 > 0:
         q_smem1 = gl.allocate_shared_memory(dtype, [NUM_WG, ROWS, BLOCK_D1], Q_LAYOUT1)
-        k_smem1 = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
+        k_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
         v_smem1 = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D1], KV_LAYOUT1)
     else:  # unused
         q_smem1 = q_smem
@@ -1033,19 +1026,18 @@ def _attn_fwd_hopper(Q, K, V, Out, Lse, CuQ, CuK, Counter, Sched, stride_qm, str
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [NUM_WG, 1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     for i in gl.static_range(NUM_WG):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(K_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=NUM_WG)  # one arrival per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=NUM_WG)
     # A packed batch's tile numbers, from the loader to the consumers (_publish). (Allocated
     # only where used: Triton 3.6 fails to lower a kernel with an unused shared buffer.)
@@ -1145,26 +1137,11 @@ def table_config(head_dim):
     return CONFIGS[128 if head_dim <= 128 else 256]
 
 
-def ring_bytes(config, parts, element_size=2, k_stages=None):
+def ring_bytes(config, parts, element_size=2):
     """Shared memory a launch of this config and these column parts needs for its consumers' Q
-    blocks and its K/V ring (fp16/bf16 by default), without the output's staging buffers: V's
-    STAGES slots and K's k_stages (default: STAGES too)."""
+    blocks and its K/V ring (fp16/bf16 by default), without the output's staging buffers."""
     block_n, stages, _, consumers = config
-    k_stages = stages if k_stages is None else k_stages
-    return (consumers * ROWS.value + (k_stages + stages) * block_n) * sum(parts) * element_size
-
-
-def k_stages_for(config, parts, element_size=2):
-    """K's ring slots (the kernel's K_STAGES): the config's STAGES, or one fewer where Q and the
-    full ring would not fit shared memory. K gives the slot up, not V: a consumer issues
-    S_j = Q K_j^T one block after K_{j-1} has been read, so K_j's load has the block's softmax
-    and P V product to land in, while V_j is read by the P V product issued right after V_{j-1}'s
-    is done."""
-    stages = config[1]
-    if (stages > 1 and ring_bytes(config, parts, element_size) > SHARED_MEMORY_BYTES
-            and ring_bytes(config, parts, element_size, stages - 1) <= SHARED_MEMORY_BYTES):
-        return stages - 1
-    return stages
+    return (consumers * ROWS.value + 2 * stages * block_n) * sum(parts) * element_size
 
 
 # head_dim 64 takes this kernel from MIN_QUERIES queries on: below, the Triton kernel is faster
@@ -1424,14 +1401,13 @@ def attention_fwd_hopper(q, k, v, out, lse, *, causal, scale, causal_offset, win
     if pingpong is None:
         pingpong = pingpong_for(head_dim, block_n, None if varlen else kv_len)
     tile_bytes = ROWS.value * (d0 + d1) * q.element_size()  # one consumer's Q or O block
-    k_stages = k_stages_for(config, parts, q.element_size())
-    smem = ring_bytes(config, parts, q.element_size(), k_stages)
+    smem = ring_bytes(config, parts, q.element_size())
     if smem > SHARED_MEMORY_BYTES:  # (a lab's config or parts; the table's all fit)
         raise ValueError(f"config {config} with column parts {(d0, d1)} needs {smem} B of shared "
                          f"memory for Q and the K/V ring, more than {SHARED_MEMORY_BYTES}")
     staging_fits = smem + consumers * tile_bytes <= SHARED_MEMORY_BYTES
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_D0=d0, BLOCK_D1=d1, BLOCK_N=block_n, STAGES=stages,
-                  K_STAGES=k_stages, CAUSAL=bounded, HAS_WINDOW=has_window, SOFTCAP=has_softcap, CONSUMER_REGS=regs,
+                  CAUSAL=bounded, HAS_WINDOW=has_window, SOFTCAP=has_softcap, CONSUMER_REGS=regs,
                   Q_LAYOUT=_smem_layout(ROWS.value, d0, dtype),
                   KV_LAYOUT=_smem_layout(block_n, d0, dtype),
                   Q_LAYOUT1=_smem_layout(ROWS.value, d1 or d0, dtype),
