@@ -346,6 +346,34 @@ def test_bad_input_says_what_it_got(change, error, match):
                                      args.pop("cache_seqlens"), **args)
 
 
+def test_lengths_or_block_table_entries_out_of_range_are_refused_on_cpu():
+    # On CPU the values are read and checked (on CUDA that would synchronise every call), also
+    # on a remembered call's repeat, which skips the other checks.
+    q, k, v = make_cache(2, 1, 4, 2, 32, 16, torch.float32)
+    good = torch.tensor([5, 32], dtype=torch.int32)
+    fused_attention_with_kvcache(q, k, v, good)  # remembered: the next call is a repeat
+    with pytest.raises(ValueError, match="between 0 and the cache's capacity 32, got \\[5, 33\\]"):
+        fused_attention_with_kvcache(q, k, v, torch.tensor([5, 33], dtype=torch.int32))
+    with pytest.raises(ValueError, match="capacity 32, got \\[-1, 3\\]"):
+        fused_attention_with_kvcache(q, k, v, torch.tensor([-1, 3], dtype=torch.int32))
+    k_pool, v_pool, table = page(k, v, 8)
+    for bad, named in ((k_pool.shape[0], f"0..{k_pool.shape[0] - 1}"), (-1, "from -1")):
+        wrong = table.clone()
+        wrong[1, 2] = bad
+        with pytest.raises(ValueError, match=f"block_table's entries must name cache blocks.*"
+                                             f"{named}"):
+            fused_attention_with_kvcache(q, k_pool, v_pool, good, block_table=wrong)
+        with pytest.raises(ValueError, match="block_table's entries"):  # an int length too
+            fused_attention_with_kvcache(q, k_pool, v_pool, 32, block_table=wrong)
+
+
+def test_more_sequences_and_kv_heads_than_the_grid_takes_are_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "MAX_GROUPS", 3)
+    q, k, v = make_cache(2, 1, 4, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="batch \\* kv_heads must be at most 3 .* got 2 x 2"):
+        fused_attention_with_kvcache(q, k, v, 8)
+
+
 def test_strided_lengths_or_block_table_rows_are_refused():
     # The kernel reads cache_seqlens[b] at offset b and a sequence's table entries one after
     # another: other strides would read the wrong entries, so they are refused, not misread.
@@ -819,6 +847,20 @@ def test_gpu_top_left_window_keeps_the_prefill_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "attention_decode", lambda *a, **kw: pytest.fail("decode ran"))
     q, k, v = (_bhsd(t) for t in make_cache(2, 1, 8, 2, 300, 64, torch.bfloat16, "cuda"))
     fused_attention(q, k, v, causal=False, window=(5, 5), causal_alignment="top_left")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_more_groups_than_the_decode_grid_takes_keep_the_prefill_kernel(layout, monkeypatch):
+    # A decode-route call of more (batch, kv head) pairs than the decode kernel's grid takes
+    # (MAX_GROUPS, lowered here) runs the prefill kernel, and is right.
+    monkeypatch.setattr(kernels, "MAX_GROUPS", 15)
+    monkeypatch.setattr(kernels, "attention_decode", lambda *a, **kw: pytest.fail("decode ran"))
+    q, k, v = make_cache(4, 2, 16, 4, 300, 64, torch.bfloat16, "cuda", seed=95)
+    args = (q, k, v) if layout == "bshd" else tuple(_bhsd(t) for t in (q, k, v))
+    out, lse = fused_attention(*args, layout=layout, causal_alignment="bottom_right",
+                               return_lse=True)
+    assert_close(out if layout == "bshd" else _bhsd(out), lse, q, k, v, [300] * 4, 4e-3, 1e-3)
 
 
 def _kept():

@@ -138,6 +138,12 @@ def test_validation():
         call(q[None], k, v, cu_q, cu_k, 5, 6)
     with pytest.raises(ValueError, match="causal=True"):
         call(q, k, v, cu_q, cu_k, 5, 6, window=(3, 1))
+    with pytest.raises(ValueError, match="scale must be >= 0"):
+        call(q, k, v, cu_q, cu_k, 5, 6, scale=-1.0)
+    # a strided view of the lengths: the kernels read bounds at offsets b and b + 1
+    strided = torch.stack([cu_q, torch.zeros_like(cu_q)], 1)[:, 0]
+    with pytest.raises(ValueError, match="cu_seqlens_q must be contiguous"):
+        call(q, k, v, strided, cu_k, 5, 6)
 
 
 # ---- GPU --------------------------------------------------------------------------------------

@@ -165,6 +165,9 @@ def qkv32(**shapes):
     (qkv32(), {"causal_alignment": "diagonal"}, ValueError,
      "causal_alignment must be one of.*got 'diagonal'"),
     (qkv32(), {"scale": float("nan")}, TypeError, "scale must be a finite float"),
+    (qkv32(), {"scale": -0.25}, ValueError, "scale must be >= 0.*got -0.25"),
+    (qkv32(), {"scale": 1e300}, ValueError, "scale must be >= 0 and at most 2.36e\\+38"),
+    (qkv32(), {"softcap": 1e300}, ValueError, "softcap must be .* at most 2.36e\\+38"),
     (qkv32(), {"causal": 1}, TypeError, "causal must be a bool, got int"),
     (qkv32(q=torch.randn(1, 2, 8, 16, device="meta")), {}, ValueError,
      "one device, got meta, cpu, cpu"),
@@ -172,6 +175,16 @@ def qkv32(**shapes):
 def test_bad_input(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         fused_attention(args["q"], args["k"], args["v"], **kwargs)
+
+
+def test_zero_scale_averages_the_visible_values():
+    # scale 0: every visible key weighs the same (a negative scale is refused, above)
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 32, torch.float32, CPU)
+    rows = torch.arange(1, 41, dtype=torch.float32).view(1, 1, 40, 1)
+    torch.testing.assert_close(fused_attention(q, k, v, scale=0.0), v.cumsum(2) / rows,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_attention(q, k, v, scale=0, causal=False),
+                               v.mean(2, keepdim=True).expand_as(v), atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_on_the_interpreter_is_refused_not_wrong():

@@ -63,6 +63,10 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
             raise ValueError(f"block_table's rows must be contiguous (the kernel reads a "
                              f"sequence's entries one after another), got strides "
                              f"{block_table.stride()}: pass block_table.contiguous()")
+    most = fused._decode_kernels().MAX_GROUPS
+    if batch * kv_heads > most:
+        raise ValueError(f"batch * kv_heads must be at most {most} (the decode kernel's grid), "
+                         f"got {batch} x {kv_heads}: split the batch")
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
                                     or v_cache.requires_grad):
         raise ValueError("fused_attention_with_kvcache is forward only (no gradient would reach "
@@ -84,6 +88,25 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
     elif not 0 <= cache_seqlens <= capacity:
         raise ValueError(f"cache_seqlens must be between 0 and the cache's capacity {capacity}, "
                          f"got {cache_seqlens}")
+    _check_cpu_values(k_cache, cache_seqlens, block_table)
+
+
+def _check_cpu_values(k_cache, cache_seqlens, block_table):
+    # The values of a tensor cache_seqlens and of block_table, on CPU only: on CUDA reading them
+    # back would synchronise the device on every call (out-of-range values there read outside
+    # the cache, as in flash-attn). Also on a remembered call's repeat, which skips _validate.
+    if not k_cache.is_cpu or fused._traced(k_cache):
+        return
+    slots, rows = k_cache.shape[:2]
+    capacity = rows if block_table is None else block_table.shape[1] * rows
+    if isinstance(cache_seqlens, torch.Tensor) and (cache_seqlens.min() < 0
+                                                    or cache_seqlens.max() > capacity):
+        raise ValueError(f"cache_seqlens must be between 0 and the cache's capacity {capacity}, "
+                         f"got {cache_seqlens.tolist()}")
+    if block_table is not None and (block_table.min() < 0 or block_table.max() >= slots):
+        raise ValueError(f"block_table's entries must name cache blocks 0..{slots - 1}, got "
+                         f"entries from {block_table.min().item()} to "
+                         f"{block_table.max().item()}")
 
 
 def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
@@ -99,11 +122,14 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
         block_table       int32 [batch, max_blocks]: sequence b's keys n live in cache block
                           block_table[b, n // block_size], row n % block_size
         cache_seqlens     int32 [batch] (or one int for every sequence): keys held per sequence,
-                          0..capacity (max_kv_len, or max_blocks * block_size). Not checked
-                          against the capacity when a tensor (that would synchronise the device).
+                          0..capacity (max_kv_len, or max_blocks * block_size). A tensor's
+                          values, and block_table's (0..num_blocks - 1), are checked on CPU
+                          only: on CUDA that would synchronise the device on every call, and
+                          values out of range there read outside the cache.
+    batch * kv_heads at most 65535 (the kernel's grid; a ValueError otherwise).
     Any strides for q and the caches; cache_seqlens and each row of block_table contiguous (a
     ValueError otherwise). heads must be a multiple of kv_heads (GQA/MQA). dtypes float16,
-    bfloat16 (CUDA), float32; head_dim 16..256; scale defaults to 1/sqrt(head_dim).
+    bfloat16 (CUDA), float32; head_dim 16..256; scale >= 0, default 1/sqrt(head_dim).
 
     causal=True aligns the mask bottom-right, as a decoding step needs: query i of q_len sees keys
     j <= kv_len - q_len + i, so the last query sees the whole cache. For q_len=2, kv_len=5:
@@ -127,6 +153,8 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
                       softcap)
     run = fused._remembered(key)
     if run is not None:
+        if q.is_cpu:
+            _check_cpu_values(k_cache, cache_seqlens, block_table)
         out, lse = run(q, k_cache, v_cache, cache_seqlens, block_table)
         return (out, lse) if return_lse else out
     _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)

@@ -21,6 +21,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = {"bhsd": "[batch, heads, seq, head_dim]", "bshd": "[batch, seq, heads, head_dim]"}
 ALIGNMENTS = ("top_left", "bottom_right")
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+# The largest scale or softcap the kernels take: they compute in float32, with the scores in log2
+# units (times log2 e), which must stay finite there.
+MAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 
 
 _kernel_module = None
@@ -41,12 +44,17 @@ def _decode_kernels():
 
 
 def _validate_causal_and_scale(causal, scale):
-    # (also the decode function's, attention/decode.py)
+    # (also the varlen and decode functions', attention/varlen.py and decode.py)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    if scale is not None and not 0 <= scale <= MAX_SCALE:
+        # The forward kernels take a block's row maximum of the unscaled scores and scale it
+        # (as flash-attn's do), which a negative scale would make the row's minimum.
+        raise ValueError(f"scale must be >= 0 and at most {MAX_SCALE:.3g} (the kernels scale "
+                         f"scores in float32), got {scale!r}")
 
 
 def _validate(q, k, v, causal, scale, layout, causal_alignment):
@@ -106,8 +114,9 @@ def _validate_window_softcap(causal, window, softcap):
                          f"right of the diagonal, so the window's right size must be 0 or -1; "
                          f"pass causal=False for a window that looks {right} keys ahead")
     if (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-            or not math.isfinite(softcap) or softcap < 0):
-        raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap!r}")
+            or not math.isfinite(softcap) or not 0 <= softcap <= MAX_SCALE):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: off) and at most "
+                         f"{MAX_SCALE:.3g}, got {softcap!r}")
     return int(left), int(right)
 
 
@@ -217,7 +226,9 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
     # (Decided first: these calls are the most host-bound, and never traced.)
     if (wrap is None and device.type == "cuda" and q_len <= _decode_kernels().MAX_Q_LEN
             and (bottom_right or not causal and window_left == window_right == -1)
-            and not (q.requires_grad or k.requires_grad or v.requires_grad)):
+            and not (q.requires_grad or k.requires_grad or v.requires_grad)
+            and k.shape[0] * k.shape[1 if layout == "bhsd" else 2]
+            <= _decode_kernels().MAX_GROUPS):
         out, lse, (q4, k4, v4, out4) = _outputs(q, k, v, layout)
         with _on_device(device):
             launched = _decode_kernels().attention_decode(
@@ -475,7 +486,8 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     The layout is taken as given: bhsd tensors passed with layout="bshd" (or the reverse)
     whose shapes fit both readings cannot be told apart and are computed as the layout says.
     dtypes float16, bfloat16, float32; head_dim 16..256; any lengths >= 1.
-    scale defaults to 1/sqrt(head_dim).
+    scale >= 0, default 1/sqrt(head_dim) (a negative one is a ValueError: the kernels scale each
+    block's row maximum of the unscaled scores, which it would make the minimum).
 
     causal_alignment, for q_len=2 and kv_len=5 (1 = may attend):
         "top_left" (SDPA is_causal)      "bottom_right" (flash-attn, KV-cache decoding)

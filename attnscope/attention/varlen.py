@@ -28,6 +28,10 @@ def _validate_cu_seqlens(name, cu, total, max_seqlen, device):
                          f"got {cu.dtype} of shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} must be on q's device {device}, got {cu.device}")
+    if cu.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (the kernels read sequence b's bounds at "
+                         f"offsets b and b + 1), got stride {cu.stride(0)}: pass "
+                         f"{name}.contiguous()")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"max_seqlen for {name} must be an int >= 0, got {max_seqlen!r}")
     if cu.device.type != "cpu" or fused._traced(cu):
@@ -50,11 +54,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, c
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D packed [total, heads, head_dim], got shape "
                              f"{tuple(t.shape)}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    fused._validate_causal_and_scale(causal, scale)
     if q.dtype not in fused.DTYPES:
         raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -165,7 +165,8 @@ def fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     of kv_heads: GQA/MQA; any strides), cu_seqlens_q/k int32 [batch + 1] on q's device:
     sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] attending to
     k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]. max_seqlen_q/k: the longest sequence's lengths
-    (they size the grid). Sequences may be empty (length 0 in q or k). On CPU the cumulative
+    (they size the grid); cu_seqlens contiguous (a ValueError otherwise). Sequences may be
+    empty (length 0 in q or k). On CPU the cumulative
     lengths are checked (start 0, non-decreasing, end at total, maxima); on CUDA they are not,
     as in flash-attn, since that needs a read back from the device on every call: lengths that
     break those rules there give undefined results (the sm_90 kernel may not return).

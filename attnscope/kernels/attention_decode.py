@@ -91,6 +91,9 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): converts log2-domain LSEs back 
 
 # Calls of the fused op with at most this many queries take this kernel (attention/fused.py).
 MAX_Q_LEN = 8
+# (batch, K/V head) pairs a launch takes at most: its grid's second axis (CUDA's bound). The
+# fused op sends larger calls to the prefill kernel; fused_attention_with_kvcache refuses them.
+MAX_GROUPS = 65535
 
 # Split rule (num_splits_for). PROGRAM_COST_TILES: what a program costs besides its K/V walk (its
 # Q load, prologue, partial row and share of the merge), in K/V tiles: an estimate for the lab's
