@@ -159,7 +159,7 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
         return (out, lse) if return_lse else out
     _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
     # (the defaults skip the checks, as the fused op's do: decode steps are bound by host time)
-    window = ((-1, -1) if window == (-1, -1) and softcap == 0
+    window = ((-1, -1) if type(window) is tuple and window == (-1, -1) and softcap == 0
               else fused._validate_window_softcap(causal, window, softcap))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])

@@ -61,9 +61,9 @@ def _validate(q, k, v, causal, scale, layout, causal_alignment):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if layout not in LAYOUTS:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
-    if causal_alignment not in ALIGNMENTS:
+    if not isinstance(causal_alignment, str) or causal_alignment not in ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
     _validate_causal_and_scale(causal, scale)
     expected = LAYOUTS[layout]
@@ -547,7 +547,7 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
             return (out, lse) if return_lse else out
     _validate(q, k, v, causal, scale, layout, causal_alignment)
     # (the defaults skip the checks: eager calls at small shapes are bound by host time)
-    left, right = ((-1, -1) if window == (-1, -1) and softcap == 0
+    left, right = ((-1, -1) if type(window) is tuple and window == (-1, -1) and softcap == 0
                    else _validate_window_softcap(causal, window, softcap))
     if deterministic is not True and deterministic is not False:
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")

@@ -175,7 +175,7 @@ def fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     causal aligns each sequence bottom-right, as flash-attn's varlen: with q_len 2 and kv_len 5
     its query rows see keys 0-3 and 0-4; rows of a sequence with more queries than keys that
-    see no key give zeros and LSE -inf. `scale` (default 1/sqrt(head_dim)), `window` and
+    see no key give zeros and LSE -inf. `scale` (>= 0, default 1/sqrt(head_dim)), `window` and
     `softcap` as fused_attention's, the window counted from the same alignment.
 
     Returns the output [total_q, heads, head_dim] in q's dtype, and with return_lse=True also
