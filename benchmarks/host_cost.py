@@ -10,7 +10,8 @@ of the public op, so a layer's cost can be traced to the function that spends it
 decode route, fused_attention_with_kvcache on a fixed-capacity cache, and the split-KV launch.
 --stub-launches measures the Python layers alone on a machine without a GPU: fp16 CPU tensors,
 the kernel launches replaced by no-ops (best of --rounds loops; a CPU machine's timings are
-noisy).
+noisy). There fused_attention_with_kvcache also reads its lengths back to check them (~2 us a
+call), which it does on CPU tensors only.
 
     python benchmarks/host_cost.py [--head-dim 64 128] [--profile] [--decode]
     python benchmarks/host_cost.py --stub-launches --rounds 5 --head-dim 64
