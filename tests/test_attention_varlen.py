@@ -121,6 +121,20 @@ def test_torch_compile_fullgraph_traces_the_op():
     assert torch.equal(dq, torch.autograd.grad(expected.sum(), [q])[0])
 
 
+def test_row_offsets_count_a_sequence_s_rows_not_the_batch_s(monkeypatch):
+    # A packed batch's row offsets start at each sequence's first row (int64): the 32-bit bound
+    # applies to the longest sequence, not the packed total, except in the backward's Delta
+    # kernel, which walks the packed rows as one sequence.
+    from attnscope.kernels import common
+    monkeypatch.setattr(common, "MAX_ROW_OFFSET", 1000)
+    q, k, v, cu_q, cu_k = packed([30, 25, 25], [30, 25, 25], 2, 2, 16, torch.float32, CPU)
+    out = fused_attention_varlen(q, k, v, cu_q, cu_k, 30, 30)  # 29 x 32 + 15 = 943 per sequence
+    assert out.isfinite().all()
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="out's 80 rows reach 2543 elements"):
+        fused_attention_varlen(q, k, v, cu_q, cu_k, 30, 30).sum().backward()
+
+
 def test_validation():
     q, k, v, cu_q, cu_k = packed([3, 5], [4, 6], 2, 1, 16, torch.float32, CPU)
     call = fused_attention_varlen

@@ -190,6 +190,25 @@ def test_zero_scale_averages_the_visible_values():
                                v.mean(2, keepdim=True).expand_as(v), atol=1e-5, rtol=1e-5)
 
 
+def test_row_offsets_past_32_bits_are_refused_not_wrapped(monkeypatch):
+    # The Triton kernels index a head's rows in 32 bits. A bshd view of a long sequence (row
+    # stride heads x head_dim) can reach past that: a ValueError says so, and the same call
+    # bhsd-contiguous (row stride head_dim) runs, backward too. (The bound lowered: 2^31
+    # elements are too many for a CPU test.)
+    from attnscope.kernels import common
+    monkeypatch.setattr(common, "MAX_ROW_OFFSET", 1000)
+    q, k, v = make_qkv(1, 2, 2, 40, 40, 16, torch.float32, CPU)  # bhsd: 39 x 16 + 15 = 639
+    bshd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]  # row stride 32: 1263
+    with pytest.raises(ValueError, match="q's 40 rows reach 1263 elements past a head's first"):
+        fused_attention(*bshd, layout="bshd")
+    q.requires_grad_()
+    out = fused_attention(q, k, v)
+    torch.testing.assert_close(out, attention_reference(q.double(), k.double(), v.double()).float(),
+                               atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.isfinite().all()
+
+
 def test_bf16_on_the_interpreter_is_refused_not_wrong():
     q, k, v = make_qkv(1, 1, 1, 8, 8, 16, torch.bfloat16, CPU)
     with pytest.raises(TypeError, match="bfloat16 is not supported on CPU"):

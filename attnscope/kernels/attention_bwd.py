@@ -59,8 +59,8 @@ import triton.language as tl
 
 from attnscope.kernels.common import (LOG2E_C, _head_base, _load, _logits, _query_block, _sees,
                                       _sees_window, _sequence, _window_key_ranges, aligned,
-                                      head_group, is_interpreted, score_scales, tile_constants,
-                                      visibility)
+                                      check_row_offsets, head_group, is_interpreted,
+                                      score_scales, tile_constants, visibility)
 from attnscope.kernels.launch import FastLaunch
 
 
@@ -459,6 +459,8 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
         # The packed rows are one sequence to Delta: [heads, total_q] (batch stride 0)
         pre_grid = (heads, -(-q_len // block_m2))
     num_m = -(-max_q // block_m2)
+    # (Delta's Triton kernel walks a packed batch's rows as one sequence: all q_len of them)
+    check_row_offsets(q_len, (out, do), ("out", "dout"))
     tensors = (q, k, v, out, do, dq, dk, dv, lse, delta)
     strides = tuple(t.stride() for t in tensors)  # read once: the launches and the key share them
     sq, sk, sv, so, sdo, sdq, sdk, sdv = strides[:8]
@@ -466,6 +468,9 @@ def attention_bwd(do, q, k, v, out, lse, dq, dk, dv, delta, *, causal, scale, ca
     # (attention_bwd_hopper.py)
     hopper = (wrap is None and q.is_cuda and _hopper() is not None
               and _hopper().supports(q, k, v, do, dq, dk, dv, window, softcap, varlen))
+    if not hopper:  # (the Gluon kernels' copy engine takes 64-bit strides)
+        check_row_offsets(max_q, (q, dq), ("q", "dq"))
+        check_row_offsets(max_k, (k, v, dk, dv), ("k", "v", "dk", "dv"))
     launches = [
         (_launch_preprocess, pre_grid,
          (out, do, delta, *so, *sdo, heads, q_len),

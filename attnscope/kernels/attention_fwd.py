@@ -46,8 +46,8 @@ import triton.language as tl
 
 from attnscope.kernels.common import (LN2, _head_base, _load, _logits, _query_block, _sees,
                                       _sees_window, _sequence, _window_key_ranges, aligned,
-                                      head_group, is_interpreted, score_scales, tile_constants,
-                                      visibility)
+                                      check_row_offsets, head_group, is_interpreted,
+                                      score_scales, tile_constants, visibility)
 from attnscope.kernels.launch import FORWARD_LAUNCHES, FastLaunch, ensure_scratch_allocator
 
 @triton.jit
@@ -370,6 +370,8 @@ def attention_fwd_triton(q, k, v, out, lse, *, causal, scale, causal_offset, win
     Returns what the launch returns (the compiled kernel, when called eagerly)."""
     batch, heads, q_len, head_dim = q.shape
     max_q = q_len if varlen is None else varlen[2]
+    check_row_offsets(max_q, (q, out), ("q", "out"))
+    check_row_offsets(k.shape[2] if varlen is None else varlen[3], (k, v), ("k", "v"))
     if config is None:
         config = config_for(head_dim, max_q, causal, None if varlen else k.shape[2])
     elif len(config) != len(CONFIG_FIELDS):

@@ -175,6 +175,25 @@ def visibility(causal, causal_offset, window):
     return right >= 0, causal_offset + max(right, 0), left >= 0, causal_offset - max(left, 0)
 
 
+# The Triton kernels index a head's rows in 32 bits: row * row stride + column * column stride
+# (the batch, head and packed-sequence offsets are int64). Larger offsets would wrap.
+MAX_ROW_OFFSET = 2 ** 31 - 1
+
+
+def check_row_offsets(rows, views, names):
+    """Raise ValueError where `rows` rows of any [batch, heads, seq, head_dim] view reach past
+    MAX_ROW_OFFSET elements from their head's first: the Triton kernels' 32-bit row offsets
+    would wrap (bshd views of very long sequences, whose row stride is heads x head_dim)."""
+    for name, t in zip(names, views):
+        reach = (rows - 1) * abs(t.stride(2)) + (t.shape[3] - 1) * abs(t.stride(3))
+        if reach > MAX_ROW_OFFSET:
+            raise ValueError(
+                f"{name}'s {rows} rows reach {reach} elements past a head's first (row stride "
+                f"{t.stride(2)}), more than the Triton kernels' 32-bit row offsets take "
+                f"({MAX_ROW_OFFSET}): pass [batch, heads, seq, head_dim]-contiguous tensors "
+                f"(layout='bhsd'), whose row stride is head_dim, or shorter sequences")
+
+
 def score_scales(scale, softcap):
     """The kernels' (qk_scale, softcap_log2, SOFTCAP) for a scale and a softcap (0: off): see
     _logits. Exponentials are exp2, so logits are kept in log2 units."""
