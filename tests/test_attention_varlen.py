@@ -152,6 +152,8 @@ def test_validation():
         call(q[None], k, v, cu_q, cu_k, 5, 6)
     with pytest.raises(ValueError, match="causal=True"):
         call(q, k, v, cu_q, cu_k, 5, 6, window=(3, 1))
+    with pytest.raises(ValueError, match="got 0 q heads and 1 k/v heads"):
+        call(q[:, :0], k, v, cu_q, cu_k, 5, 6)
     with pytest.raises(ValueError, match="scale must be >= 0"):
         call(q, k, v, cu_q, cu_k, 5, 6, scale=-1.0)
     # a strided view of the lengths: the kernels read bounds at offsets b and b + 1

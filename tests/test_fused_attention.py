@@ -172,6 +172,8 @@ def qkv32(**shapes):
     (qkv32(), {"scale": 1e300}, ValueError, "scale must be >= 0 and at most 2.36e\\+38"),
     (qkv32(), {"softcap": 1e300}, ValueError, "softcap must be .* at most 2.36e\\+38"),
     (qkv32(), {"causal": 1}, TypeError, "causal must be a bool, got int"),
+    (qkv32(q=torch.randn(1, 2, 8, 16).to_sparse()), {}, TypeError,
+     "q must be a dense \\(strided\\) tensor, got layout torch.sparse_coo"),
     (qkv32(q=torch.randn(1, 2, 8, 16, device="meta")), {}, ValueError,
      "one device, got meta, cpu, cpu"),
 ])

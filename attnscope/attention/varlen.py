@@ -71,7 +71,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, c
     if not fused.MIN_HEAD_DIM <= q.shape[2] <= fused.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be between {fused.MIN_HEAD_DIM} and "
                          f"{fused.MAX_HEAD_DIM}, got {q.shape[2]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if k.shape[1] == 0 or q.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads must be a multiple of k/v heads (GQA/MQA), got {q.shape[1]} q "
                          f"heads and {k.shape[1]} k/v heads")
     _validate_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
