@@ -374,6 +374,21 @@ def test_more_sequences_and_kv_heads_than_the_grid_takes_are_refused(monkeypatch
         fused_attention_with_kvcache(q, k, v, 8)
 
 
+def test_a_cache_past_32_bit_row_offsets_is_refused(monkeypatch):
+    # A contiguous cache's rows are 32-bit offsets from its head's first: a cache whose
+    # capacity x row stride passes that is a ValueError (the bound lowered: 2^31 elements are
+    # too many for a CPU test); paged caches (int64 page offsets) are not bound by it.
+    from attnscope.kernels import common
+    monkeypatch.setattr(common, "MAX_ROW_OFFSET", 1000)
+    q, k, v = make_cache(1, 1, 4, 2, 40, 16, torch.float32)  # rows 32 apart: 39 x 32 + 15
+    with pytest.raises(ValueError, match="k_cache's 40 rows reach 1263 elements"):
+        fused_attention_with_kvcache(q, k, v, 40)
+    k_pool, v_pool, table = page(k, v, 8)
+    out, lse = fused_attention_with_kvcache(q, k_pool, v_pool, 40, block_table=table,
+                                            return_lse=True)
+    assert_close(out, lse, q, k, v, [40], 1e-5, 1e-5)
+
+
 def test_strided_lengths_or_block_table_rows_are_refused():
     # The kernel reads cache_seqlens[b] at offset b and a sequence's table entries one after
     # another: other strides would read the wrong entries, so they are refused, not misread.

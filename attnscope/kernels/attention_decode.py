@@ -84,6 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnscope.kernels import common
 from attnscope.kernels.common import _logits, aligned, block_width, score_scales, visibility
 from attnscope.kernels.launch import FastLaunch, int_specializations, launch_table
 
@@ -669,6 +670,13 @@ def attention_decode(q, k, v, out, lse, *, causal, scale, seqlens=None, block_ta
         page_size, kv_heads, kv_len = None, k.shape[1], k.shape[2]
         k_strides, v_strides, table_stride = k.stride(), v.stride(), 0
         table_arg = lse  # unused when not PAGED
+        # A contiguous cache's rows are 32-bit offsets from its head's first (a page's are
+        # int64). Worked out inline (this runs on every call not remembered), with the error's
+        # wording from check_row_offsets.
+        if ((kv_len - 1) * max(abs(k_strides[2]), abs(v_strides[2]))
+                + (k.shape[3] - 1) * max(abs(k_strides[3]), abs(v_strides[3]))
+                > common.MAX_ROW_OFFSET):
+            common.check_row_offsets(kv_len, (k, v), ("k_cache", "v_cache"))
     seqlens_arg = seqlens if seqlens is not None else lse  # unused when not VARLEN
     window = tuple(window)
     key = (q.device, q.dtype, k.dtype, v.dtype, out.dtype, q.shape, kv_heads, page_size,
