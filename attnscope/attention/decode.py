@@ -73,7 +73,7 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
                          "q or the caches): call it under torch.no_grad() or "
                          "torch.inference_mode(), or pass detached tensors; got inputs that "
                          "require grad")
-    capacity = rows if block_table is None else block_table.shape[1] * rows
+    capacity = _capacity(k_cache, block_table)
     if isinstance(cache_seqlens, torch.Tensor):
         if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (batch,):
             raise ValueError(f"cache_seqlens must be int32 [batch={batch}], got "
@@ -91,6 +91,12 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
     _check_cpu_values(k_cache, cache_seqlens, block_table)
 
 
+def _capacity(k_cache, block_table):
+    # keys a sequence's cache holds: its rows, or its table's pages of block_size rows
+    rows = k_cache.shape[1]
+    return rows if block_table is None else block_table.shape[1] * rows
+
+
 def _check_cpu_values(k_cache, cache_seqlens, block_table):
     # The values of a tensor cache_seqlens and of block_table, on CPU only: on CUDA reading them
     # back would synchronise the device on every call (out-of-range values there read outside
@@ -98,14 +104,14 @@ def _check_cpu_values(k_cache, cache_seqlens, block_table):
     if not k_cache.is_cpu or fused._traced(k_cache):
         return
     # (read as lists: a CPU tensor's min and max cost ~3 us each, a short list's ~0.2)
-    slots, rows = k_cache.shape[:2]
-    capacity = rows if block_table is None else block_table.shape[1] * rows
+    capacity = _capacity(k_cache, block_table)
     if isinstance(cache_seqlens, torch.Tensor):
         lengths = cache_seqlens.tolist()
         if min(lengths) < 0 or max(lengths) > capacity:
             raise ValueError(f"cache_seqlens must be between 0 and the cache's capacity "
                              f"{capacity}, got {lengths}")
     if block_table is not None:
+        slots = k_cache.shape[0]
         entries = block_table.flatten().tolist()
         if min(entries) < 0 or max(entries) >= slots:
             raise ValueError(f"block_table's entries must name cache blocks 0..{slots - 1}, got "
@@ -175,12 +181,12 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
         k_cache, v_cache = k_cache[:, :cache_seqlens], v_cache[:, :cache_seqlens]  # views
     elif seqlens is None:  # one length for every sequence of a paged cache
         seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=device)
-    out, lse, q4, out4 = _outputs(q)
+    out, lse = _outputs(q)
     if block_table is None:
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     with fused._on_device(device):
         launched = kernels.attention_decode(
-            q4, k_cache, v_cache, out4, lse, causal=causal, scale=float(scale), seqlens=seqlens,
+            q.transpose(1, 2), k_cache, v_cache, out.transpose(1, 2), lse, causal=causal, scale=float(scale), seqlens=seqlens,
             block_table=block_table, window=window, softcap=float(softcap),
             kept=key is not None)
     if key is not None and launched[2] is not None:
@@ -188,13 +194,11 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     return (out, lse) if return_lse else out
 
 
-def _outputs(q, views=True):
-    # The output in q's [batch, q_len, heads, head_dim] and its fp32 LSE [batch, heads, q_len],
-    # and (views) q and the output as the kernel's [batch, heads, q_len, head_dim] views.
+def _outputs(q):
+    # The output in q's [batch, q_len, heads, head_dim] and its fp32 LSE [batch, heads, q_len]
     out = fused._empty(q, q.shape, q.dtype)
     batch, q_len, heads, _ = q.shape
-    lse = fused._empty(q, (batch, heads, q_len), torch.float32)
-    return (out, lse, q.transpose(1, 2), out.transpose(1, 2)) if views else (out, lse)
+    return out, fused._empty(q, (batch, heads, q_len), torch.float32)
 
 
 def _repeat_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, window,
@@ -227,7 +231,7 @@ def _repeat(launch):
     # the key fixes them), so q, the output and the caches go as the caller's tensors, not as
     # the kernel's [batch, heads, seq, head_dim] views of the first call (~0.5 us a view).
     def run(q, k_cache, v_cache, seqlens, block_table):
-        out, lse = _outputs(q, views=False)
+        out, lse = _outputs(q)
         with fused._on_device(q.device):
             launch(q, k_cache, v_cache, out, lse, seqlens, block_table)
         return out, lse
