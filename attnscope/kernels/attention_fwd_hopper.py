@@ -802,7 +802,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     D0: gl.constexpr = q_smem.shape[2]
     NUM_WG: gl.constexpr = q_smem.shape[0]  # the consumers, one Q block each
     TILE_M: gl.constexpr = NUM_WG * ROWS
-    Q_REGS: gl.constexpr = (NUM_WG == 2) and (not O_IN_Q)  # LAB
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D0, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -874,32 +873,15 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 acc1 = acc
 
             mbarrier.wait(q_ready.index(WG), ti & 1)
-            # LAB: Q as the register operand of Q K^T, read from its buffer once a tile, where
-            # a consumer's registers hold it (two consumers, the output not staged in Q's buffer)
-            if Q_REGS:
-                q_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0,
-                                                                parent=s_layout, k_width=2)
-                qr = q.load(q_op_layout)
-                if SPLIT:
-                    qr1 = q1.load(q_op_layout)
-                else:
-                    qr1 = qr
-                mbarrier.arrive(q_empty.index(WG))
-                ring_r = (qr, qr1, k_smem, k_smem1, v_smem, v_smem1, k_ready, k_empty, v_ready,
-                          v_empty, turn)
-            else:
-                ring_r = ring
-            q_a = ring_r[0]
-            q_a1 = ring_r[1]
             if n_blocks > 0:
                 mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
                 # turn k waits for phase k of this warpgroup's turn barrier
                 if PINGPONG:
                     mbarrier.wait(turn.index(WG), it & 1)
-                s_tok = warpgroup_mma(q_a, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
+                s_tok = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_zero,
                                       use_acc=False, is_async=True)
                 if SPLIT:
-                    s_tok = warpgroup_mma(q_a1, k_smem1.index(it % STAGES).permute((1, 0)),
+                    s_tok = warpgroup_mma(q1, k_smem1.index(it % STAGES).permute((1, 0)),
                                           s_tok, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index((WG + 1) % NUM_WG))
@@ -918,7 +900,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
             if BLOCK_LOOPS == 1:
                 for j in range(1, n_blocks):
                     acc, acc1, p_op, l_i, m_i, alpha = _next_block(
-                        ring_r, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
                         full_blocks, vis, WG, STAGES, None, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
                         PINGPONG)
             elif BLOCK_LOOPS == 2:
@@ -927,7 +909,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                     edge_end = gl.minimum(gl.maximum(first_full - lo, 1), n_blocks)
                     for j in range(1, edge_end):
                         acc, acc1, p_op, l_i, m_i, alpha = _next_block(
-                            ring_r, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                            ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
                             full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
                             PINGPONG)
                 else:
@@ -935,17 +917,17 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 full_end = gl.maximum(gl.minimum(full_blocks - lo, n_blocks), edge_end)
                 for j in range(edge_end, full_end):
                     acc, acc1, p_op, l_i, m_i, alpha = _next_block(
-                        ring_r, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
                         full_blocks, vis, WG, STAGES, False, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
                         PINGPONG)
                 for j in range(full_end, n_blocks):
                     acc, acc1, p_op, l_i, m_i, alpha = _next_block(
-                        ring_r, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
+                        ring, it + j, acc, acc1, p_op, l_i, m_i, alpha, s_zero, rows, lo + j,
                         full_blocks, vis, WG, STAGES, True, CAUSAL, HAS_WINDOW, SOFTCAP, SPLIT,
                         PINGPONG)
             # Q is no longer read: the loader may bring in the next tile's while this one ends
             # (O_IN_Q: once the output staged in Q's buffer has left, below)
-            if not O_IN_Q and not Q_REGS:
+            if not O_IN_Q:
                 mbarrier.arrive(q_empty.index(WG))
 
             if n_blocks > 0:
