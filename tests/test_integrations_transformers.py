@@ -9,6 +9,7 @@ GPU tests (marked cuda) repeat the checks in bfloat16 at a small realistic size.
 
 import copy
 import inspect
+import types
 import warnings
 
 import pytest
@@ -321,6 +322,24 @@ def test_static_cache_generation_falls_back_and_matches():
     assert hf.fallbacks["static_cache"] > 0
 
 
+@pytest.mark.parametrize("overrides, run", [
+    (dict(config_cls=LlamaConfig), "chunked"),  # 4 queries on 9 keys: bottom-right
+    (dict(config_cls=MistralConfig, sliding_window=4), "prefill"),  # the window cuts keys
+])
+def test_fallback_keeps_bottom_right_alignment_and_the_window(overrides, run):
+    # head_dim 8 is below the op's range: every layer falls back to SDPA with the mask of None
+    # the mask function gave, which SDPA alone would read as top-left causal without a window.
+    sdpa, ours, reference = _models(**{**overrides, "head_dim": 8})
+    ids = _tokens(1, 9)
+    if run == "chunked":
+        logits = [_chunked_prefill(model, ids, 5) for model in (ours, sdpa, reference)]
+    else:
+        with torch.no_grad():
+            logits = [model(ids).logits for model in (ours, sdpa, reference)]
+    _assert_within(*logits, floor=1e-5)
+    assert hf.fallbacks["head_dim"] > 0
+
+
 # ---- the mask function alone (no kernel) ---------------------------------------------------------
 
 def _mask(**kwargs):
@@ -412,6 +431,39 @@ def test_attention_function_window_counts_keys_as_transformers(window):
     out, _ = hf.attention_forward(_Layer(), q, k, v, None, sliding_window=window)
     # fp32 through online softmax: ~1e-6 from float64 at these magnitudes.
     torch.testing.assert_close(out.double(), _sdpa_reference(q, k, v, keep), rtol=0, atol=1e-5)
+
+
+class _TypedLayer(torch.nn.Module):
+    """A layer that passes no sliding_window argument, as Qwen2-MoE's: its config's layer_types
+    say which kind of mask it gets."""
+    is_causal = True
+
+    def __init__(self, layer_idx, window=3):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.config = types.SimpleNamespace(
+            sliding_window=window, layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("layer_idx, window", [(0, 3), (1, None)])
+def test_attention_function_takes_the_window_of_the_layer_type(layer_idx, window):
+    q, k, v = _qkv(8)  # 3 queries after 5 cached keys
+    mask_function = (causal_mask_function if window is None
+                     else sliding_window_causal_mask_function(window))
+    keep = sdpa_mask(batch_size=1, q_length=3, kv_length=8, q_offset=5,
+                     mask_function=mask_function, allow_is_causal_skip=False, device="cpu")
+    out, _ = hf.attention_forward(_TypedLayer(layer_idx), q, k, v, None)
+    torch.testing.assert_close(out.double(), _sdpa_reference(q, k, v, keep), rtol=0, atol=1e-5)
+
+
+def test_attention_sinks_raise_and_output_attentions_warns():
+    q, k, v = _qkv(9)
+    # SDPA would drop the sinks: neither path can run the call
+    with pytest.raises(NotImplementedError, match="sinks"):
+        hf.attention_forward(_Layer(), q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.warns(UserWarning, match="output_attentions"):
+        out, weights = hf.attention_forward(_Layer(), q, k, v, None, output_attentions=True)
+    assert weights is None and out.shape == (2, 3, 4, 32)
 
 
 def test_attention_function_softcap():

@@ -20,9 +20,14 @@ tokens it returns transformers' SDPA boolean mask carrying the packing of the re
 (`_Packing`): the attention function gathers those into packed q/k/v, runs
 `fused_attention_varlen` and scatters the output back, zeros on padding rows. Anything else gets
 the SDPA mask labelled with the reason the op cannot take it, and the attention function hands
-that mask to SDPA. As in transformers' flash-attention backends, the window itself comes from the
-layer's `sliding_window` argument (Mistral, Qwen2, Gemma 2 pass it): a window of W keys is the op's
-window=(W - 1, 0), the query's own key and W - 1 before it, as transformers' masks count it.
+that mask to SDPA, or (a mask of None) the causal mask aligned bottom-right it stands for, cut
+by the layer's window, since SDPA would read None as top-left causal without a window. The window
+itself comes from the layer's `sliding_window` argument (Mistral, Qwen2, Gemma 2 pass it), else
+from its config's `layer_types` or its own `sliding_window` attribute (Qwen2-MoE's sliding layers
+pass no argument): a window of W keys is the op's window=(W - 1, 0), the query's own key and
+W - 1 before it, as transformers' masks count it. (A model that builds sliding masks but says
+nothing of the window to its layers, PhiMoE's, runs them unwindowed, as transformers'
+flash-attention backends do.)
 
 Why padding + causal is packed causal. Each query sits at one of the last q_len key positions and
 sees the real keys at or before it; packing keeps order, and the real keys after a real query are
@@ -44,13 +49,15 @@ back. The attention function then decides per layer from the mask (None, packed 
 dtypes and keyword arguments only: no sync.
 
 Where the op cannot express a call (a static cache's unused slots, a non-causal or custom mask,
-chunked attention, a window over padding between tokens, dropout, a position bias, attention
-sinks, head dims the op does not take, bfloat16 on CPU), the call falls back to transformers' SDPA
+chunked attention, a window over padding between tokens, dropout, a position bias, head dims
+the op does not take, bfloat16 on CPU), the call falls back to transformers' SDPA
 attention with one warning per reason (`AttnscopeFallbackWarning`) and is counted in `fallbacks`
 (reason -> number of attention calls), or raises NotImplementedError after
 `configure(on_unsupported="error")`. Logit softcapping (Gemma 2's `softcap`) runs in the op; a
 softcapped call the op cannot take raises in both modes, since SDPA has no softcapping (use
-attn_implementation="eager").
+attn_implementation="eager"), as does a call with attention sinks (GPT-OSS's `s_aux`), which
+SDPA would silently drop. `output_attentions=True` warns once: no weights are formed, so the
+attentions returned are None.
 
 q, k, v arrive as [batch, heads, seq, head_dim] views; without padding the op reads them through
 transposed views (layout "bshd", any strides) and writes its output contiguous as [batch, seq,
@@ -90,7 +97,6 @@ REASONS = {
     "user_mask": "the model was given a ready-made attention mask",
     "dropout": "attention dropout is on",
     "position_bias": "the model adds a position bias to the scores",
-    "attention_sinks": "the model uses attention sinks",
     "head_dim": f"the head dims are outside the op's range (q, k, v equal, {MIN_HEAD_DIM}.."
                 f"{MAX_HEAD_DIM})",
     "dtype_device": "the dtype or device is not one the op runs (fp16/bf16/fp32 on CUDA; "
@@ -224,20 +230,35 @@ def create_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
 
 # ---- the attention function: per layer ----------------------------------------------------------
 
-def _call_reason(query, key, value, attention_mask, dropout, causal, kwargs):
+def _layer_window(module, kwargs):
+    """The layer's sliding window in keys (None: none): its `sliding_window` argument where the
+    layer passes one (Mistral, Qwen2, Gemma 2), else what its config's `layer_types` says of it
+    (a "sliding_attention" layer gets the sliding mask transformers built for that kind), else
+    the layer's own `sliding_window` attribute (Qwen2-MoE sets it on its sliding layers only)."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if layer_types and isinstance(index, int) and 0 <= index < len(layer_types):
+        if layer_types[index] == "sliding_attention":
+            return getattr(config, "sliding_window", None)
+        return None
+    return getattr(module, "sliding_window", None)
+
+
+def _call_reason(query, key, value, attention_mask, dropout, causal, window, kwargs):
     """None when the op can run this call, else the reason it cannot. No device reads."""
     if attention_mask is not None:
         reason = getattr(attention_mask, "_attnscope_reason", "user_mask")
         if reason is not None:
             return reason
-    if kwargs.get("sliding_window") is not None and not causal:
+    if window is not None and not causal:
         return "mask_pattern"  # a bidirectional window: transformers counts it another way
     if dropout:
         return "dropout"
     if kwargs.get("position_bias") is not None:
         return "position_bias"
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        return "attention_sinks"
     dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
     if len(dims) != 1 or not MIN_HEAD_DIM <= dims.pop() <= MAX_HEAD_DIM:
         return "head_dim"
@@ -248,8 +269,20 @@ def _call_reason(query, key, value, attention_mask, dropout, causal, kwargs):
     return None
 
 
+def _bottom_right_mask(q_length, kv_length, window, device):
+    """The boolean [1, 1, q, kv] mask (True: attend) of causal attention aligned bottom-right,
+    cut to `window` keys (the query's own included) where one is given: what a mask of None
+    stands for here (the mask function's contract), which SDPA would read top-left."""
+    queries = torch.arange(kv_length - q_length, kv_length, device=device)[:, None]
+    keys = torch.arange(kv_length, device=device)
+    keep = keys <= queries
+    if window is not None:
+        keep &= keys > queries - window
+    return keep[None, None]
+
+
 def _fall_back(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal,
-               kwargs):
+               causal, window, kwargs):
     what = REASONS[reason]
     if kwargs.get("softcap") is not None:
         raise NotImplementedError(
@@ -266,6 +299,10 @@ def _fall_back(reason, module, query, key, value, attention_mask, dropout, scali
         warnings.warn(f"attnscope: {what}; these calls run transformers' SDPA attention "
                       f"(counted in attnscope.integrations.transformers.fallbacks[{reason!r}])",
                       AttnscopeFallbackWarning, stacklevel=3)
+    if attention_mask is None and causal and (window is not None
+                                              or query.shape[2] != key.shape[2]):
+        # SDPA reads no mask as causal from the top left and knows no window.
+        attention_mask = _bottom_right_mask(query.shape[2], key.shape[2], window, query.device)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
 
@@ -289,15 +326,26 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     A None mask means causal aligned bottom-right, a mask carrying a packing a padded batch, any
     other mask one the op cannot express (see the module docstring). `sliding_window` (W keys,
     the query's own included) and `softcap` come from the layer's keyword arguments."""
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError(
+            "attn_implementation='attnscope' cannot run attention with sinks (the model's "
+            "s_aux / sinks), and transformers' SDPA attention would drop them: use "
+            "attn_implementation='eager'")
+    if kwargs.get("output_attentions") and "output_attentions" not in _warned:
+        _warned.add("output_attentions")
+        warnings.warn("attnscope: output_attentions=True is not supported (the op never forms "
+                      "the attention weights); the attentions returned are None",
+                      UserWarning, stacklevel=2)
     # As SDPA: the call's flag first, then the layer's (an encoder layer says False).
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    reason = _call_reason(query, key, value, attention_mask, dropout, causal, kwargs)
+    window = _layer_window(module, kwargs)
+    reason = _call_reason(query, key, value, attention_mask, dropout, causal, window, kwargs)
     if reason is not None:
         return _fall_back(reason, module, query, key, value, attention_mask, dropout, scaling,
-                          is_causal, kwargs)
-    sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+                          is_causal, causal, window, kwargs)
+    softcap = kwargs.get("softcap")
     op_kwargs = dict(causal=causal, scale=scaling,
-                     window=(-1, -1) if sliding_window is None else (sliding_window - 1, 0),
+                     window=(-1, -1) if window is None else (window - 1, 0),
                      softcap=float(softcap or 0.0))
     packing = getattr(attention_mask, "_attnscope_packing", None)
     if packing is not None:
