@@ -415,6 +415,16 @@ def test_sliding_window(window, dtype, floor, lse_tol, splits):
     assert_close(out, lse, q, k, v, [100, 100], floor, lse_tol, window=window)
 
 
+@pytest.mark.parametrize("window", [(-1, 2**31 - 1), (2**31 - 1, 2**31 - 1), (2**31 - 5, -1)])
+def test_window_sizes_past_the_cache_are_unbounded(window):
+    # A side as long as the queries and the cache together hides nothing: it runs as -1, never
+    # as a 32-bit offset near 2^31 (INT32_MAX for "unbounded" wrapped there: wrong outputs).
+    q, k, v = make_cache(2, 3, 4, 2, 40, 16, torch.float32, seed=21)
+    out = fused_attention_with_kvcache(q, k, v, 33, causal=False, window=window)
+    expected = fused_attention_with_kvcache(q, k, v, 33, causal=False)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("window,q_len", [((3, 2), 1), ((40, -1), 4), ((-1, 5), 4)])
 def test_non_causal_window(window, q_len, splits):
     # A right size > 0 looks past the diagonal (keys past the cache's end stay hidden); a left

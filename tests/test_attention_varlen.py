@@ -96,6 +96,14 @@ def test_causal_window_fp16():
     check_varlen([17, 40], [9, 70], 2, 2, 40, torch.float16, CPU, window=(16, -1))
 
 
+def test_window_sizes_past_the_sequences_are_unbounded():
+    # as fused_attention's (test_attention_window): a side near 2^31 runs as -1, not wrapped
+    q, k, v, cu_q, cu_k = packed([5, 20], [9, 33], 2, 1, 16, torch.float32, CPU)
+    args = (q, k, v, cu_q, cu_k, 20, 33)
+    out = fused_attention_varlen(*args, causal=False, window=(-1, 2**31 - 1))
+    assert torch.equal(out, fused_attention_varlen(*args, causal=False))
+
+
 def test_no_query_at_all():
     # every sequence empty in q: nothing to launch, empty outputs, zero dk/dv
     q, k, v, cu_q, cu_k = packed([0, 0], [3, 5], 2, 1, 16, torch.float32, CPU)

@@ -144,6 +144,24 @@ def test_window_validation():
         fused_attention(q, k, v, softcap=float("inf"))
 
 
+@pytest.mark.parametrize("window, causal", [((-1, 2**31 - 1), False), ((2**31 - 1, 0), True),
+                                           ((2**31 - 40, -1), True), ((120, 2**31), False)])
+def test_window_sizes_past_the_sequence_are_unbounded(window, causal):
+    # A side as long as the queries and keys together hides nothing: it runs as -1, so sizes
+    # near 2^31 (INT32_MAX for "unbounded") never reach the kernels' 32-bit offsets, where they
+    # wrapped (wrong outputs, LSE inf, NaN gradients). The backward through the same call.
+    torch.manual_seed(11)
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 1, 33, 40, 16, torch.float32, CPU))
+    unbounded = (-1 if window[0] >= 73 else window[0], -1 if window[1] >= 73 else window[1])
+    kwargs = dict(causal=causal, causal_alignment="bottom_right")
+    out, lse = fused_attention(q, k, v, window=window, return_lse=True, **kwargs)
+    ref, ref_lse = fused_attention(q, k, v, window=unbounded, return_lse=True, **kwargs)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
 def test_custom_op_takes_window_and_softcap():
     # What torch.compile and dispatch modes call: the op with the window and the softcap as its
     # trailing arguments gives the eager call's result.

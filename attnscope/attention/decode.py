@@ -169,7 +169,8 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
     # (the defaults skip the checks, as the fused op's do: decode steps are bound by host time)
     window = ((-1, -1) if type(window) is tuple and window == (-1, -1) and softcap == 0
-              else fused._validate_window_softcap(causal, window, softcap))
+              else fused._validate_window_softcap(causal, window, softcap,
+                                                  q.shape[1] + _capacity(k_cache, block_table)))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     kernels = fused._decode_kernels()  # imported on first use, like the fused op's

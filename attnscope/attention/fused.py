@@ -102,9 +102,11 @@ def _validate(q, k, v, causal, scale, layout, causal_alignment):
                          f"{q.device}")
 
 
-def _validate_window_softcap(causal, window, softcap):
-    """Checks window=(left, right) and softcap (both APIs take them); returns the window as a
-    tuple of two ints."""
+def _validate_window_softcap(causal, window, softcap, reach):
+    """Checks window=(left, right) and softcap (the three APIs take them); returns the window as
+    a tuple of two ints, a side of `reach` keys or more as -1. reach: the call's queries plus its
+    keys (a sequence's, at most), past which a side hides nothing; so the kernels' 32-bit offsets
+    never meet sizes near 2^31 (INT32_MAX as "unbounded" wrapped there)."""
     if (not isinstance(window, (tuple, list)) or len(window) != 2
             or any(isinstance(w, bool) or not isinstance(w, int) for w in window)):
         raise TypeError(f"window must be a (left, right) pair of ints, got {window!r}")
@@ -119,7 +121,7 @@ def _validate_window_softcap(causal, window, softcap):
             or not math.isfinite(softcap) or not 0 <= softcap <= MAX_SCALE):
         raise ValueError(f"softcap must be a finite float >= 0 (0: off) and at most "
                          f"{MAX_SCALE:.3g}, got {softcap!r}")
-    return int(left), int(right)
+    return tuple(-1 if side >= reach else int(side) for side in (left, right))
 
 
 def _as_bhsd(t, layout):
@@ -549,8 +551,10 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
             return (out, lse) if return_lse else out
     _validate(q, k, v, causal, scale, layout, causal_alignment)
     # (the defaults skip the checks: eager calls at small shapes are bound by host time)
+    seq = 2 if layout == "bhsd" else 1
     left, right = ((-1, -1) if type(window) is tuple and window == (-1, -1) and softcap == 0
-                   else _validate_window_softcap(causal, window, softcap))
+                   else _validate_window_softcap(causal, window, softcap,
+                                                 q.shape[seq] + k.shape[seq]))
     if deterministic is not True and deterministic is not False:
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     args = _call_args(q, causal, scale, causal_alignment, layout, left, right, softcap)

@@ -183,7 +183,8 @@ def fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     layout). Differentiable in q, k, v; the LSE carries no gradient.
     """
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
-    left, right = fused._validate_window_softcap(causal, window, softcap)
+    left, right = fused._validate_window_softcap(causal, window, softcap,
+                                                 int(max_seqlen_q) + int(max_seqlen_k))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),

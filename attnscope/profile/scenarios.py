@@ -128,16 +128,17 @@ def add_option_arguments(parser) -> None:
 def with_options(c: Case, window, softcap, causal: bool) -> Case:
     """`c` with a sliding window and a softcap, checked as the op checks them (`--window`,
     `--softcap`: ValueError naming the flag). Normalized so that a row records what runs: with
-    causal the right side is 0; a window that hides nothing more than causal does (left -1) and
-    a softcap of 0 are none."""
+    causal the right side is 0; a window that hides nothing more than causal does (left -1, or a
+    side as long as the case's queries and keys together, as the op takes it) and a softcap of
+    0 are none."""
     if softcap is not None:
         try:
-            fused._validate_window_softcap(causal, (-1, -1), softcap)
+            fused._validate_window_softcap(causal, (-1, -1), softcap, c.seq + c.keys)
         except ValueError as exc:
             raise ValueError(f"--softcap: {exc}") from None
     if window is not None:
         try:
-            left, right = fused._validate_window_softcap(causal, window, 0.0)
+            left, right = fused._validate_window_softcap(causal, window, 0.0, c.seq + c.keys)
         except ValueError as exc:
             raise ValueError(f"--window {window[0]},{window[1]}: {exc}") from None
         right = 0 if causal else right
