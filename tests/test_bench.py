@@ -453,8 +453,8 @@ def test_real_entries_on_cpu(tmp_path, causal):
 # --- refusals before any timing -----------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, says", [
-    (("--warmup-ms", "-5", "--rep-ms", "-1"), "--warmup-ms must be >= 0 and --rep-ms > 0"),
-    (("--rep-ms", "0"), "--rep-ms > 0"),
+    (("--warmup-ms", "-5", "--rep-ms", "-1"), "--warmup-ms must be finite and >= 0"),
+    (("--rep-ms", "0"), "--rep-ms finite and > 0"),
 ])
 def test_negative_or_zero_timing_is_refused(fakes, capsys, argv, says):
     assert bench.run(_parse("--device", "cpu", *argv)) == 2
@@ -569,7 +569,8 @@ def test_resume_without_a_file_starts_afresh(fakes, tmp_path):
 @pytest.mark.parametrize("change, says", [
     (("--mode", "fwd_bwd"), "has mode"),
     (("--impl", "fused", "peer_fast"), "row 0"),
-    (("--no-causal",), "row 0"),
+    (("--no-causal",), "full fwd"),
+    (("--rep-ms", "3"), "has timing rep_ms"),  # the same rows, timed another way
 ])
 def test_resume_refuses_another_commands_file(fakes, tmp_path, capsys, change, says):
     out = tmp_path / "b.json"
@@ -580,6 +581,62 @@ def test_resume_refuses_another_commands_file(fakes, tmp_path, capsys, change, s
     assert bench.run(_parse(*base, *impl, *change, "--resume")) == 2
     assert says in capsys.readouterr().err
     assert out.read_text() == before  # nothing overwritten
+
+
+def test_resume_keeps_the_first_command_and_lists_each_resume(fakes, tmp_path):
+    out = tmp_path / "b.json"
+    argv = ("--sweep", "cpu", "--impl", "peer_fast", "fused", "--json", str(out), *FAST)
+    assert bench.run(_parse(*argv)) == 0
+    full = json.loads(out.read_text())
+    first = dict(full, complete=False, rows=full["rows"][:1], command=["first", "run"])
+    out.write_text(json.dumps(first))
+    assert bench.run(_parse(*argv, "--resume")) == 0
+    resumed = json.loads(out.read_text())
+    assert resumed["command"] == ["first", "run"] and resumed["env"] == full["env"]
+    assert [r["from_row"] for r in resumed["resumed"]] == [1]
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda doc: doc["env"].update(gpu={"name": "NVIDIA H100"}), "timed on NVIDIA H100"),
+    (lambda doc: doc.update(rows=[5]), "rows are not a list of objects"),
+    (lambda doc: doc.update(rows=5), "rows are not a list of objects"),
+])
+def test_resume_refuses_another_gpus_or_a_malformed_file(fakes, tmp_path, capsys, edit, says):
+    out = tmp_path / "b.json"
+    argv = ("--sweep", "cpu", "--impl", "fused", "--json", str(out), *FAST)
+    assert bench.run(_parse(*argv)) == 0
+    doc = json.loads(out.read_text())
+    edit(doc)
+    out.write_text(json.dumps(doc))
+    assert bench.run(_parse(*argv, "--resume")) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--rep-ms", "--warmup-ms"])
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_timing_settings_must_be_finite(fakes, capsys, flag, value):
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "fused", flag, value)) == 2
+    assert "must be finite" in capsys.readouterr().err
+
+
+def test_a_shape_whose_inputs_do_not_fit_gives_oom_rows(fakes, monkeypatch, tmp_path):
+    # the CPU allocator's RuntimeError (CUDA's is OutOfMemoryError) while making one shape's
+    # inputs: every entry's row at that shape says oom, and the sweep goes on
+    real = bench._make_inputs
+
+    def make(case, *args):
+        if case.seq == 64:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't "
+                               "allocate memory: you tried to allocate 4 TB")
+        return real(case, *args)
+    monkeypatch.setattr(bench, "_make_inputs", make)
+    out = tmp_path / "b.json"
+    assert bench.run(_parse("--shape", "1,2,64,16", "1,2,32,16", "--impl", "peer_fast", "fused",
+                            "--json", str(out), *FAST)) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"][2], r["status"]) for r in rows] == [
+        (64, "oom"), (64, "oom"), (32, "ok"), (32, "ok")]
+    assert "can't allocate memory" in rows[0]["reason"]
 
 
 def test_resume_needs_json(fakes, capsys):

@@ -121,7 +121,8 @@ def test_failing_implementations_become_rows(tmp_path, monkeypatch):
     fakes = {
         "unsupported": _raise(RuntimeError("No available kernel. Aborting execution.")),
         "oom": _raise(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")),
-        "broken": _raise(ValueError("boom\nsecond line")),
+        "broken": _raise(RuntimeError("boom\nsecond line")),
+        "refuses": _raise(ValueError("head_dim must be between 16 and 256, got 300")),
         "nan": lambda q, k, v: lambda: torch.full_like(q, float("nan")),
     }
     for name, prepare in fakes.items():
@@ -132,10 +133,27 @@ def test_failing_implementations_become_rows(tmp_path, monkeypatch):
     assert rows["unsupported"]["status"] == "unsupported"
     assert rows["unsupported"]["reason"] == "RuntimeError: No available kernel. Aborting execution."
     assert rows["oom"]["status"] == "oom"
-    assert (rows["broken"]["status"], rows["broken"]["reason"]) == ("error", "ValueError: boom")
+    assert (rows["broken"]["status"], rows["broken"]["reason"]) == ("error", "RuntimeError: boom")
+    # an entry's ValueError or TypeError refuses its input, as bench counts it
+    assert rows["refuses"]["status"] == "unsupported"
     assert (rows["nan"]["status"], rows["nan"]["reason"]) == ("error", "output holds NaN or inf")
     assert rows["nan"]["max_abs_error"] is None
     assert rows["naive"]["status"] == "ok"  # the run went on after every failure
+
+
+def test_compare_inputs_that_do_not_fit_are_one_line(tmp_path, monkeypatch, capsys):
+    from attnscope.profile import compare
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4 TB")
+    monkeypatch.setattr(compare.scenarios, "case_inputs", no_memory)
+    assert main([*TINY, "--impl", "naive", "--out", str(tmp_path / "out")]) == 1
+    assert "do not fit in cpu memory" in capsys.readouterr().err
+
+
+def test_compare_names_the_seq_flag(tmp_path, capsys):
+    assert main(["compare", "--seq", "0", "--out", str(tmp_path / "out")]) == 2
+    assert "--seq must be >= 1, got 0" in capsys.readouterr().err
 
 
 def _warns(q, k, v):

@@ -140,6 +140,17 @@ def test_report_subcommand_output_elsewhere(cpu_run, tmp_path, capsys):
     assert len(_check_links(page, target)) == len(CPU_IMPLS)  # relative to the report
 
 
+def test_report_says_so_of_an_unreadable_bench_file(cpu_run, tmp_path):
+    # a truncated bench.json in the folder: the report says so in its sweep section, no traceback
+    out, _ = cpu_run
+    folder = tmp_path / "copy"
+    shutil.copytree(out.resolve(), folder)
+    (folder / report.BENCH_FILE).write_text('{"rows": [{"impl": "fus')
+    target = tmp_path / "r.html"
+    assert main(["report", str(folder), "-o", str(target)]) == 0
+    assert "cannot be read as a bench file" in target.read_text()
+
+
 # --- a synthetic GPU run -----------------------------------------------------------------------
 
 GEMM = "ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_stages_64x4_nn"  # name tier: yes

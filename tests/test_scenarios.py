@@ -109,6 +109,11 @@ def test_presets_are_their_scenarios_and_lengths_are_seeded():
     ({"name": "prefix"}, "valid: prefill, decode, chunked, varlen, paged"),
     ({"name": "decode", "page_size": 16}, "paged only"),
     ({"name": "paged", "page_size": 0}, ">= 1"),
+    # an explicit scenario the lengths contradict is refused, not relabelled
+    ({"name": "prefill", "q_len": 4, "kv_len": 300}, "prefill with q_len 4 and kv_len 300 is a "
+                                                     "decode call"),
+    ({"name": "decode", "q_len": 4, "kv_len": 4}, "is a prefill call"),
+    ({"name": "chunked", "kv_len": 24, "q_len": 24}, "is a prefill call"),
 ])
 def test_scenario_flags_are_checked(kwargs, says):
     name = kwargs.pop("name")

@@ -323,9 +323,10 @@ def add_arguments(parser) -> None:
 
 
 def _resolve(args):
-    if args.warmup_ms < 0 or args.rep_ms <= 0:
-        raise ValueError(f"--warmup-ms must be >= 0 and --rep-ms > 0, got {args.warmup_ms:g} "
-                         f"and {args.rep_ms:g}")
+    if not (math.isfinite(args.warmup_ms) and math.isfinite(args.rep_ms)
+            and args.warmup_ms >= 0 and args.rep_ms > 0):
+        raise ValueError(f"--warmup-ms must be finite and >= 0, --rep-ms finite and > 0, got "
+                         f"{args.warmup_ms:g} and {args.rep_ms:g}")
     device = torch.device(resolve_device(args.device))
     args.dtype = args.dtype or DEFAULT_DTYPE[device.type]
     one_case = (args.scenario or args.q_len is not None or args.kv_len is not None
@@ -393,12 +394,20 @@ MODE_TIMED = {
 }
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    # CUDA's allocator raises OutOfMemoryError, the CPU's a RuntimeError saying so
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
 def _reference_or_none(inputs, case: Case, causal: bool, device: torch.device):
     budget = REF_MEMORY_FRACTION * (free_memory(device) or 2**31)
     try:
         with torch.no_grad():  # the backward modes run with grad enabled
             return scenarios.reference(inputs, causal, budget, **scenarios.options(case))
-    except torch.OutOfMemoryError:  # the budget is an estimate; rows then carry no error
+    except RuntimeError as exc:  # the budget is an estimate; rows then carry no error
+        if not _out_of_memory(exc):
+            raise
         print("bench: the float64 reference ran out of memory; no errors at this shape",
               file=sys.stderr)
         return None
@@ -424,9 +433,17 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
     set_bytes = 2 * (q_rows * case.heads + kv_rows * case.kv_heads) * case.head_dim * \
         dtype.itemsize  # q, out, k, v
     n_sets = 1 if ctx.device.type == "cpu" else input_sets(set_bytes, l2_bytes)
-    inputs = [_make_inputs(case, dtype, ctx.device, i) for i in range(n_sets)]
-    if ctx.mode != "fwd":
-        inputs = [_with_grad(one) for one in inputs]
+    try:
+        inputs = [_make_inputs(case, dtype, ctx.device, i) for i in range(n_sets)]
+        if ctx.mode != "fwd":
+            inputs = [_with_grad(one) for one in inputs]
+    except RuntimeError as exc:  # the shape's inputs alone do not fit: every entry's row says so
+        if not _out_of_memory(exc):
+            raise
+        reason = f"its inputs do not fit in memory: {str(exc).splitlines()[0]}"
+        for impl in impls:
+            yield {**_row(ctx, case, impl.name), "status": "oom", "reason": reason}
+        return
     reference = _reference_or_none(inputs[0], case, ctx.causal, ctx.device)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # free memory must not count the reference's cached blocks
@@ -472,8 +489,13 @@ def _header(env: dict, sweep: str, cases, device: torch.device, l2_bytes: int | 
     }
 
 
-# What a resumed file must share with the run that continues it: the same rows would be timed.
-RESUME_FIELDS = ("sweep", "device", "torch", "triton", "cases", "mode")
+# What a resumed file must share with the run that continues it: the same rows would be timed,
+# with the same timer and settings (warm-up, repetitions, L2 size) on the same kind of GPU.
+RESUME_FIELDS = ("sweep", "device", "torch", "triton", "cases", "mode", "timing")
+
+
+def _gpu_name(header: dict):
+    return ((header.get("env") or {}).get("gpu") or {}).get("name")
 
 
 def _resumed_rows(path: str, header: dict, ctx: _Context, cases, impls) -> list[dict]:
@@ -487,13 +509,19 @@ def _resumed_rows(path: str, header: dict, ctx: _Context, cases, impls) -> list[
         with open(path) as f:
             saved = json.load(f)
         rows = saved["rows"]
+        if not (isinstance(rows, list) and all(isinstance(row, dict) for row in rows)):
+            raise TypeError("its rows are not a list of objects")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--resume: cannot read {path} as a bench file: {exc}") from None
     for field in RESUME_FIELDS:
         current = json.loads(json.dumps(header[field]))  # as the file holds it (lists, not tuples)
         if saved.get(field) != current:
-            raise ValueError(f"--resume: {path} has {field} {_short(saved.get(field))}, this run "
-                             f"{_short(current)}; give another --json or the same command")
+            raise ValueError(f"--resume: {path} has {field} {_differs(saved.get(field), current)}"
+                             f"; give another --json or the same command")
+    if _gpu_name(saved) != _gpu_name(header):
+        raise ValueError(f"--resume: {path} was timed on {_gpu_name(saved) or 'no GPU'}, this run "
+                         f"is on {_gpu_name(header) or 'no GPU'}; give another --json")
+
     # the rows this run would write, as _case_rows makes them (a case's own dtype wins)
     expected = [_row(dataclasses.replace(ctx, dtype=case.dtype) if case.dtype else ctx, case,
                      impl.name) for case in cases for impl in impls]
@@ -506,10 +534,38 @@ def _resumed_rows(path: str, header: dict, ctx: _Context, cases, impls) -> list[
         except (KeyError, TypeError):
             same = False
         if not same:
-            raise ValueError(f"--resume: row {i} of {path} is {row.get('impl')} at "
-                             f"{row.get('shape')}, where this run times {want['impl']} at "
-                             f"{want['shape']}; give the same --impl list and flags")
+            raise ValueError(f"--resume: row {i} of {path} is {_row_label(row)}, where this run "
+                             f"times {_row_label(want)}; give the same --impl list and flags")
+    # The file keeps its first run's command and environment; each resume is listed after it.
+    header["command"], header["env"] = saved.get("command"), saved.get("env")
+    header["resumed"] = [*saved.get("resumed", []),
+                         {"command": list(sys.argv), "from_row": len(rows),
+                          "date": ctx.env.get("date"), "host": ctx.env.get("host")}]
     return rows
+
+
+def _row_label(row: dict) -> str:
+    # what _case_key compares, as a reader names it (the fields a row has)
+    extra = ", ".join(f"{name} {row[name]}" for name in ("kv_len", "seqlens", "page_size",
+                                                         "window", "softcap")
+                      if row.get(name) is not None)
+    return (f"{row.get('impl')} at {row.get('shape')} kv_heads {row.get('kv_heads')} "
+            f"{row.get('dtype')} {'causal' if row.get('causal') else 'full'} {row.get('mode')}"
+            + (f" ({extra})" if extra else ""))
+
+
+def _differs(saved, current) -> str:
+    """`saved` against `current`, short: the first case or key where they part, else both."""
+    if isinstance(saved, list) and isinstance(current, list):
+        for i, (a, b) in enumerate(zip(saved, current)):
+            if a != b:
+                return f"case {i} {_short(a)} where this run has {_short(b)}"
+        return f"{len(saved)} cases, this run {len(current)}"
+    if isinstance(saved, dict) and isinstance(current, dict):
+        keys = [k for k in dict.fromkeys([*saved, *current]) if saved.get(k) != current.get(k)]
+        return ", ".join(f"{k} {_short(saved.get(k))} where this run has {_short(current.get(k))}"
+                         for k in keys[:3])
+    return f"{_short(saved)}, this run {_short(current)}"
 
 
 def _short(value) -> str:
@@ -591,8 +647,10 @@ def _run(args) -> int:
         print(format_table(with_peer_ratios(rows), time_label))
         raise
     except OSError as exc:  # a full disk, or a folder that turned unwritable mid-run
+        print(format_table(with_peer_ratios(rows), time_label))  # what was measured, on stdout
         print(f"bench: error: cannot write --json {args.json}: {exc.strerror or exc}; "
-              f"{len(rows)} rows measured, the file keeps what was last written", file=sys.stderr)
+              f"{len(rows)} rows measured (above), the file keeps what was last written",
+              file=sys.stderr)
         return 1
     final = with_peer_ratios(rows)
     print(format_table(final, time_label))

@@ -106,6 +106,8 @@ def resolve_case(args, device):
     if args.seq is not None and (args.q_len is not None or args.kv_len is not None):
         raise ValueError(f"--seq sets both lengths; give it or --q-len/--kv-len, not both "
                          f"(got --seq {args.seq}, --q-len {args.q_len}, --kv-len {args.kv_len})")
+    if args.seq is not None and args.seq < 1:
+        raise ValueError(f"--seq must be >= 1, got {args.seq}")
     q_len = args.seq if args.q_len is None else args.q_len
     kv_len = args.seq if args.kv_len is None else args.kv_len
     c = scenarios.scenario_case(args.scenario, device, batch=args.batch, heads=args.heads,
@@ -121,9 +123,10 @@ def write_results(folder: Path, results: dict):
 def _classify(exc):
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return "oom"
-    # NotImplementedError is the registry's way of refusing an input (as in bench); the hints
-    # catch libraries' own refusals.
-    if isinstance(exc, NotImplementedError) or any(h in str(exc) for h in _UNSUPPORTED_HINTS):
+    # NotImplementedError, ValueError and TypeError are the registry's ways of refusing an input
+    # (GQA, dtype, head_dim), as bench counts them; the hints catch libraries' own refusals.
+    if (isinstance(exc, (NotImplementedError, ValueError, TypeError))
+            or any(h in str(exc) for h in _UNSUPPORTED_HINTS)):
         return "unsupported"
     return "error"
 
@@ -156,7 +159,10 @@ def profile_one(impl, inputs, case, reference, out: Path, device, dtype_name, en
                 mode="fwd") -> dict:
     row = {"impl": impl.name, "description": impl.description, "seed_script": impl.seed_script,
            "status": "ok", "reason": "", "note": scenarios.note(impl, case, causal=True)}
-    ok, reason = impl.available(torch.device(device))
+    try:
+        ok, reason = impl.available(torch.device(device))
+    except Exception as exc:  # noqa: BLE001 -- a broken check makes the entry unavailable
+        ok, reason = False, f"available() raised {_first_line(exc)}"
     if not ok:
         return {**row, "status": "unavailable", "reason": reason}
     cannot = scenarios.unsupported(impl, case, mode)
@@ -271,7 +277,15 @@ def _run(args, run_, impls, device, case) -> int:
     # a window and a softcap only where set, so a run without them writes what it always did
     results.update(scenarios.options(case))
     write_results(folder, results)
-    inputs = scenarios.case_inputs(case, DTYPES[dtype_name], device, seed=0)
+    try:
+        inputs = scenarios.case_inputs(case, DTYPES[dtype_name], device, seed=0)
+    except RuntimeError as exc:  # the CUDA allocator's OutOfMemoryError, or the CPU's
+        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+            raise
+        _progress(f"attnscope compare: error: the inputs of {scenarios.describe(case)} do not "
+                  f"fit in {device} memory ({_first_line(exc)}); {out / runs.LATEST} still names "
+                  f"the last complete run")
+        return 1
     reference = _reference(inputs, case)
     _progress(f"attnscope compare: {len(impls)} implementations, {scenarios.describe(case)}, "
               f"{dtype_name}, {device}, run folder {folder}")

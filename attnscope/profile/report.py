@@ -231,7 +231,14 @@ class _Page:
             return _section("sweep", "Shape sweep", _note(
                 f"no {BENCH_FILE} in this folder: run `python -m attnscope.profile bench --json "
                 f"{path}` to add a sweep plot"))
-        bench = json.loads(path.read_text())
+        try:
+            bench = json.loads(path.read_text())
+            if not isinstance(bench, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:  # a truncated or foreign file: say so, go on
+            return _section("sweep", "Shape sweep", _note(
+                f"{path} cannot be read as a bench file ({exc}); run `python -m "
+                f"attnscope.profile bench --json {path}` again to add a sweep plot"))
         timer = (bench.get("timing") or {}).get("timer", "")
         ylabel = "TFLOP/s" + (" (CPU wall time)" if bench.get("device") == "cpu" else "")
         body = _img(charts.sweep(bench.get("rows", []), ylabel,

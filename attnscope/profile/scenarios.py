@@ -63,7 +63,7 @@ def scenario_case(name: str | None, device: str, *, batch=None, heads=None, q_le
                   kv_len=None, head_dim=None, kv_heads=None, page_size=None) -> Case:
     """The scenario's preset on `device`, with the values given replacing its own. No scenario:
     prefill's shape, or with --q-len/--kv-len that differ the scenario those lengths name."""
-    name = name or "prefill"
+    asked, name = name, name or "prefill"
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; valid: {', '.join(SCENARIOS)}")
     if page_size is not None:
@@ -98,8 +98,14 @@ def scenario_case(name: str | None, device: str, *, batch=None, heads=None, q_le
     if name == "decode" and out.seq > MAX_DECODE_Q_LEN:
         raise ValueError(f"--scenario decode takes q_len 1 to {MAX_DECODE_Q_LEN}, got {out.seq}; "
                          f"use --scenario chunked for longer chunks")
-    return dataclasses.replace(out, kv_len=None if kv_len == out.seq else kv_len,
+    case = dataclasses.replace(out, kv_len=None if kv_len == out.seq else kv_len,
                                kv_heads=_kv_heads(kv_heads, preset, out.heads))
+    if asked is not None and case.scenario != asked:  # the lengths name another scenario
+        raise ValueError(f"--scenario {asked} with q_len {case.seq} and kv_len {case.keys} is a "
+                         f"{case.scenario} call (prefill: q_len == kv_len; decode: q_len 1 to "
+                         f"{MAX_DECODE_Q_LEN} < kv_len; chunked: longer q_len < kv_len): give "
+                         f"lengths that fit {asked}, or no --scenario")
+    return case
 
 
 def window_arg(text: str) -> tuple[int, int]:
