@@ -181,6 +181,20 @@ def _traced(t):
             or (type(t) is not torch.Tensor and is_fake(t)))  # fakes are Tensor subclasses
 
 
+def _refuse_func_gradients():
+    """torch.func.grad, jacrev, jacfwd and jvp cannot differentiate the custom op (PyTorch runs
+    its registered autograd as an autograd.Function without the setup_context those transforms
+    ask for): a NotImplementedError that says so, instead of PyTorch's message about
+    setup_context. vmap runs (through PyTorch's per-sample fallback)."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is not None and interpreter.key() in (
+            torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp):
+        raise NotImplementedError(
+            "fused_attention cannot be differentiated by torch.func transforms (grad, jacrev, "
+            "jacfwd, jvp): its custom op's autograd is registered for torch.autograd; use "
+            "torch.autograd.grad or .backward() instead")
+
+
 def _launch_wrap(t):
     """wrap_triton while the op body is traced, else None: on real tensors the body launches
     directly, through FastLaunch (Triton's per-call dispatch once per argument signature), and
@@ -559,6 +573,7 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     args = _call_args(q, causal, scale, causal_alignment, layout, left, right, softcap)
     if traced:  # torch.compile, a dispatch mode, torch.func, fake tensors
+        _refuse_func_gradients()
         out, lse = _attention_fwd(q, k, v, *args, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _EagerAttention.apply(q, k, v, *args, deterministic, None, key)
