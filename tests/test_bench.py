@@ -639,6 +639,14 @@ def test_a_shape_whose_inputs_do_not_fit_gives_oom_rows(fakes, monkeypatch, tmp_
     assert "can't allocate memory" in rows[0]["reason"]
 
 
+def test_an_existing_json_is_overwritten_with_a_note(fakes, tmp_path, capsys):
+    out = tmp_path / "b.json"
+    out.write_text("{}")
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "fused", "--json", str(out), *FAST)) == 0
+    assert "exists and is overwritten" in capsys.readouterr().err
+    assert json.loads(out.read_text())["complete"] is True
+
+
 def test_resume_needs_json(fakes, capsys):
     assert bench.run(_parse("--sweep", "cpu", "--resume", *FAST)) == 2
     assert "give --json PATH" in capsys.readouterr().err

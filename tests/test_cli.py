@@ -191,6 +191,12 @@ def test_compare_keeps_warnings_in_rows(tmp_path, monkeypatch, capsys):
             "UserWarning: argument aux_data cannot be converted") in printed.out
 
 
+def test_a_mistyped_command_is_named(capsys):
+    assert main(["benhc", "--shape", "1,1,16,16"]) == 2
+    assert "unknown command 'benhc'; the commands: compare, analyze, bench" in \
+        capsys.readouterr().err
+
+
 def test_unknown_implementation_lists_valid_names(tmp_path, capsys):
     assert main([*TINY, "--impl", "naive", "flash3", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

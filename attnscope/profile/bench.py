@@ -598,6 +598,9 @@ def _run(args) -> int:
             raise ValueError("--resume continues a --json file: give --json PATH")
         if args.json:
             _check_json_path(args.json)  # now, not after the first row's minutes of timing
+            if not args.resume and os.path.exists(args.json):
+                notes = [*notes, f"bench: note: {args.json} exists and is overwritten from the "
+                                 f"first row on (--resume continues it instead)"]
     except ValueError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2

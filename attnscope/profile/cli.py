@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        # a word where a command goes: a mistyped command, not compare's arguments
+        print(f"attnscope: error: unknown command {argv[0]!r}; the commands: "
+              f"{', '.join(SUBCOMMANDS)} (none: {DEFAULT})", file=sys.stderr)
+        return 2
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv = [DEFAULT, *argv]
     # Ctrl-C at any moment, start-up (importing the subcommands pulls in torch) included: one
