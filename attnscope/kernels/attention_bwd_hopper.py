@@ -760,8 +760,6 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
     q = q_smem.index(WG)
     do = do_smem.index(WG)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    # LAB: Q and dO as the register operands of S = Q K^T and dP = dO V^T, read once a tile
-    Q_REGS: gl.constexpr = COLS == HEAD_DIM
     dq = gl.zeros([ROWS, W0], gl.float32, acc_layout)
     if REST > 0:
         dq1 = gl.zeros([ROWS, REST], gl.float32, _mma_layout(REST))
@@ -774,12 +772,6 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
     if HAS_WINDOW:
         first_full = gl.cdiv(gl.maximum(r0 + ROWS - 1 + LEFT_OFFSET, 0), BLOCK_N)
     mbarrier.wait(qdo_ready, 0)
-    if Q_REGS:
-        q_a = q.load(_a_layout(BLOCK_N))
-        do_a = do.load(_a_layout(BLOCK_N))
-    else:
-        q_a = q
-        do_a = do
     lo, hi = _key_blocks(m0, N_CTX_K, vis, CAUSAL, HAS_WINDOW, BLOCK_N)
     for j in range(lo, hi):
         i = j - lo
@@ -787,8 +779,8 @@ def _dq_consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, COLS: gl.conste
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         k = k_smem.index(slot)
         # S = Q K^T and dP = dO V^T, [queries, keys]
-        s_tok = _over_columns(q_a, k, s_zero, COLS, HEAD_DIM)
-        dp_tok = _over_columns(do_a, v_smem.index(slot), s_zero, COLS, HEAD_DIM)
+        s_tok = _over_columns(q, k, s_zero, COLS, HEAD_DIM)
+        dp_tok = _over_columns(do, v_smem.index(slot), s_zero, COLS, HEAD_DIM)
         # S alone: P's exponentials run under dP's (as many groups as S's, left in flight)
         s = warpgroup_mma_wait(_chunks(COLS, HEAD_DIM), deps=[s_tok])
         p, d_cap = _probabilities(s, gl.expand_dims(lse, 1), qk_scale, softcap_log2, SOFTCAP)
