@@ -324,8 +324,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     k/v [batch, kv_heads, kv_len, head_dim]; returns ([batch, q_len, heads, head_dim], None).
 
     A None mask means causal aligned bottom-right, a mask carrying a packing a padded batch, any
-    other mask one the op cannot express (see the module docstring). `sliding_window` (W keys,
-    the query's own included) and `softcap` come from the layer's keyword arguments."""
+    other mask one the op cannot express (see the module docstring). The window (W keys, the
+    query's own included) is _layer_window's; `softcap` comes from the layer's keyword
+    arguments."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise NotImplementedError(
             "attn_implementation='attnscope' cannot run attention with sinks (the model's "

@@ -521,7 +521,6 @@ def _resumed_rows(path: str, header: dict, ctx: _Context, cases, impls) -> list[
     if _gpu_name(saved) != _gpu_name(header):
         raise ValueError(f"--resume: {path} was timed on {_gpu_name(saved) or 'no GPU'}, this run "
                          f"is on {_gpu_name(header) or 'no GPU'}; give another --json")
-
     # the rows this run would write, as _case_rows makes them (a case's own dtype wins)
     expected = [_row(dataclasses.replace(ctx, dtype=case.dtype) if case.dtype else ctx, case,
                      impl.name) for case in cases for impl in impls]
