@@ -540,7 +540,7 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     deterministic=True (the default): every backward gives the same gradients bit for bit.
     deterministic=False lets eager bf16/fp16 head_dim-128 calls on Hopper (sm_90) without GQA
     take a faster backward: one kernel adds dQ from every key block in whatever order its
-    programs run, so dQ's last bits may differ between runs (8-9 % faster backward on the
+    programs run, so dQ's last bits may differ between runs (6-8 % faster backward on the
     H200 in the backward record; notes/backward.md, lever 3); every other call computes as
     with True, as does every call while torch.use_deterministic_algorithms(True) is on.
     """
