@@ -185,7 +185,10 @@ def _refuse_func_gradients():
     """torch.func.grad, jacrev, jacfwd and jvp cannot differentiate the custom op (PyTorch runs
     its registered autograd as an autograd.Function without the setup_context those transforms
     ask for): a NotImplementedError that says so, instead of PyTorch's message about
-    setup_context. vmap runs (through PyTorch's per-sample fallback)."""
+    setup_context. vmap runs (through PyTorch's per-sample fallback). Not read while dynamo
+    traces (it cannot trace the functorch stack; torch.compile takes the op as it is)."""
+    if torch.compiler.is_compiling():
+        return
     interpreter = torch._C._functorch.peek_interpreter_stack()
     if interpreter is not None and interpreter.key() in (
             torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp):
