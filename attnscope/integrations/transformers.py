@@ -90,7 +90,8 @@ REASONS = {
     "window_gaps": "a sliding window over a batch with padding between tokens (a window counts "
                    "positions, packing removes them)",
     "chunked_attention": "chunked attention (attention_chunk_size) cuts keys off",
-    "static_cache": "the cache holds slots past the last query (a static cache)",
+    "static_cache": "the keys do not end at the last query (a static cache's unused slots or "
+                    "offset on the device, or a mask longer than the sequence)",
     "mask_pattern": "transformers builds a mask beyond causal + sliding window here "
                     "(bidirectional, an overlay, packed sequences, or compiled static-cache "
                     "decode)",
