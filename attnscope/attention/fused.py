@@ -218,15 +218,18 @@ def _check_interpreter(kernels, q):
                         "or float32 on CPU, bfloat16 on CUDA")
 
 
-def _outputs(q, k, v, layout, lse=True):
+def _outputs(q, k, v, layout, lse=True, views=True):
     # The output, allocated contiguous in the caller's layout, its fp32 LSE [batch, heads,
     # q_len] (None without `lse`: an inference call that returns none, whose kernel then
-    # stores none; one allocation less, ~2-6 us of host time), and (q, k, v, out) as the
-    # [batch, heads, seq, head_dim] views the kernels see, whatever their strides.
+    # stores none; one allocation less, ~2-6 us of host time), and with `views` (q, k, v, out)
+    # as the [batch, heads, seq, head_dim] views the kernels see, whatever their strides (else
+    # None).
     out = _empty(q, q.shape, q.dtype)
-    views = ((q, k, v, out) if layout == "bhsd"  # (no generator: ~0.7 us a call on the CPU)
-             else tuple(_as_bhsd(t, layout) for t in (q, k, v, out)))
-    return out, _empty(q, views[0].shape[:-1], torch.float32) if lse else None, views
+    lse_shape = q.shape[:-1] if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
+    if views:
+        views = ((q, k, v, out) if layout == "bhsd"  # (no generator: ~0.7 us a call on the CPU)
+                 else tuple(_as_bhsd(t, layout) for t in (q, k, v, out)))
+    return out, _empty(q, lse_shape, torch.float32) if lse else None, views or None
 
 
 def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, window_right=-1,
@@ -256,8 +259,9 @@ def _forward(q, k, v, causal, scale, bottom_right, layout, window_left=-1, windo
                 q4, k4, v4, out4, lse, causal=causal, scale=scale,
                 window=(window_left, window_right), softcap=softcap, kept=repeat_key is not None)
         if repeat_key is not None:  # its kept launch, else (no direct launcher) the call again
-            _remember(repeat_key, _repeat(layout, launched[2] or functools.partial(
-                _decode_kernels().attention_decode, causal=causal, scale=scale)))
+            _remember(repeat_key, _repeat(layout, launched[2]) if launched[2] is not None else
+                      _repeat(layout, functools.partial(_decode_kernels().attention_decode,
+                                                        causal=causal, scale=scale), views=True))
         return out, lse
     out, lse, (q4, k4, v4, out4) = _outputs(q, k, v, layout, lse)
     offset = k4.shape[2] - q_len if bottom_right else 0
@@ -323,15 +327,22 @@ def _remember(key, run):
     _repeats[key] = run
 
 
-def _repeat(layout, launch, lse=True):
+def _repeat(layout, launch, lse=True, views=False):
     # A remembered call: its outputs allocated as _forward does (the LSE only with `lse`), then
-    # launch(q4, k4, v4, out4, lse) on the [batch, heads, seq, head_dim] views (out4 in the
-    # LSE's place without one: the kept launch stores none).
+    # launch(q, k, v, out, lse) (out in the LSE's place without one: the kept launch stores
+    # none). A kept launch (launch._Bound, or the decode kernel's _repeat_launch) reads its
+    # tensors' data pointers only, their strides being the first call's (the key fixes them), so
+    # it takes the caller's tensors: no [batch, heads, seq, head_dim] views of bshd ones (~5 us a
+    # call of four views on the CPU machine, host_cost.py's stubs). With `views` (the decode
+    # kernel's full launch, where no launch was kept) it takes those views.
     def run(q, k, v):
         device = q.device
-        out, lse_out, views = _outputs(q, k, v, layout, lse)
+        out, lse_out, bhsd = _outputs(q, k, v, layout, lse, views)
         with _on_device(device):
-            launch(*views, views[3] if lse_out is None else lse_out)
+            if views:
+                launch(*bhsd, bhsd[3] if lse_out is None else lse_out)
+            else:
+                launch(q, k, v, out, out if lse_out is None else lse_out)
         return out, lse_out
     return run
 
