@@ -248,8 +248,9 @@ def add_efficiency(rows, baseline_path):
 
 # ---- model mode ---------------------------------------------------------------------------
 
-def block_times(args, dev, dtype, q_len, kv_len, causal):
-    """(forward ms, backward ms) of one block, the forward including the LSE merge."""
+def block_times(args, dev, dtype, q_len, kv_len, causal, merge=True):
+    """(forward ms, backward ms) of one block, the forward including the LSE merge a ring step
+    does (`merge`; one GPU's whole sequence has none)."""
     g = torch.Generator(device=dev).manual_seed(q_len + kv_len)
     kv_heads = args.kv_heads or args.heads
 
@@ -265,7 +266,8 @@ def block_times(args, dev, dtype, q_len, kv_len, causal):
 
     def forward():
         o, l = torch.ops.attnscope.attention_fwd(q, k, v, causal, scale, False, "bhsd")
-        _merge(acc, acc_lse.clone(), o, l, "bhsd")
+        if merge:
+            _merge(acc, acc_lse.clone(), o, l, "bhsd")
     fwd = timed_ms(forward, args.iters, args.warmup, dev)
     bwd = timed_ms(lambda: torch.ops.attnscope.attention_bwd(dout, q, k, v, out, lse, causal,
                                                              scale, False, "bhsd"),
@@ -284,7 +286,7 @@ def predict(args, dev, dtype):
     bandwidth = args.link_gbps * args.link_efficiency * 1e9  # bytes/s
     rows = []
     for seq in args.seqs:
-        one_fwd, one_bwd = block_times(args, dev, dtype, seq, seq, True)
+        one_fwd, one_bwd = block_times(args, dev, dtype, seq, seq, True, merge=False)
         for n in args.ranks:
             if seq % (2 * n):
                 raise ValueError(f"--seqs: {seq} is not a multiple of 2 x {n} ranks")

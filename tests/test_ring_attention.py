@@ -103,10 +103,20 @@ def check_unshard_backward(load_balance, group=None):
 
 
 def check_unequal_shards_refused(group=None):
+    # shapes, dtypes or arguments that differ between ranks: a ValueError on every rank (no
+    # hang, no garbage)
     rank = dist.get_rank(group)
     q = torch.randn(1, 2, 4 + 2 * rank, 16, generator=torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match="same shape"):
         ring_attention(q, q, q, group=group)
+    q = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="same dtypes"):
+        x = q.half() if rank == 0 else q
+        ring_attention(x, x, x, group=group)
+    with pytest.raises(ValueError, match="same causal, scale"):
+        ring_attention(q, q, q, group=group, causal=rank == 0)
+    with pytest.raises(ValueError, match="same causal, scale"):
+        ring_attention(q, q, q, group=group, scale=0.5 + rank)
 
 
 # ---- spawned gloo ranks ---------------------------------------------------------------------

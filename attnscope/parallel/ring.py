@@ -39,6 +39,7 @@ and skips the rest: the ring runs at the pace of rank W-1.
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 import torch.distributed as dist
@@ -46,28 +47,47 @@ import torch.distributed as dist
 # fused.py registers torch.ops.attnscope.*; its checks are the ops' contract (shapes, dtypes,
 # head_dim, GQA), which the ops themselves do not repeat
 from attnscope.attention.fused import _validate as _validate_attention
-from attnscope.parallel.sharding import SEQ_DIMS, check_load_balance, world
+from attnscope.parallel.sharding import LOAD_BALANCES, SEQ_DIMS, check_load_balance, world
 
-_checked_shapes = set()  # (group, shard shapes) already checked equal on every rank
+_checked_calls = set()  # (group, shard shapes, dtypes, arguments) already checked on every rank
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # codes for the check
 
 
-def _check_equal_shards(q, k, group, size):
-    """Every rank's shards must have one shape (the ring's receive buffers are sized from this
-    rank's, and the causal structure assumes equal chunks). Checked with one all-reduce the first
-    time a group sees a shape: on GPUs it stalls the host until the GPU catches up, which a
-    training loop should pay once, not per layer."""
-    key = (group, size, tuple(q.shape), tuple(k.shape))
-    if size == 1 or key in _checked_shapes:
+def _check_equal_shards(q, k, group, size, causal, scale, layout, load_balance):
+    """Every rank's call must be the same one: shards of one shape (the ring's receive buffers
+    are sized from this rank's, and the causal structure assumes equal chunks), of one dtype (a
+    rank receiving another dtype's bytes reads garbage or aborts) and with the same causal, scale,
+    layout and load_balance (else a rank computes other blocks than its neighbours send, with no
+    error). Checked with one all-reduce the first time a group sees such a call on this rank: on
+    GPUs it stalls the host until the GPU catches up, which a training loop should pay once, not
+    per layer. A later call that differs between ranks but that this rank has checked before is
+    not caught: the ranks then wait on each other's sends."""
+    args = (causal, scale, layout, load_balance)
+    key = (group, size, tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, args)
+    if size == 1 or key in _checked_calls:
         return
-    dims = torch.tensor([*q.shape, *k.shape], dtype=torch.int64)
-    both = torch.cat((dims, -dims)).to(q.device)
+    facts = [*q.shape, *k.shape, _DTYPES.index(q.dtype), _DTYPES.index(k.dtype), int(causal),
+             struct.unpack("<q", struct.pack("<d", scale))[0], sorted(SEQ_DIMS).index(layout),
+             LOAD_BALANCES.index(load_balance)]
+    facts = torch.tensor(facts, dtype=torch.int64)
+    both = torch.cat((facts, -facts)).to(q.device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    largest, smallest = both[:8].cpu(), -both[8:].cpu()
-    if not torch.equal(largest, smallest):
+    n = len(facts)
+    largest, smallest = both[:n].cpu(), -both[n:].cpu()
+    if not torch.equal(largest[:8], smallest[:8]):
         raise ValueError(f"every rank's shards must have the same shape; this rank has q "
                          f"{tuple(q.shape)} and k/v {tuple(k.shape)}, and the ranks' shapes range "
-                         f"from {smallest.tolist()} to {largest.tolist()} (q dims then k dims)")
-    _checked_shapes.add(key)
+                         f"from {smallest[:8].tolist()} to {largest[:8].tolist()} (q dims then k "
+                         f"dims)")
+    if not torch.equal(largest[8:10], smallest[8:10]):
+        raise ValueError(f"every rank's q and k/v must have the same dtypes; this rank has "
+                         f"{q.dtype} and {k.dtype}, another rank other ones")
+    if not torch.equal(largest, smallest):
+        raise ValueError(f"every rank must call ring_attention with the same causal, scale, "
+                         f"layout and load_balance; this rank has causal={causal}, "
+                         f"scale={scale!r}, layout={layout!r}, load_balance={load_balance!r}, "
+                         f"another rank other ones")
+    _checked_calls.add(key)
 
 
 def _block(step, rank, size, causal, load_balance, length):
@@ -217,7 +237,7 @@ def ring_attention(q, k, v, *, group=None, causal=True, layout="bhsd", load_bala
         raise ValueError(f"a zigzag shard holds two equal chunks, so its length must be even, got "
                          f"{q.shape[d]}")
     _, size = world(group)
-    _check_equal_shards(q, k, group, size)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    _check_equal_shards(q, k, group, size, bool(causal), float(scale), layout, load_balance)
     return _RingAttention.apply(q, k, v, causal, float(scale), layout, load_balance, group)
