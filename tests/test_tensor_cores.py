@@ -498,6 +498,23 @@ def test_ncu_merge_gives_every_profiled_kernel_counter_evidence(tmp_path):
     assert flash["other"] == {"name": "yes"}
 
 
+def test_a_second_ncu_merge_keeps_the_weaker_tiers(tmp_path):
+    # ncu after ncu (or --stalls after ncu): the new counters replace the old ones, and the
+    # name and SASS tiers the first merge kept stay under `other`
+    from attnscope.profile import ncu
+
+    path = _compare_output(tmp_path)
+    counters = {impl: _counters(impl) for impl in NCU_IMPLS}
+    ncu.merge_into_results(path, counters)
+    first = json.loads(path.read_text())
+    ncu.merge_into_results(path, counters)
+    second = json.loads(path.read_text())
+    for row_1, row_2 in zip(first["rows"], second["rows"]):
+        assert row_1 == row_2, row_1["impl"]
+    flash = {r["impl"]: r for r in second["rows"]}["sdpa_flash"]["kernels"][0]["tensor_cores"]
+    assert flash["other"] == {"name": "yes"}
+
+
 def test_ncu_merge_by_launch_order(tmp_path):
     """With the traces beside results.json and ncu's launches, kernels pair by launch order:
     SDPA math's 20 launches of 13 kernels, whose 5 `vectorized_elementwise_kernel`s and 2
