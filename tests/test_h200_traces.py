@@ -306,6 +306,18 @@ def test_occupancy_of_large_shared_memory_kernels(impl, name, theoretical):
     assert k["occupancy_source"].startswith("estimate")
 
 
+def test_launches_of_one_name_with_other_grids_are_listed():
+    # SDPA math runs its where kernel at two grids a forward: the row names the first launch's
+    # grid and lists both
+    kernels = _analysis("sdpa_math")["ranges"]["sdpa_math"]["kernels"]
+    where = next(k for k in kernels if "where_kernel" in k["name"])
+    assert where["grid"] == [4096, 1, 1]
+    assert where["launch_shapes"] == [
+        {"grid": [4096, 1, 1], "block": [128, 1, 1], "launches": 3},
+        {"grid": [524288, 1, 1], "block": [128, 1, 1], "launches": 3}]
+    assert all("launch_shapes" not in k for k in _analysis("fused")["ranges"]["fused"]["kernels"])
+
+
 def test_occupancy_where_kineto_computes_it():
     rows = {k["name"]: k for k in _analysis("naive")["ranges"]["naive"]["kernels"]}
     soft = next(k for name, k in rows.items() if "softmax_warp_forward" in name)

@@ -451,6 +451,24 @@ def _compare_output(tmp_path):
     return path
 
 
+def test_a_name_of_several_launches_says_its_counters_are_a_mean():
+    # SDPA math's where kernel: two launches of one name, 32,768 and 6,291,456 HMMA
+    from attnscope.profile.table import evidence_text
+
+    def metrics(hmma, pct):
+        return {tc.GMMA: 0, tc.HMMA: hmma, tc.HFMA2_MMA: 0, tc.IMMA: 0, tc.DMMA: 0,
+                tc.TENSOR_PIPE_PCT: pct}
+    launches = [{"id": 0, "kernel": "where", "metrics": metrics(32768, 1.81)},
+                {"id": 1, "kernel": "where", "metrics": metrics(6291456, 3.02)},
+                {"id": 2, "kernel": "gemm", "metrics": metrics(4096, 50.0)}]
+    verdicts = tc.counter_verdicts(launches)
+    assert verdicts["where"]["launches"] == 2
+    assert verdicts["where"]["matrix_instructions_range"] == [32768, 6291456]
+    assert "(mean of 2 launches; 32,768 to 6,291,456 each)" in evidence_text(verdicts["where"])
+    assert "mean of" not in evidence_text(verdicts["gemm"])
+    assert "matrix_instructions_range" not in verdicts["gemm"]
+
+
 def test_ncu_merge_into_real_results(tmp_path):
     from attnscope.profile import ncu
 

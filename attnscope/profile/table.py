@@ -21,6 +21,10 @@ def evidence_text(verdict: dict) -> str:
         text = (f"counters: {fmt(metrics.get('matrix_instructions'), ',.0f')} matrix "
                 f"instructions executed, tensor pipe {fmt(metrics.get(tc.TENSOR_PIPE_PCT), '.1f')}"
                 f"% active")
+        if (verdict.get("launches") or 1) > 1:  # a mean: say so, and the launches' range
+            low, high = verdict.get("matrix_instructions_range") or (None, None)
+            text += (f" (mean of {verdict['launches']} launches"
+                     + (f"; {low:,.0f} to {high:,.0f} each" if low != high else "") + ")")
     elif evidence in ("sass", "ptx"):
         counts = {k: n for k, n in verdict.get("counts", {}).items() if n and k != "instructions"}
         text = (f"{evidence}: " + (", ".join(f"{n} {k}" for k, n in counts.items()) or "none")

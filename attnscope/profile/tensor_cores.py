@@ -357,7 +357,9 @@ def parse_ncu_csv(text: str) -> list[dict]:
 
 
 def counter_verdicts(launches: list[dict]) -> dict[str, dict]:
-    """Tier 1 per kernel name, from metrics averaged over that name's launches."""
+    """Tier 1 per kernel name, from metrics averaged over that name's launches; where there are
+    several, `matrix_instructions_range` holds the least and most one launch executed (the
+    mean's figures describe no single launch when they differ)."""
     by_name: dict[str, list[dict]] = {}
     for launch in launches:
         by_name.setdefault(launch["kernel"], []).append(launch["metrics"])
@@ -369,6 +371,10 @@ def counter_verdicts(launches: list[dict]) -> dict[str, dict]:
             values = [run[k] for run in runs if run.get(k) is not None]
             mean[k] = sum(values) / len(values) if values else None
         out[name] = {**counter_verdict(mean), "launches": len(runs)}
+        each = [matrix_instructions(run) for run in runs
+                if all(run.get(k) is not None for k in RULE_INPUTS)]
+        if len(runs) > 1 and each:
+            out[name]["matrix_instructions_range"] = [min(each), max(each)]
     return out
 
 

@@ -150,8 +150,12 @@ def _avg(values):
 
 
 def _kernel_summary(name, ops, launches_of, forwards, devices=None):
-    """One row per kernel name: count and time per forward, launch API, resources from args."""
+    """One row per kernel name: count and time per forward, launch API, resources from args
+    (the first launch's; `launch_shapes` lists each grid and block with its launches where the
+    name's launches differ in them)."""
     args = ops[0].get("args") or {}
+    shapes = Counter(tuple(_hashable((op.get("args") or {}).get(field))
+                           for field in ("grid", "block")) for op in ops)
     occ = _occupancy(args, (devices or {}).get(args.get("device")))
     apis = Counter(launches_of[_correlation(op)]["name"] for op in ops)
     total = sum(op.get("dur", 0) for op in ops)
@@ -165,9 +169,19 @@ def _kernel_summary(name, ops, launches_of, forwards, devices=None):
         "shared_memory": args.get("shared memory"),
         "grid": args.get("grid"),
         "block": args.get("block"),
+        **({"launch_shapes": [{"grid": _listed(g), "block": _listed(b), "launches": n}
+                              for (g, b), n in shapes.items()]} if len(shapes) > 1 else {}),
         **occ,
         "tensor_cores": _recorded_verdict(args) or name_verdict(name),
     }
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _listed(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _recorded_verdict(args) -> dict | None:
