@@ -451,6 +451,20 @@ def _compare_output(tmp_path):
     return path
 
 
+def test_a_partial_forward_counts_its_kernels_that_cannot_tell():
+    from attnscope.profile.table import _verdict_cell
+
+    yes = {"verdict": "yes", "evidence": "sass"}
+    unknown = {"verdict": "unknown", "evidence": "name", "reason": "no evidence"}
+    summary = tc.forward_summary([{"name": "gemm", "tensor_cores": yes},
+                                  {"name": "mystery", "tensor_cores": unknown}])
+    assert summary == {"verdict": "partial: gemm", "evidence": "sass, name", "unknown": 1}
+    assert _verdict_cell(summary) == "partial: gemm (sass, name; 1 kernel cannot tell)"
+    no = {"verdict": "no", "evidence": "counters"}
+    assert "unknown" not in tc.forward_summary([{"name": "gemm", "tensor_cores": yes},
+                                                {"name": "copy", "tensor_cores": no}])
+
+
 def test_a_name_of_several_launches_says_its_counters_are_a_mean():
     # SDPA math's where kernel: two launches of one name, 32,768 and 6,291,456 HMMA
     from attnscope.profile.table import evidence_text

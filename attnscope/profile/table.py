@@ -58,7 +58,9 @@ def _verdict_cell(summary):
     if verdict.startswith("partial: "):
         verdict = "partial: " + ", ".join(
             _short(n) for n in verdict.removeprefix("partial: ").split(", "))
-    return f"{verdict} ({summary['evidence']})"
+    unknown = summary.get("unknown")
+    return (f"{verdict} ({summary['evidence']}"
+            + (f"; {unknown} kernel{'s' * (unknown > 1)} cannot tell" if unknown else "") + ")")
 
 
 # (header, value of an "ok" row, GPU-only?). GPU-only columns read "n/a" on a CPU run.

@@ -423,8 +423,9 @@ def display_name(kernel_name: str) -> str:
 def forward_summary(kernels: list[dict]) -> dict:
     """One forward's verdict from its kernels ([{"name", "tensor_cores": verdict}]):
     "yes" (all kernels), "no" (none), "partial: <kernels that do>", or "unknown" when no kernel
-    says yes and some cannot tell. `evidence` lists the tiers used, strongest first: the
-    summary is only as strong as the weakest of them."""
+    says yes and some cannot tell; `unknown` counts the distinct kernels that cannot tell where
+    some say yes (a "partial" does not say those use no Tensor Cores). `evidence` lists the
+    tiers used, strongest first: the summary is only as strong as the weakest of them."""
     verdicts = [(k["name"], k.get("tensor_cores") or name_verdict(k["name"])) for k in kernels]
     tiers = sorted({v["evidence"] for _, v in verdicts}, key=lambda t: -TIER_STRENGTH[t])
     yes = [display_name(n) for n, v in verdicts if v["verdict"] == YES]
@@ -434,6 +435,9 @@ def forward_summary(kernels: list[dict]) -> dict:
         verdict = YES
     elif yes:
         verdict = "partial: " + ", ".join(dict.fromkeys(yes))
+        unknown = len({n for n, v in verdicts if v["verdict"] == UNKNOWN})
+        if unknown:
+            return {"verdict": verdict, "evidence": ", ".join(tiers), "unknown": unknown}
     elif any(v["verdict"] == UNKNOWN for _, v in verdicts):
         verdict = UNKNOWN
     else:
