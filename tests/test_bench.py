@@ -144,6 +144,21 @@ def test_ratio_is_best_peer_time_over_own_time():
     assert "ratio_to_best_peer" not in rows[0]  # pure: the input is left alone
 
 
+def test_a_peer_whose_error_says_it_computes_something_else_is_no_best_peer():
+    # a peer that dropped a window: bf16 error 0.084 against the shape's least 0.008 (a
+    # simulation of one at 8192 keys and a 4095-key window); the next peer sets the ratio
+    rows = [{**_r("fused", 0.10), "error": 0.008}, {**_r("sdpa_flash", 0.05), "error": 0.084},
+            {**_r("sdpa_cudnn", 0.08), "error": 0.009}]
+    out = bench.with_peer_ratios(rows)
+    assert out[0]["ratio_to_best_peer"] == pytest.approx(0.08 / 0.10)
+    assert "not counted as the best peer" in out[1]["not_a_peer"]
+    assert "not_a_peer" not in out[2]
+    # rounding-sized differences never exclude one (an fp32 row far below the floor)
+    rows = [{**_r("fused", 0.10), "error": 1e-7}, {**_r("sdpa_flash", 0.05), "error": 9e-7}]
+    rows = [{**r, "dtype": "fp32"} for r in rows]
+    assert bench.with_peer_ratios(rows)[0]["ratio_to_best_peer"] == pytest.approx(0.5)
+
+
 def test_a_second_ours_entry_is_no_peer():
     # fused_nondeterministic is ours too (the registry's): faster than every peer, it is not the
     # best peer fused is compared with, and each of ours gets its own geometric mean
