@@ -237,12 +237,15 @@ def test_cpu_run_writes_rows_with_the_schema(fakes, tmp_path, capsys):
         assert fused["error_compared"]["query_rows"] == [0, s]
         assert fused["first_call_ms"] > 0
         assert slow["median_ms"] > 2.0  # it sleeps 2 ms per call
+        # the best peer: the fastest ok one whose error is not far off (peer_wrong's is)
         best = min(r["median_ms"] for r in rows if r["status"] == "ok" and r["impl"] != "fused"
-                   and r["shape"] == fused["shape"] and r["kv_heads"] == fused["kv_heads"])
+                   and r["shape"] == fused["shape"] and r["kv_heads"] == fused["kv_heads"]
+                   and r["impl"] != "peer_wrong")
         assert fused["ratio_to_best_peer"] == pytest.approx(best / fused["median_ms"])
         assert by["peer_absent", gqa]["status"] == "unavailable"
         assert by["peer_absent", gqa]["reason"] == "not installed"
         assert by["peer_wrong", gqa]["error"] == pytest.approx(0.25, abs=0.05)
+        assert "not counted as the best peer" in by["peer_wrong", gqa]["not_a_peer"]
         assert by["peer_nan", gqa]["status"] == "failed"
         assert by["peer_nan", gqa]["ratio_to_best_peer"] is None  # never the "best peer"
     assert by["peer_no_gqa", False]["status"] == "ok"

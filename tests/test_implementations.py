@@ -148,6 +148,14 @@ def test_gqa_inputs_run_where_the_backend_supports_them(name):
     assert (out.double() - attention_reference(q, k, v)).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("name", ["naive", "naive_inplace"])
+def test_naive_entries_take_full_attention(name, qkv):
+    # causal=False (bench --no-causal): the same five ops on a mask that hides nothing
+    out = IMPLEMENTATIONS[name].prepare(*qkv, causal=False)()
+    torch.testing.assert_close(out.double(), attention_reference(*qkv, causal=False), atol=2e-5,
+                               rtol=2e-5)
+
+
 def test_naive_refuses_gqa_instead_of_timing_a_copy():
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, h, 16, 16, generator=gen) for h in (4, 2, 2))

@@ -15,12 +15,13 @@ from attnscope.attention.reference import varlen_mask, window_mask
 from attnscope.attention.registry import Implementation, inductor_available, register
 
 
-def _causal_fill_mask(q, k, window):
-    # True where a key is in the future of its query (or outside its sliding window): those
-    # scores become -inf. Built once in prepare, as 04_a does, so the profiled forward holds no
-    # mask construction. Bottom-right: the registry's alignment for q_len < kv_len (the same mask
-    # as 04_a's at equal lengths).
-    return ~window_mask(q.shape[2], k.shape[2], "bottom_right", window, causal=True,
+def _causal_fill_mask(q, k, window, causal=True):
+    # True where a key is in the future of its query (causal) or outside its sliding window:
+    # those scores become -inf. Built once in prepare, as 04_a does, so the profiled forward
+    # holds no mask construction. Bottom-right: the registry's alignment for q_len < kv_len (the
+    # same mask as 04_a's at equal lengths). Without causal or a window it masks nothing, and
+    # the forward still runs the blog's five ops.
+    return ~window_mask(q.shape[2], k.shape[2], "bottom_right", window, causal=causal,
                         device=q.device)
 
 
@@ -56,9 +57,9 @@ def _check_heads(q, k, heads_dim):
 
 
 def _preparer(fn, compile_it=False):
-    def prepare(q, k, v, window=(-1, -1), softcap=0.0):
+    def prepare(q, k, v, causal=True, window=(-1, -1), softcap=0.0):
         _check_heads(q, k, 1)
-        mask = _causal_fill_mask(q, k, window)
+        mask = _causal_fill_mask(q, k, window, causal)
         scale = 1.0 / math.sqrt(q.shape[-1])
         f = torch.compile(fn) if compile_it else fn
         return lambda: f(q, k, v, mask, scale, softcap)

@@ -268,12 +268,11 @@ def _bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -
         ms = median_ms(calls, ctx.device, ctx.warmup_ms, ctx.rep_ms)
     except torch.OutOfMemoryError as exc:
         return {**row, "status": "oom", "reason": str(exc).splitlines()[0]}
-    except (NotImplementedError, ValueError, TypeError) as exc:
-        # The registry's way of refusing an input (GQA, dtype, head_dim) before running it.
-        return {**row, "status": "unsupported", "reason": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # noqa: BLE001 -- one entry's failure must not end the sweep
+        # an entry refusing its input (GQA, dtype, head_dim; scenarios.refuses), else a failure
         first = str(exc).splitlines()[0] if str(exc) else ""
-        return {**row, "status": "failed", "reason": f"{type(exc).__name__}: {first}"}
+        return {**row, "status": "unsupported" if scenarios.refuses(exc) else "failed",
+                "reason": f"{type(exc).__name__}: {exc if scenarios.refuses(exc) else first}"}
     flops = scenarios.flops(case, ctx.causal, ctx.mode)
     row.update(median_ms=ms, tflops=tflops(flops, ms * 1e-3))
     row["pct_of_peak"] = pct_of_peak(row["tflops"], ctx.dtype, ctx.env)

@@ -43,11 +43,6 @@ from attnscope.profile.trace import VERDICT_ARG, analyze_file, annotate_kernels
 
 HELP = "profile every available implementation at one shape; print the table, write results.json"
 DEFAULT_OUT = "attnscope-out"
-# Messages PyTorch and the kernels raise when an implementation cannot take the dtype or shape.
-_UNSUPPORTED_HINTS = ("No available kernel", "No viable backend", "not supported",
-                      "only supports", "Unsupported", "not implemented")
-
-
 def add_case_arguments(p):
     """The flags of the case a run profiles (shape, scenario, window, softcap, dtype): compare's,
     and ncu's, which re-runs a compare run's case and must mean by them what compare means."""
@@ -123,12 +118,7 @@ def write_results(folder: Path, results: dict):
 def _classify(exc):
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return "oom"
-    # NotImplementedError, ValueError and TypeError are the registry's ways of refusing an input
-    # (GQA, dtype, head_dim), as bench counts them; the hints catch libraries' own refusals.
-    if (isinstance(exc, (NotImplementedError, ValueError, TypeError))
-            or any(h in str(exc) for h in _UNSUPPORTED_HINTS)):
-        return "unsupported"
-    return "error"
+    return "unsupported" if scenarios.refuses(exc) else "error"
 
 
 def _first_line(exc):

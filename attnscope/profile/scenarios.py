@@ -246,6 +246,20 @@ def forward_elsewhere(impl) -> str | None:
             f"fwd_bwd, compare --mode fwd_bwd")
 
 
+# Messages PyTorch and the libraries raise when an implementation cannot take the dtype or
+# shape (a library's AssertionError among them, e.g. FA4's "paged KV not supported on SM 9.0").
+REFUSAL_HINTS = ("No available kernel", "No viable backend", "not supported", "only supports",
+                 "Unsupported", "not implemented")
+
+
+def refuses(exc: BaseException) -> bool:
+    """Whether an entry's exception refuses its input (an `unsupported` row in bench and compare
+    alike) rather than failing on it: the registry's NotImplementedError, ValueError and
+    TypeError, or a library's refusal message (REFUSAL_HINTS)."""
+    return (isinstance(exc, (NotImplementedError, ValueError, TypeError))
+            or any(hint in str(exc) for hint in REFUSAL_HINTS))
+
+
 def unsupported(impl, c: Case, mode: str = "fwd") -> str | None:
     """Why `impl` cannot express case `c` (its registry fields) in `mode` (fwd, bwd, fwd_bwd),
     or None."""
