@@ -572,3 +572,13 @@ def test_unparsable_options_are_usage_errors(argv, says, capsys):
 def test_bad_options_are_refused_before_running(argv, says, capsys):
     assert main([*argv, "--device", "cpu"]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_refusals_are_one_rule_for_bench_and_compare():
+    # the registry's errors and a library's refusal message are 'unsupported'; other failures not
+    assert scenarios.refuses(NotImplementedError("no GQA"))
+    assert scenarios.refuses(ValueError("head_dim must be between 16 and 256"))
+    assert scenarios.refuses(AssertionError("paged KV not supported on SM 9.0"))
+    assert scenarios.refuses(RuntimeError("No available kernel. Aborting execution."))
+    assert not scenarios.refuses(RuntimeError("CUDA error: an illegal memory access"))
+    assert not scenarios.refuses(AssertionError("q.stride(-1) == 1"))
