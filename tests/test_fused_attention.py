@@ -114,6 +114,17 @@ def test_torch_compile_fullgraph_traces_the_op():
     torch.testing.assert_close(layer(q, k, v).double(), expected, atol=1e-4, rtol=0)
 
 
+def test_torch_compile_fullgraph_takes_a_scale_and_softcap_that_change():
+    # dynamo makes a float argument symbolic on its second value; the checks must trace it
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 32, torch.float32, CPU)
+    layer = torch.compile(lambda q, s, c: fused_attention(q, k, v, scale=s, softcap=c),
+                          fullgraph=True, backend="eager")
+    for scale, softcap in ((0.5, 2.0), (0.7, 3.0)):
+        expected = attention_reference(q, k, v, scale=scale, softcap=softcap)
+        torch.testing.assert_close(layer(q, scale, softcap).double(), expected, atol=1e-4,
+                                   rtol=0)
+
+
 def test_eager_fast_path_matches_the_custom_op():
     # Inference calls the op's body directly; it must be the same computation as the op.
     q, k, v = make_qkv(1, 2, 1, 37, 37, 48, torch.float32, CPU)

@@ -47,8 +47,9 @@ def _validate_causal_and_scale(causal, scale):
     # (also the varlen and decode functions', attention/varlen.py and decode.py)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    # (comparisons, not math.isfinite: a float torch.compile made symbolic cannot take it)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale)):
+                              or scale != scale or abs(scale) == math.inf):
         raise TypeError(f"scale must be a finite float or None, got {scale!r}")
     if scale is not None and not 0 <= scale <= MAX_SCALE:
         # The forward kernels take a block's row maximum of the unscaled scores and scale it
@@ -118,7 +119,7 @@ def _validate_window_softcap(causal, window, softcap, reach):
                          f"right of the diagonal, so the window's right size must be 0 or -1; "
                          f"pass causal=False for a window that looks {right} keys ahead")
     if (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
-            or not math.isfinite(softcap) or not 0 <= softcap <= MAX_SCALE):
+            or not 0 <= softcap <= MAX_SCALE):  # (NaN and inf fail the range: no isfinite)
         raise ValueError(f"softcap must be a finite float >= 0 (0: off) and at most "
                          f"{MAX_SCALE:.3g}, got {softcap!r}")
     return tuple(-1 if side >= reach else int(side) for side in (left, right))
