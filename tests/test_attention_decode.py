@@ -506,6 +506,15 @@ def test_bad_window_or_softcap_says_what_it_got(window, softcap, match):
         fused_attention_with_kvcache(q, k, v, 8, window=window, softcap=softcap)
 
 
+def test_torch_compile_runs_the_call_eagerly():
+    # a graph break, not a dynamo error: the same output as the eager call
+    q, k, v = make_cache(2, 1, 4, 2, 32, 16, torch.float32, seed=31)
+    lengths = torch.tensor([20, 32], dtype=torch.int32)
+    step = torch.compile(lambda q: fused_attention_with_kvcache(q, k, v, lengths) * 2,
+                         backend="eager")
+    assert torch.equal(step(q), fused_attention_with_kvcache(q, k, v, lengths) * 2)
+
+
 def test_split_rule_fills_the_gpu_without_tiny_chunks():
     # 396 slots: 132 SMs (H200) x 3 programs of 3-stage 64 x 128 bf16 K/V tiles (70 KB each).
     assert kernels.num_splits_for(64 * 8, 8192, 64, 396) == 3  # 1536 programs: 3.9 waves

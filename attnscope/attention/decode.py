@@ -153,10 +153,16 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     LSE -inf.
 
     Inputs that require grad, with grad mode on, raise ValueError (no gradient would flow).
+    Under torch.compile the call runs eagerly (a graph break; fullgraph=True refuses it): dynamo
+    cannot trace its launches.
 
     Returns the output [batch, q_len, heads, head_dim] in q's dtype, and with return_lse=True
     also the float32 log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
     """
+    if torch.compiler.is_compiling():
+        return _eager_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                              causal=causal, scale=scale, window=window, softcap=softcap,
+                              return_lse=return_lse)
     # A repeat of a validated call (same key: _repeat_key) runs the launch kept for it.
     key = _repeat_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, window,
                       softcap)
@@ -193,6 +199,12 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     if key is not None and launched[2] is not None:
         fused._remember(key, _repeat(launched[2]))
     return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable
+def _eager_kvcache(*args, **kwargs):
+    # What torch.compile runs of a call: the op outside the graph (a graph break)
+    return fused_attention_with_kvcache(*args, **kwargs)
 
 
 def _outputs(q):
