@@ -1,5 +1,7 @@
-"""attnscope: a fused causal-attention kernel in Triton, and a driver that profiles it against
-PyTorch's attention implementations."""
+"""attnscope: fused causal-attention kernels (Triton, Gluon on Hopper, a split-KV decode kernel)
+behind `fused_attention`, `fused_attention_varlen` and `fused_attention_with_kvcache`, and a
+driver (`python -m attnscope.profile`) that profiles them against PyTorch's attention
+implementations, FlexAttention, FlashAttention and the kernel hub's."""
 
 import os as _os
 import sys as _sys

@@ -1,3 +1,7 @@
+"""Shared test set-up: the Triton interpreter on where there is no GPU, each test's own seed
+(`seeded`, from `--test-seed` and the test's id), `--test-order` to run the tests reversed or
+shuffled, and `cuda` tests skipped without a GPU."""
+
 import os
 import random
 import zlib

@@ -9,7 +9,8 @@ upstream gradients are random normals drawn from the test's own seed (conftest.p
 
 CPU runs go through the Triton interpreter in fp32 and fp16 (its bf16 dot is wrong) with small
 heads: the interpreter's time grows with seq^2 * heads. The `cuda` tests repeat the grid in bf16
-and fp16 at realistic sizes.
+and fp16 at realistic sizes; `test_gpu_gluon_backward*` (sm_90) check the Gluon kernels of
+attention_bwd_hopper.py, deterministic and not.
 """
 
 import collections

@@ -25,7 +25,8 @@ def _validate(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):
         raise TypeError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, "
                         f"{k_cache.dtype}, {v_cache.dtype}")
     if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q must be a CUDA tensor (or CPU with TRITON_INTERPRET=1), got {q.device}")
+        raise ValueError(f"q must be a CUDA tensor (or CPU with TRITON_INTERPRET=1), got "
+                         f"{q.device}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
                     ("block_table", block_table)):
         if isinstance(t, torch.Tensor) and t.device != q.device:
@@ -193,9 +194,9 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     with fused._on_device(device):
         launched = kernels.attention_decode(
-            q.transpose(1, 2), k_cache, v_cache, out.transpose(1, 2), lse, causal=causal, scale=float(scale), seqlens=seqlens,
-            block_table=block_table, window=window, softcap=float(softcap),
-            kept=key is not None)
+            q.transpose(1, 2), k_cache, v_cache, out.transpose(1, 2), lse, causal=causal,
+            scale=float(scale), seqlens=seqlens, block_table=block_table, window=window,
+            softcap=float(softcap), kept=key is not None)
     if key is not None and launched[2] is not None:
         fused._remember(key, _repeat(launched[2]))
     return (out, lse) if return_lse else out

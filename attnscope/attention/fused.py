@@ -1,8 +1,10 @@
 """attnscope's fused attention: the public op and its validation.
 
-The kernels are in attnscope/kernels/ (dispatch.py picks one per call); this module checks
-inputs, names the layouts and registers the launches as PyTorch custom ops so torch.compile
-traces them whole. Its registry entry for the driver is attention/ours.py.
+The kernels are in attnscope/kernels/: `_forward` sends calls of a few queries to the split-KV
+decode kernel, and dispatch.py picks the Triton or the Gluon kernel for the others. This module
+checks inputs, names the layouts, remembers eager calls' launches (`_repeats`) and registers the
+launches as PyTorch custom ops so torch.compile traces them whole. Its registry entry for the
+driver is attention/ours.py.
 """
 
 from __future__ import annotations
@@ -510,7 +512,8 @@ def _call_args(q, causal, scale, causal_alignment, layout, left=-1, right=-1, so
 def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
                     causal_alignment="top_left", window=(-1, -1), softcap=0.0, return_lse=False,
                     deterministic=True):
-    """Attention softmax(q @ k^T * scale) @ v in one Triton kernel.
+    """Attention softmax(q @ k^T * scale) @ v in one kernel (Triton; Gluon on sm_90; the
+    split-KV decode kernel for a few queries: README, "How a call runs").
 
     Shapes (layout="bhsd", as SDPA):  q [batch, heads, q_len, head_dim],
                                       k, v [batch, kv_heads, kv_len, head_dim]
@@ -556,8 +559,9 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     deterministic=False lets eager bf16/fp16 head_dim-128 calls on Hopper (sm_90) without GQA
     take a faster backward: one kernel adds dQ from every key block in whatever order its
     programs run, so dQ's last bits may differ between runs (6-8 % faster backward on the
-    H200 in the backward record; notes/backward.md, lever 3); every other call computes as
-    with True, as does every call while torch.use_deterministic_algorithms(True) is on.
+    H200 in the backward record; notes/backward.md, lever 3, "The fused-dQ kernel"); every
+    other call computes as with True, as does every call while
+    torch.use_deterministic_algorithms(True) is on.
     """
     # Eager calls of plain tensors (nothing traced): a repeat of a validated call runs its kept
     # launch (_repeats), under autograd's Function where gradients are needed; a first call is

@@ -4,6 +4,14 @@ Each entry knows how to check whether it can run here and how to build a zero-ar
 forward from `q, k, v` given as `[batch, heads, seq, head_dim]`. Setup (masks, layout
 changes, compilation) happens in `prepare`, outside the call that gets timed, so a trace
 of the forward shows only the forward.
+
+Adding a peer: a module under attnscope/attention/ that calls `register(Implementation(...))`
+when imported (flash_attn.py is an example: `available` says why not where it cannot run,
+`prepare` returns the forward, the scenario fields say what it takes), and its import in
+attention/__init__.py (the order there is the driver's; a `backward_variant_of` entry after its
+base). tests/test_implementations.py then checks it against the float64 reference on CPU where
+it runs; a `NameFamily` in profile/tensor_cores.py lets its kernels' names give a verdict where
+no stronger evidence does.
 """
 
 from __future__ import annotations

@@ -578,9 +578,11 @@ def fused_dq(gluon, heads, kv_heads, head_dim):
     kernels take): at head_dim 128 (`gluon.fuses_dq`: each consumer adds 64 of its columns, in
     64-row query blocks), without GQA, where the copy engine can add into global memory, and not
     while torch.use_deterministic_algorithms(True) is on (that setting wins). One kernel
-    instead of two: at head_dim 128, bf16, on the H200, 3.45 against 3.70 ms at
-    (4,32,4096,128) and 11.73 against 12.87 at (2,16,16384,128); under GQA its consumers spill
-    and it lost (4.35 against 3.63 ms with 8 K/V heads; notes/backward.md, lever 3)."""
+    instead of two: at head_dim 128, bf16, on the H200, 3.151 against 3.337 ms at
+    (4,32,4096,128) and 10.64 against 11.57 at (2,16,16384,128) in the backward record
+    (results/h200/bench_bwd.json, e893ca2); under GQA its consumers spill and it lost when built
+    (4.35 against 3.63 ms with 8 K/V heads; notes/backward.md, lever 3, "The fused-dQ
+    kernel")."""
     return (heads == kv_heads and gluon.tma_add is not None and gluon.fuses_dq(head_dim)
             and not torch.are_deterministic_algorithms_enabled())
 

@@ -86,6 +86,12 @@ hold queries, sequence after sequence, each sequence's heads in groups that shar
 query block first) and passes the tile to the consumers through shared memory. Against the host's
 round-robin this took the serving sweep's packed row from 1.956 to 1.770 ms in one job
 (notes/lab/gluon_varlen_h200.txt).
+
+Where things are: the kernel `_attn_fwd_hopper` partitions into `_loader` and `_consumer`, whose
+K/V block loops call `_next_block` (one block's products, softmax and rescale). A call's config
+is chosen in `attention_fwd_hopper()`: `three_consumers` (192-row tiles), else `layout_for` over
+`table_config`'s CONFIGS entry (few keys, wide blocks), then `block_loops` and `pingpong_for`;
+`supports` says which calls this kernel takes at all.
 """
 
 import functools

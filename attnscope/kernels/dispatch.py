@@ -5,7 +5,9 @@ so and the Triton kernel (attention_fwd.py) everywhere else; `attention_bwd` is 
 (attention_bwd.py: its Triton kernels, or the Gluon ones of attention_bwd_hopper.py where they
 take the call). `launched_forward_kernels` lists the compiled forward kernels the
 eager calls ran, for the registry's `fused` entry. attention/fused.py is this module's only
-caller; everything else calls the op.
+caller; everything else calls the op. The decode route (attention_decode.py) is chosen before
+this module, in fused.py's `_forward`, and a remembered eager call (fused.py's `_repeats`) runs
+its kept launch without coming here.
 """
 
 import functools

@@ -1,4 +1,5 @@
-"""The Gluon API of the Triton installed, as attention_fwd_hopper.py needs it.
+"""The Gluon API of the Triton installed, as attention_fwd_hopper.py and
+attention_bwd_hopper.py need it.
 
 Gluon (triton.experimental.gluon) is experimental and renames things between releases. The
 Hopper kernel was written against Triton 3.6; 3.7 takes it unchanged; 3.9 renamed the TMA copies

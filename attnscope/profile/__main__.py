@@ -1,3 +1,5 @@
+"""`python -m attnscope.profile`: the driver's command line (cli.py)."""
+
 import sys
 
 from attnscope.profile.cli import main

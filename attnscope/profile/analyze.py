@@ -18,7 +18,8 @@ def add_arguments(p):
                    help="analyse only this record_function range (repeatable; default: every "
                         "user range except ProfilerStep#*)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of tables (schema in trace.py / issue 3)")
+                   help="print one JSON object instead of tables (the fields of "
+                        "trace.analyze_file's result)")
 
 
 def _num(value, spec):

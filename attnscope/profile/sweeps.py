@@ -80,9 +80,10 @@ def varlen_case(seqlens, heads, head_dim, kv_heads=None, dtype=None) -> Case:
                 heads if kv_heads is None else kv_heads, dtype, None, seqlens)
 
 
-# The wide sweep (issue 19): every head_dim x every length once, 60 cases, with the other axes
-# (GQA ratio, dtype, SM fill) dealt out by rule rather than crossed, which would be 1,440 cases
-# and hours of GPU time with every peer. For head_dim number d and length number n (i = 10d + n):
+# The wide sweep (README, "Wide forward sweep"): every head_dim x every length once, 60 cases,
+# with the other axes (GQA ratio, dtype, SM fill) dealt out by rule rather than crossed, which
+# would be 1,440 cases and hours of GPU time with every peer. For head_dim number d and length
+# number n (i = 10d + n):
 #   GQA ratio  WIDE_GQA[i % 3]
 #   fill       under when n + d is even: batch*heads 8, so up to 2k keys fewer query tiles of
 #              128 than the H200's 132 SMs (longer lengths fill the GPU even then); else over:

@@ -404,6 +404,10 @@ def annotate_kernels(path, fields_by_name: dict[str, dict]) -> int:
 
 
 def analyze_file(path, ranges=None) -> dict:
+    """A trace file's figures (what `analyze --json` prints): {"trace": path, "gpu",
+    "self_cuda_time_total_us", "unlaunched_gpu_ops", "ranges": {range name: per-forward figures
+    (kernels, GPU ops, memcpy and memset per forward, CUDA busy time and span, CPU time, launch
+    APIs, main kernel) and "kernels": one row per kernel name (_kernel_summary)}}."""
     data = _load_document(path)
     props = data.get("deviceProperties") if isinstance(data, dict) else None
     result = analyze_events(_events_of(data), ranges, props)

@@ -1,11 +1,11 @@
 """Decode lab: the split-KV decode kernel against SDPA's backends and FlashAttention, on one GPU.
 
-For kernel work on issue 20's decode item, not the benchmark of record (that is `attnscope
-bench`). Per shape (batch, q heads, kv heads, q_len, kv_len, head_dim; causal, bottom-right):
-the fused op (which routes short q_len to attnscope/kernels/attention_decode.py), the kernel
-at pinned split counts, the paged cache at chosen page sizes, and the peers. Every time is
-do_bench's median with L2 flushed between calls, so K/V come from HBM as in a real decode step.
-Printed per row: ms, the HBM floor (bytes of K and V read / 4.24 TB/s, the H200's peak) and the
+For kernel work on the decode kernel (notes/serving.md), not the benchmark of record (that is
+`attnscope bench`). Per shape (batch, q heads, kv heads, q_len, kv_len, head_dim; causal,
+bottom-right): the fused op (which routes short q_len to attnscope/kernels/attention_decode.py),
+the kernel at pinned split counts, the paged cache at chosen page sizes, and the peers. Every
+time is do_bench's median with L2 flushed between calls, so K/V come from HBM as in a real
+decode step. Printed per row: ms, the HBM floor (bytes of K and V read / 4.24 TB/s, the H200's peak) and the
 % of it reached, the ratio to the best peer, and the max abs error against float32 SDPA.
 
     python benchmarks/labs/decode_lab.py --shapes 64,32,8,1,8192,128 8,32,8,1,32768,128 \\
