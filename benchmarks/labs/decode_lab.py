@@ -5,8 +5,9 @@ For kernel work on the decode kernel (notes/serving.md), not the benchmark of re
 bottom-right): the fused op (which routes short q_len to attnscope/kernels/attention_decode.py),
 the kernel at pinned split counts, the paged cache at chosen page sizes, and the peers. Every
 time is do_bench's median with L2 flushed between calls, so K/V come from HBM as in a real
-decode step. Printed per row: ms, the HBM floor (bytes of K and V read / 4.24 TB/s, the H200's peak) and the
-% of it reached, the ratio to the best peer, and the max abs error against float32 SDPA.
+decode step. Printed per row: ms, the HBM floor (bytes of K and V read / 4.24 TB/s, the H200's
+peak) and the % of it reached, the ratio to the best peer, and the max abs error against float32
+SDPA.
 
     python benchmarks/labs/decode_lab.py --shapes 64,32,8,1,8192,128 8,32,8,1,32768,128 \\
         --splits 1 2 4 8 16 --configs 16,64,8,3 16,64,4,2 --page-sizes 16 256 --out lab.jsonl
