@@ -344,13 +344,17 @@ def test_launches_are_wrapped_only_when_traced():
     assert seen == [True, True]
 
 
-
 def test_torch_func_gradients_are_refused_with_a_clear_error():
     # PyTorch cannot run the custom op's registered autograd under torch.func's grad or jvp
     torch.manual_seed(3)
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     with pytest.raises(NotImplementedError, match="torch.autograd.grad"):
         torch.func.grad(lambda x: fused_attention(x, k, v).sum())(q)
+    # a transform over other inputs runs: the attention is a constant there
+    x = torch.randn(1, 2, 8, 16)
+    grad = torch.func.grad(lambda x: (fused_attention(q, k, v) * x).sum())(x)
+    torch.testing.assert_close(grad, fused_attention(q, k, v))
+
 
 def test_dispatch_modes_see_one_op():
     # A dispatch mode (FlopCounterMode, a tracer) sees the call as the custom op, with its

@@ -117,6 +117,8 @@ def check_unequal_shards_refused(group=None):
         ring_attention(q, q, q, group=group, causal=rank == 0)
     with pytest.raises(ValueError, match="same causal, scale"):
         ring_attention(q, q, q, group=group, scale=0.5 + rank)
+    with pytest.raises(ValueError, match="same causal, scale"):  # -0.0: its bits are INT64_MIN
+        ring_attention(q, q, q, group=group, scale=-0.0 if rank == 0 else 0.25)
 
 
 # ---- spawned gloo ranks ---------------------------------------------------------------------

@@ -582,3 +582,4 @@ def test_refusals_are_one_rule_for_bench_and_compare():
     assert scenarios.refuses(RuntimeError("No available kernel. Aborting execution."))
     assert not scenarios.refuses(RuntimeError("CUDA error: an illegal memory access"))
     assert not scenarios.refuses(AssertionError("q.stride(-1) == 1"))
+    assert not scenarios.refuses(RuntimeError("CUDA error: operation not supported on this GPU"))

@@ -545,6 +545,13 @@ def test_a_second_ncu_merge_keeps_the_weaker_tiers(tmp_path):
         assert row_1 == row_2, row_1["impl"]
     flash = {r["impl"]: r for r in second["rows"]}["sdpa_flash"]["kernels"][0]["tensor_cores"]
     assert flash["other"] == {"name": "yes"}
+    # a second run whose counters cannot tell keeps the first run's
+    unknown = {impl: {name: {"verdict": "unknown", "evidence": "counters", "reason": "missing"}
+                      for name in verdicts} for impl, verdicts in counters.items()}
+    ncu.merge_into_results(path, unknown)
+    flash = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}["sdpa_flash"]
+    verdict = flash["kernels"][0]["tensor_cores"]
+    assert (verdict["verdict"], verdict["evidence"]) == ("yes", "counters")
 
 
 def test_ncu_merge_by_launch_order(tmp_path):
@@ -930,6 +937,19 @@ def test_ncu_profiles_the_case_of_the_compare_run(paged_run):
     assert ncu.run_case(_ncu_args(), results) == (run_case, "fp32")
     assert ncu.run_case(_ncu_args(*PAGED_CPU), results) == (run_case, "fp32")
     assert ncu.run_case(_ncu_args(*PAGED_CPU, "--dtype", "fp32"), results) == (run_case, "fp32")
+
+
+def test_ncu_reads_a_window_recorded_before_long_windows_read_as_none(paged_run, tmp_path):
+    # a run written before a window side as long as the queries and keys together read as
+    # none recorded it as given; ncu takes that run's case as compare would make it now
+    from attnscope.profile import compare, ncu
+
+    _, results = paged_run
+    old = tmp_path / "results.json"
+    old.write_text(json.dumps(dict(json.loads(results.read_text()), window=[4096, 0])))
+    made, _ = compare.recorded_case(json.loads(old.read_text()))
+    assert made.window is None
+    assert ncu.run_case(_ncu_args(), old)[0] == made
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -184,21 +184,23 @@ def _traced(t):
             or (type(t) is not torch.Tensor and is_fake(t)))  # fakes are Tensor subclasses
 
 
-def _refuse_func_gradients():
-    """torch.func.grad, jacrev, jacfwd and jvp cannot differentiate the custom op (PyTorch runs
-    its registered autograd as an autograd.Function without the setup_context those transforms
-    ask for): a NotImplementedError that says so, instead of PyTorch's message about
-    setup_context. vmap runs (through PyTorch's per-sample fallback). Not read while dynamo
-    traces (it cannot trace the functorch stack; torch.compile takes the op as it is)."""
+def _traced_forward(q, k, v, args, deterministic):
+    """The custom op, for a traced call. torch.func's grad, jacrev, jacfwd and jvp cannot
+    differentiate it through q, k or v (PyTorch runs its registered autograd as an
+    autograd.Function without the setup_context those transforms ask for): that call gets a
+    NotImplementedError saying so instead of PyTorch's message (a transform over other inputs,
+    or vmap, runs as before). Under dynamo the op is called as it is."""
     if torch.compiler.is_compiling():
-        return
-    interpreter = torch._C._functorch.peek_interpreter_stack()
-    if interpreter is not None and interpreter.key() in (
-            torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp):
+        return _attention_fwd(q, k, v, *args, deterministic)
+    try:
+        return _attention_fwd(q, k, v, *args, deterministic)
+    except RuntimeError as exc:
+        if "setup_context" not in str(exc):
+            raise
         raise NotImplementedError(
             "fused_attention cannot be differentiated by torch.func transforms (grad, jacrev, "
-            "jacfwd, jvp): its custom op's autograd is registered for torch.autograd; use "
-            "torch.autograd.grad or .backward() instead")
+            "jacfwd, jvp) through q, k or v: its custom op's autograd is registered for "
+            "torch.autograd; use torch.autograd.grad or .backward() instead") from None
 
 
 def _launch_wrap(t):
@@ -592,8 +594,7 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     args = _call_args(q, causal, scale, causal_alignment, layout, left, right, softcap)
     if traced:  # torch.compile, a dispatch mode, torch.func, fake tensors
-        _refuse_func_gradients()
-        out, lse = _attention_fwd(q, k, v, *args, deterministic)
+        out, lse = _traced_forward(q, k, v, args, deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _EagerAttention.apply(q, k, v, *args, deterministic, None, key)
     else:  # (an LSE where returned, or where the key says gradients may follow: _repeat_key)

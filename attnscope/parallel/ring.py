@@ -239,5 +239,7 @@ def ring_attention(q, k, v, *, group=None, causal=True, layout="bhsd", load_bala
     _, size = world(group)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    _check_equal_shards(q, k, group, size, bool(causal), float(scale), layout, load_balance)
+    # (+ 0.0: -0.0 as 0.0, whose bits the check's negation would overflow)
+    _check_equal_shards(q, k, group, size, bool(causal), float(scale) + 0.0, layout,
+                        load_balance)
     return _RingAttention.apply(q, k, v, causal, float(scale), layout, load_balance, group)

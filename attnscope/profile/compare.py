@@ -43,6 +43,8 @@ from attnscope.profile.trace import VERDICT_ARG, analyze_file, annotate_kernels
 
 HELP = "profile every available implementation at one shape; print the table, write results.json"
 DEFAULT_OUT = "attnscope-out"
+
+
 def add_case_arguments(p):
     """The flags of the case a run profiles (shape, scenario, window, softcap, dtype): compare's,
     and ncu's, which re-runs a compare run's case and must mean by them what compare means."""
@@ -344,8 +346,10 @@ def recorded_case(results) -> tuple[Case, str] | None:
                       kv_len=None if kv_len == seq else kv_len,
                       page_size=results.get("page_size"))
     window = results.get("window")
-    c = dataclasses.replace(c, window=tuple(window) if window else None,
-                            softcap=results.get("softcap"))
+    # through with_options, as the run made it: a run written before a window as long as the
+    # call's queries and keys read as none recorded that window
+    c = scenarios.with_options(c, tuple(window) if window else None, results.get("softcap"),
+                               causal=True)
     return c, results.get("dtype") or DEFAULT_DTYPE["cuda"]
 
 

@@ -557,18 +557,20 @@ def merge_into_results(path: Path, verdicts: dict[str, dict[str, dict]],
             if kernel["name"] in matches:
                 ncu_name, how = matches[kernel["name"]]
                 evidence = {**counters[ncu_name], "ncu_kernel": ncu_name, "matched_by": how}
-                kernel["tensor_cores"] = tc.combine(evidence, *_weaker(kernel.get("tensor_cores")))
+                kernel["tensor_cores"] = tc.combine(evidence,
+                                                    *_weaker(kernel.get("tensor_cores"), evidence))
         row["tensor_cores"] = tc.forward_summary(row["kernels"])
         _annotate_trace(path.parent, row)
     runs.write_json(path, data, indent=2)
 
 
-def _weaker(previous: dict | None) -> list[dict]:
+def _weaker(previous: dict | None, new: dict) -> list[dict]:
     """What a kernel's new counter verdict combines with: its verdict before any merge, or, where
     an earlier `ncu` run already merged counters (a second run, a --stalls run after one), the
     weaker tiers that merge kept under `other` (each as a verdict of its tier), not the old
-    counters, which the new ones replace."""
-    if not previous or previous.get("evidence") != "counters":
+    counters, which definite new ones replace (new counters that cannot tell keep the old)."""
+    if (not previous or previous.get("evidence") != "counters"
+            or new.get("verdict") == tc.UNKNOWN):
         return [previous]
     return [{"verdict": verdict, "evidence": tier}
             for tier, verdict in (previous.get("other") or {}).items() if tier != "counters"]

@@ -255,7 +255,10 @@ REFUSAL_HINTS = ("No available kernel", "No viable backend", "not supported", "o
 def refuses(exc: BaseException) -> bool:
     """Whether an entry's exception refuses its input (an `unsupported` row in bench and compare
     alike) rather than failing on it: the registry's NotImplementedError, ValueError and
-    TypeError, or a library's refusal message (REFUSAL_HINTS)."""
+    TypeError, or a library's refusal message (REFUSAL_HINTS), but never a CUDA error (e.g.
+    "CUDA error: operation not supported" is a fault, not a refusal)."""
+    if str(exc).startswith("CUDA error") or type(exc).__name__ == "AcceleratorError":
+        return False
     return (isinstance(exc, (NotImplementedError, ValueError, TypeError))
             or any(hint in str(exc) for hint in REFUSAL_HINTS))
 
