@@ -21,7 +21,6 @@ whoever clicks them in Perfetto.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import sys
 from pathlib import Path
