@@ -301,8 +301,9 @@ def _fall_back(reason, module, query, key, value, attention_mask, dropout, scali
                       f"(counted in attnscope.integrations.transformers.fallbacks[{reason!r}])",
                       AttnscopeFallbackWarning, stacklevel=3)
     if attention_mask is None and causal and (window is not None
-                                              or query.shape[2] != key.shape[2]):
-        # SDPA reads no mask as causal from the top left and knows no window.
+                                              or 1 < query.shape[2] != key.shape[2]):
+        # SDPA reads no mask as causal from the top left and knows no window (one query with
+        # none sees every key there, as bottom-right: no mask, so SDPA keeps its fused kernels)
         attention_mask = _bottom_right_mask(query.shape[2], key.shape[2], window, query.device)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
