@@ -649,11 +649,12 @@ def test_a_shape_whose_inputs_do_not_fit_gives_oom_rows(fakes, monkeypatch, tmp_
         return real(case, *args)
     monkeypatch.setattr(bench, "_make_inputs", make)
     out = tmp_path / "b.json"
-    assert bench.run(_parse("--shape", "1,2,64,16", "1,2,32,16", "--impl", "peer_fast", "fused",
-                            "--json", str(out), *FAST)) == 0
+    assert bench.run(_parse("--shape", "1,2,64,16", "1,2,32,16", "--impl", "peer_fast",
+                            "peer_absent", "fused", "--json", str(out), *FAST)) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["shape"][2], r["status"]) for r in rows] == [
-        (64, "oom"), (64, "oom"), (32, "ok"), (32, "ok")]
+    assert [(r["shape"][2], r["status"]) for r in rows] == [  # an entry absent here says so
+        (64, "oom"), (64, "unavailable"), (64, "oom"), (32, "ok"), (32, "unavailable"),
+        (32, "ok")]
     assert "can't allocate memory" in rows[0]["reason"]
 
 

@@ -473,8 +473,10 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
         if not _out_of_memory(exc):
             raise
         reason = f"its inputs do not fit in memory: {str(exc).splitlines()[0]}"
-        for impl in impls:
-            yield {**_row(ctx, case, impl.name), "status": "oom", "reason": reason}
+        for impl in impls:  # (an entry that cannot run here says that first)
+            ok, why = ctx.available[impl.name]
+            yield {**_row(ctx, case, impl.name), "status": "oom" if ok else "unavailable",
+                   "reason": reason if ok else why}
         return
     reference = _reference_or_none(inputs[0], case, ctx.causal, ctx.device)
     if ctx.device.type == "cuda":
