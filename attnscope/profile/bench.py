@@ -73,11 +73,12 @@ def _ours() -> set[str]:
 
 
 # A peer whose error against the float64 reference is more than PEER_ERROR_FACTOR times the
-# least error of any entry at the same shape, and above its dtype's floor (what rounding alone
-# gives there: bf16 outputs ~8e-3 at the swept shapes), computes something else (a window or
-# mask it dropped) and is not counted as the best peer. No committed H200 row comes near it.
+# least error of any entry at the same shape, and above its dtype's floor (above what rounding
+# alone gives there: bf16 outputs ~8e-3 at the swept shapes, fp16 ~1e-3, fp32 through TF32
+# matmuls ~1e-3), computes something else (a window or mask it dropped: errors of ~0.1) and is
+# not counted as the best peer. No committed H200 row comes near it.
 PEER_ERROR_FACTOR = 8.0
-PEER_ERROR_FLOOR = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 3e-2}
+PEER_ERROR_FLOOR = {"fp32": 1e-2, "fp16": 1e-2, "bf16": 3e-2}
 
 
 def _wrong_peer(row: dict, least_error: dict) -> str | None:
