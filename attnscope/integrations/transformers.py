@@ -79,6 +79,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from attnscope.attention.fused import DTYPES, MAX_HEAD_DIM, MIN_HEAD_DIM, fused_attention
+from attnscope.attention.reference import window_mask
 from attnscope.attention.varlen import fused_attention_varlen
 
 NAME = "attnscope"
@@ -270,18 +271,6 @@ def _call_reason(query, key, value, attention_mask, dropout, causal, window, kwa
     return None
 
 
-def _bottom_right_mask(q_length, kv_length, window, device):
-    """The boolean [1, 1, q, kv] mask (True: attend) of causal attention aligned bottom-right,
-    cut to `window` keys (the query's own included) where one is given: what a mask of None
-    stands for here (the mask function's contract), which SDPA would read top-left."""
-    queries = torch.arange(kv_length - q_length, kv_length, device=device)[:, None]
-    keys = torch.arange(kv_length, device=device)
-    keep = keys <= queries
-    if window is not None:
-        keep &= keys > queries - window
-    return keep[None, None]
-
-
 def _fall_back(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal,
                causal, window, kwargs):
     what = REASONS[reason]
@@ -303,8 +292,11 @@ def _fall_back(reason, module, query, key, value, attention_mask, dropout, scali
     if attention_mask is None and causal and (window is not None
                                               or 1 < query.shape[2] != key.shape[2]):
         # SDPA reads no mask as causal from the top left and knows no window (one query with
-        # none sees every key there, as bottom-right: no mask, so SDPA keeps its fused kernels)
-        attention_mask = _bottom_right_mask(query.shape[2], key.shape[2], window, query.device)
+        # none sees every key there, as bottom-right: no mask, so SDPA keeps its fused kernels):
+        # the mask a None stands for here (the mask function's contract), [1, 1, q, kv]
+        attention_mask = window_mask(query.shape[2], key.shape[2], "bottom_right",
+                                     (-1 if window is None else window - 1, 0), causal=True,
+                                     device=query.device)[None, None]
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)
 

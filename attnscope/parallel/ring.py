@@ -46,11 +46,10 @@ import torch.distributed as dist
 
 # fused.py registers torch.ops.attnscope.*; its checks are the ops' contract (shapes, dtypes,
 # head_dim, GQA), which the ops themselves do not repeat
-from attnscope.attention.fused import _validate as _validate_attention
+from attnscope.attention.fused import DTYPES, _validate as _validate_attention
 from attnscope.parallel.sharding import LOAD_BALANCES, SEQ_DIMS, check_load_balance, world
 
 _checked_calls = set()  # (group, shard shapes, dtypes, arguments) already checked on every rank
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # codes for the check
 
 
 def _check_equal_shards(q, k, group, size, causal, scale, layout, load_balance):
@@ -66,7 +65,7 @@ def _check_equal_shards(q, k, group, size, causal, scale, layout, load_balance):
     key = (group, size, tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, args)
     if size == 1 or key in _checked_calls:
         return
-    facts = [*q.shape, *k.shape, _DTYPES.index(q.dtype), _DTYPES.index(k.dtype), int(causal),
+    facts = [*q.shape, *k.shape, DTYPES.index(q.dtype), DTYPES.index(k.dtype), int(causal),
              struct.unpack("<q", struct.pack("<d", scale))[0], sorted(SEQ_DIMS).index(layout),
              LOAD_BALANCES.index(load_balance)]
     facts = torch.tensor(facts, dtype=torch.int64)

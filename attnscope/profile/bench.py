@@ -47,7 +47,7 @@ from attnscope.profile import runs, scenarios, sweeps, warned
 from attnscope.profile.env import collect_env
 from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, resolve_device, resolve_impls
 from attnscope.profile.memory import (SCORE_BYTES, SCORE_MEMORY_FRACTION, free_memory,
-                                      score_memory_skip)
+                                      out_of_memory, score_memory_skip)
 from attnscope.profile.metrics import REF_MEMORY_FRACTION, pct_of_peak, tflops
 from attnscope.profile.sweeps import SWEEPS, Case, resolve_sweep
 from attnscope.profile.bench_table import format_table, progress_line, summary_line
@@ -271,9 +271,10 @@ def _bench_one(ctx: _Context, case: Case, impl, inputs, reference, free_bytes) -
         return {**row, "status": "oom", "reason": str(exc).splitlines()[0]}
     except Exception as exc:  # noqa: BLE001 -- one entry's failure must not end the sweep
         # an entry refusing its input (GQA, dtype, head_dim; scenarios.refuses), else a failure
+        if scenarios.refuses(exc):
+            return {**row, "status": "unsupported", "reason": f"{type(exc).__name__}: {exc}"}
         first = str(exc).splitlines()[0] if str(exc) else ""
-        return {**row, "status": "unsupported" if scenarios.refuses(exc) else "failed",
-                "reason": f"{type(exc).__name__}: {exc if scenarios.refuses(exc) else first}"}
+        return {**row, "status": "failed", "reason": f"{type(exc).__name__}: {first}"}
     flops = scenarios.flops(case, ctx.causal, ctx.mode)
     row.update(median_ms=ms, tflops=tflops(flops, ms * 1e-3))
     row["pct_of_peak"] = pct_of_peak(row["tflops"], ctx.dtype, ctx.env)
@@ -427,19 +428,13 @@ MODE_TIMED = {
 }
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    # CUDA's allocator raises OutOfMemoryError, the CPU's a RuntimeError saying so
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
-
-
 def _reference_or_none(inputs, case: Case, causal: bool, device: torch.device):
     budget = REF_MEMORY_FRACTION * (free_memory(device) or 2**31)
     try:
         with torch.no_grad():  # the backward modes run with grad enabled
             return scenarios.reference(inputs, causal, budget, **scenarios.options(case))
     except RuntimeError as exc:  # the budget is an estimate; rows then carry no error
-        if not _out_of_memory(exc):
+        if not out_of_memory(exc):
             raise
         print("bench: the float64 reference ran out of memory; no errors at this shape",
               file=sys.stderr)
@@ -471,7 +466,7 @@ def _case_rows(ctx: _Context, case: Case, impls, l2_bytes: int | None):
         if ctx.mode != "fwd":
             inputs = [_with_grad(one) for one in inputs]
     except RuntimeError as exc:  # the shape's inputs alone do not fit: every entry's row says so
-        if not _out_of_memory(exc):
+        if not out_of_memory(exc):
             raise
         reason = f"its inputs do not fit in memory: {str(exc).splitlines()[0]}"
         for impl in impls:  # (an entry that cannot run here says that first)

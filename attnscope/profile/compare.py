@@ -34,6 +34,7 @@ from attnscope.profile import tensor_cores as tc
 from attnscope.profile.capture import MODES, capture
 from attnscope.profile.env import collect_env
 from attnscope.profile.inputs import DEFAULT_DTYPE, DTYPES, resolve_device, resolve_impls
+from attnscope.profile.memory import out_of_memory
 from attnscope.profile.metrics import max_abs_error, pct_of_peak, tflops
 from attnscope.profile.sweeps import Case, varlen_case
 from attnscope.profile.sweeps import case as make_case
@@ -271,7 +272,7 @@ def _run(args, run_, impls, device, case) -> int:
     try:
         inputs = scenarios.case_inputs(case, DTYPES[dtype_name], device, seed=0)
     except RuntimeError as exc:  # the CUDA allocator's OutOfMemoryError, or the CPU's
-        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+        if not out_of_memory(exc):
             raise
         _progress(f"attnscope compare: error: the inputs of {scenarios.describe(case)} do not "
                   f"fit in {device} memory ({_first_line(exc)}); {out / runs.LATEST} still names "

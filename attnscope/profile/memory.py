@@ -33,6 +33,13 @@ def score_memory_skip(impl, case: Case, free_bytes: int | None,
             f"copies) > {SCORE_MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.1f} GiB free")
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` says memory ran out: CUDA's allocator raises OutOfMemoryError, the CPU's a
+    RuntimeError saying so."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
 def free_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]

@@ -429,17 +429,16 @@ def forward_summary(kernels: list[dict]) -> dict:
     verdicts = [(k["name"], k.get("tensor_cores") or name_verdict(k["name"])) for k in kernels]
     tiers = sorted({v["evidence"] for _, v in verdicts}, key=lambda t: -TIER_STRENGTH[t])
     yes = [display_name(n) for n, v in verdicts if v["verdict"] == YES]
+    unknown = len({n for n, v in verdicts if v["verdict"] == UNKNOWN})
     if not verdicts:
         verdict = UNKNOWN
     elif len(yes) == len(verdicts):
         verdict = YES
     elif yes:
         verdict = "partial: " + ", ".join(dict.fromkeys(yes))
-        unknown = len({n for n, v in verdicts if v["verdict"] == UNKNOWN})
-        if unknown:
-            return {"verdict": verdict, "evidence": ", ".join(tiers), "unknown": unknown}
-    elif any(v["verdict"] == UNKNOWN for _, v in verdicts):
-        verdict = UNKNOWN
     else:
-        verdict = NO
-    return {"verdict": verdict, "evidence": ", ".join(tiers)}
+        verdict = UNKNOWN if unknown else NO
+    summary = {"verdict": verdict, "evidence": ", ".join(tiers)}
+    if yes and unknown:
+        summary["unknown"] = unknown
+    return summary
