@@ -367,6 +367,20 @@ def test_lengths_or_block_table_entries_out_of_range_are_refused_on_cpu():
             fused_attention_with_kvcache(q, k_pool, v_pool, 32, block_table=wrong)
 
 
+def test_lengths_and_block_tables_are_checked_under_a_user_dispatch_mode():
+    # FlopCounterMode runs on real values: the CPU checks run as on a plain call.
+    from torch.utils.flop_counter import FlopCounterMode
+    q, k, v = make_cache(2, 1, 4, 2, 32, 16, torch.float32)
+    k_pool, v_pool, table = page(k, v, 8)
+    table[1, 2] = k_pool.shape[0]
+    good = torch.tensor([5, 32], dtype=torch.int32)
+    with FlopCounterMode(display=False):
+        with pytest.raises(ValueError, match="capacity 32, got \\[5, 50\\]"):
+            fused_attention_with_kvcache(q, k, v, torch.tensor([5, 50], dtype=torch.int32))
+        with pytest.raises(ValueError, match="block_table's entries"):
+            fused_attention_with_kvcache(q, k_pool, v_pool, good, block_table=table)
+
+
 def test_more_sequences_and_kv_heads_than_the_grid_takes_are_refused(monkeypatch):
     monkeypatch.setattr(kernels, "MAX_GROUPS", 3)
     q, k, v = make_cache(2, 1, 4, 2, 32, 16, torch.float32)

@@ -114,6 +114,22 @@ def test_no_query_at_all():
     assert torch.equal(dk, torch.zeros_like(dk))
 
 
+def test_a_saved_lse_relaid_by_a_hook_is_read_at_its_strides():
+    # The backward reads the LSE [heads, total_q] as contiguous: a saved-tensor hook that
+    # hands it back transposed still gets right gradients.
+    torch.manual_seed(5)
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t, lambda t: t.t().contiguous().t() if t.dim() == 2 else t):
+        check_varlen([5, 11], [9, 11], 2, 1, 16, torch.float32, CPU)
+
+
+def test_torch_func_gradients_are_refused_with_a_clear_error():
+    torch.manual_seed(6)
+    q, k, v, cu_q, cu_k = packed([3, 5], [3, 5], 2, 2, 16, torch.float32, CPU)
+    with pytest.raises(NotImplementedError, match="torch.autograd.grad"):
+        torch.func.grad(lambda x: fused_attention_varlen(x, k, v, cu_q, cu_k, 5, 5).sum())(q)
+
+
 def test_torch_compile_fullgraph_traces_the_op():
     # dynamo traces the custom ops whole: the lengths' value checks, which would read the
     # tensor, are skipped while traced; inductor is GPU-tested with the fixed-length op
@@ -168,6 +184,22 @@ def test_validation():
     strided = torch.stack([cu_q, torch.zeros_like(cu_q)], 1)[:, 0]
     with pytest.raises(ValueError, match="cu_seqlens_q must be contiguous"):
         call(q, k, v, strided, cu_k, 5, 6)
+    # int32 lengths: a max_seqlen past 2**31 - 1 (it wrapped in the comparison before), and a
+    # negative one
+    for wrong in (2 ** 31, 2 ** 32, -1):
+        with pytest.raises(ValueError, match=f"between 0 and 2147483647.*got {wrong}"):
+            call(q, k, v, cu_q, cu_k, wrong, 6)
+    with pytest.raises(TypeError, match="must be an int"):
+        call(q, k, v, cu_q, cu_k, 5.0, 6)
+
+
+def test_lengths_are_checked_under_a_user_dispatch_mode():
+    # A dispatch mode such as FlopCounterMode runs on real values: the CPU checks of the
+    # lengths still run (only fake, proxy and functional tensors cannot be read).
+    from torch.utils.flop_counter import FlopCounterMode
+    q, k, v, cu_q, cu_k = packed([3, 5], [4, 6], 2, 1, 16, torch.float32, CPU)
+    with FlopCounterMode(display=False), pytest.raises(ValueError, match="end at the packed"):
+        fused_attention_varlen(q, k, v, torch.tensor([0, 3, 7], dtype=torch.int32), cu_k, 5, 6)
 
 
 # ---- GPU --------------------------------------------------------------------------------------

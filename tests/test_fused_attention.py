@@ -356,6 +356,34 @@ def test_torch_func_gradients_are_refused_with_a_clear_error():
     torch.testing.assert_close(grad, fused_attention(q, k, v))
 
 
+def test_forward_mode_ad_is_refused_not_a_zero_tangent():
+    # The ops have no forward-mode formula: a tangent on an input would come out as zeros
+    # (eager calls do not record one, traced ones drop it), so jvp, jacfwd and dual tensors
+    # raise; a dual level with no dual input runs as before.
+    import torch.autograd.forward_ad as fwAD
+    from attnscope import fused_attention_varlen, fused_attention_with_kvcache
+    torch.manual_seed(4)
+    q, k, v, t = (torch.randn(1, 2, 8, 16) for _ in range(4))
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(lambda x: fused_attention(q, k, x), (v,), (t,))
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jacfwd(lambda x: fused_attention(x, k, v).sum())(q)
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode"):
+            fused_attention(fwAD.make_dual(q, t), k, v)
+        torch.testing.assert_close(fused_attention(q, k, v).double(), attention_reference(q, k, v),
+                                   atol=1e-5, rtol=1e-5)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    packed = [x[0].transpose(0, 1) for x in (q, k, v, t)]  # [8, 2, 16]
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(lambda x: fused_attention_varlen(x, *packed[1:3], cu, cu, 5, 5),
+                       (packed[0],), (packed[3],))
+    cache, tangent = k.transpose(1, 2), t.transpose(1, 2)  # [1, 8, 2, 16]
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode"):
+        fused_attention_with_kvcache(q[:, :, :1].transpose(1, 2),
+                                     fwAD.make_dual(cache, tangent), cache, 8)
+
+
 def test_dispatch_modes_see_one_op():
     # A dispatch mode (FlopCounterMode, a tracer) sees the call as the custom op, with its
     # result computed, not as loose allocations around an invisible kernel.

@@ -279,6 +279,33 @@ def test_a_saved_output_moved_by_a_hook_is_a_new_call(kept_backward):
     assert len(kept_backward) == 2
 
 
+def test_a_saved_lse_relaid_by_a_hook_is_read_at_its_strides(kept_backward):
+    # The kernels read the LSE as contiguous [batch, heads, q_len]: a saved-tensor hook that
+    # hands it back in other strides (here column-major) gets right gradients, on the first
+    # call and on its repeat.
+    q, k, v = make_qkv(2, 2, 1, 24, 24, 16, torch.float32, CPU)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _lse_column_major):
+        check_grads(q, k, v, 1e-5)
+        check_grads(q, k, v, 1e-5)
+    assert len(kept_backward) == 1
+
+
+def _lse_column_major(t):
+    return t.permute(2, 1, 0).contiguous().permute(2, 1, 0) if t.dim() == 3 else t
+
+
+def test_a_saved_lse_relaid_by_a_hook_is_read_at_its_strides_by_the_custom_op():
+    # The same on the custom ops' path (a dispatch mode makes the call a traced one).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    q, k, v = make_qkv(2, 2, 1, 24, 24, 16, torch.float32, CPU)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, _lse_column_major), Passing():
+        check_grads(q, k, v, 1e-5)
+
+
 def test_a_traced_backward_is_never_a_repeat(kept_backward, monkeypatch):
     # Under a dispatch mode (what fused._traced detects) the backward takes the full path, so
     # the mode sees its launches, whatever was remembered. (The launches are left eager here:

@@ -102,7 +102,7 @@ def _check_cpu_values(k_cache, cache_seqlens, block_table):
     # The values of a tensor cache_seqlens and of block_table, on CPU only: on CUDA reading them
     # back would synchronise the device on every call (out-of-range values there read outside
     # the cache, as in flash-attn). Also on a remembered call's repeat, which skips _validate.
-    if not k_cache.is_cpu or fused._traced(k_cache):
+    if not k_cache.is_cpu or not fused._values_readable(k_cache):
         return
     # (read as lists: a CPU tensor's min and max cost ~3 us each, a short list's ~0.2)
     capacity = _capacity(k_cache, block_table)
@@ -160,6 +160,7 @@ def fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_ta
     Returns the output [batch, q_len, heads, head_dim] in q's dtype, and with return_lse=True
     also the float32 log-sum-exp of the scaled scores (natural log), [batch, heads, q_len].
     """
+    fused._refuse_forward_ad("fused_attention_with_kvcache", q, k_cache, v_cache)
     if torch.compiler.is_compiling():
         return _eager_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                               causal=causal, scale=scale, window=window, softcap=softcap,

@@ -16,6 +16,7 @@ import math
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.autograd import forward_ad
 from torch.library import triton_op, wrap_triton
 
 
@@ -184,23 +185,50 @@ def _traced(t):
             or (type(t) is not torch.Tensor and is_fake(t)))  # fakes are Tensor subclasses
 
 
-def _traced_forward(q, k, v, args, deterministic):
-    """The custom op, for a traced call. torch.func's grad, jacrev, jacfwd and jvp cannot
-    differentiate it through q, k or v (PyTorch runs its registered autograd as an
+def _values_readable(t):
+    """True when the host may read t's values (the CPU checks of lengths and block tables): a
+    real tensor outside dynamo, torch.func transforms and the tracing modes (fake, proxy,
+    functionalization). A user's dispatch mode (FlopCounterMode) runs on real values, so its
+    calls are checked as plain ones."""
+    return not (torch.compiler.is_compiling() or is_fake(t)
+                or torch._C._functorch.peek_interpreter_stack() is not None
+                or any(torch._C._get_dispatch_mode(key) is not None
+                       for key in (torch._C._TorchDispatchModeKey.FAKE,
+                                   torch._C._TorchDispatchModeKey.PROXY,
+                                   torch._C._TorchDispatchModeKey.FUNCTIONAL)))
+
+
+def _refuse_forward_ad(name, *tensors):
+    """Forward-mode AD (torch.func.jvp and jacfwd, torch.autograd.forward_ad's dual tensors)
+    has no formula in the ops: a tangent on an input would come out as a zero tangent, so such
+    a call raises instead. Cheap where no dual level is open (a module global; every eager call
+    runs this)."""
+    if getattr(forward_ad, "_current_level", 0) >= 0 and any(
+            forward_ad.unpack_dual(t).tangent is not None for t in tensors
+            if isinstance(t, torch.Tensor)):
+        raise NotImplementedError(
+            f"{name} has no forward-mode derivative (torch.func.jvp, jacfwd, "
+            f"torch.autograd.forward_ad): differentiate it in reverse mode instead "
+            f"(torch.autograd.grad, .backward(), torch.func.grad or vjp where supported)")
+
+
+def _custom_op_call(name, op, *args):
+    """op(*args), a custom op of a traced call. torch.func's grad and jacrev cannot
+    differentiate it through its tensors (PyTorch runs its registered autograd as an
     autograd.Function without the setup_context those transforms ask for): that call gets a
     NotImplementedError saying so instead of PyTorch's message (a transform over other inputs,
     or vmap, runs as before). Under dynamo the op is called as it is."""
     if torch.compiler.is_compiling():
-        return _attention_fwd(q, k, v, *args, deterministic)
+        return op(*args)
     try:
-        return _attention_fwd(q, k, v, *args, deterministic)
+        return op(*args)
     except RuntimeError as exc:
         if "setup_context" not in str(exc):
             raise
         raise NotImplementedError(
-            "fused_attention cannot be differentiated by torch.func transforms (grad, jacrev, "
-            "jacfwd, jvp) through q, k or v: its custom op's autograd is registered for "
-            "torch.autograd; use torch.autograd.grad or .backward() instead") from None
+            f"{name} cannot be differentiated by torch.func transforms (grad, jacrev) through "
+            f"its tensors: its custom op's autograd is registered for torch.autograd; use "
+            f"torch.autograd.grad or .backward() instead") from None
 
 
 def _launch_wrap(t):
@@ -386,8 +414,10 @@ def _gradients(dout, q, k, v, out, lse, layout):
 def _backward_impl(dout, q, k, v, out, lse, causal, scale, bottom_right, layout, window_left=-1,
                    window_right=-1, softcap=0.0, deterministic=True, repeat_key=None):
     # The backward op's body, also run directly by _EagerAttention. repeat_key: its
-    # _backward_key of an eager call, under which its kept launches are remembered.
+    # _backward_key of an eager call, under which its kept launches are remembered. The kernels
+    # read the LSE as contiguous: a saved-tensor hook may have handed it back in other strides.
     kernels = _kernels()
+    lse = lse.contiguous()
     grads, tensors = _gradients(dout, q, k, v, out, lse, layout)
     q_len, kv_len = tensors[1].shape[2], tensors[2].shape[2]
     if _shapes_only(kernels, q):
@@ -425,6 +455,7 @@ def _backward_repeat(layout, launch):
     # A remembered backward: its gradients and Delta allocated as _backward_impl does, then
     # launch(dO, q, k, v, out, lse, dq, dk, dv, delta) on the kernels' views.
     def run(dout, q, k, v, out, lse):
+        lse = lse.contiguous()  # (as _backward_impl: the key holds the saved LSE's strides)
         grads, tensors = _gradients(dout, q, k, v, out, lse, layout)
         with _on_device(q.device):
             launch(*tensors)
@@ -555,7 +586,9 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
 
     Differentiable in q, k, v (attnscope/kernels/attention_bwd.py: Triton kernels, or Gluon ones
     on Hopper where they take the call); the LSE is returned with requires_grad=False, so no
-    gradient flows through it. No double backward.
+    gradient flows through it. No double backward, and no forward-mode AD (torch.func.jvp and
+    jacfwd, dual tensors: NotImplementedError); torch.func.grad and jacrev through q, k, v are
+    refused too (its autograd is registered for torch.autograd).
 
     deterministic=True (the default): every backward gives the same gradients bit for bit.
     deterministic=False lets eager bf16/fp16 head_dim-128 calls on Hopper (sm_90) without GQA
@@ -568,6 +601,7 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
     # Eager calls of plain tensors (nothing traced): a repeat of a validated call runs its kept
     # launch (_repeats), under autograd's Function where gradients are needed; a first call is
     # remembered under its key.
+    _refuse_forward_ad("fused_attention", q, k, v)
     traced = _traced(q)
     key = None
     if (not traced and type(q) is torch.Tensor and type(k) is torch.Tensor
@@ -594,7 +628,8 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     args = _call_args(q, causal, scale, causal_alignment, layout, left, right, softcap)
     if traced:  # torch.compile, a dispatch mode, torch.func, fake tensors
-        out, lse = _traced_forward(q, k, v, args, deterministic)
+        out, lse = _custom_op_call("fused_attention", _attention_fwd, q, k, v, *args,
+                                   deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _EagerAttention.apply(q, k, v, *args, deterministic, None, key)
     else:  # (an LSE where returned, or where the key says gradients may follow: _repeat_key)

@@ -19,6 +19,8 @@ from torch.library import triton_op
 
 from attnscope.attention import fused
 
+INT32_MAX = 2 ** 31 - 1
+
 
 def _validate_cu_seqlens(name, cu, total, max_seqlen, device):
     if not isinstance(cu, torch.Tensor):
@@ -32,9 +34,12 @@ def _validate_cu_seqlens(name, cu, total, max_seqlen, device):
         raise ValueError(f"{name} must be contiguous (the kernels read sequence b's bounds at "
                          f"offsets b and b + 1), got stride {cu.stride(0)}: pass "
                          f"{name}.contiguous()")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise TypeError(f"max_seqlen for {name} must be an int >= 0, got {max_seqlen!r}")
-    if cu.device.type != "cpu" or fused._traced(cu):
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        raise TypeError(f"max_seqlen for {name} must be an int, got {max_seqlen!r}")
+    if not 0 <= max_seqlen <= INT32_MAX:
+        raise ValueError(f"max_seqlen for {name} must be between 0 and {INT32_MAX} (the "
+                         f"cumulative lengths are int32), got {max_seqlen}")
+    if cu.device.type != "cpu" or not fused._values_readable(cu):
         # Reading the lengths back would synchronize with the GPU on every call (and traced
         # values cannot be read); as flash-attn, their values are the caller's contract there.
         return
@@ -42,9 +47,10 @@ def _validate_cu_seqlens(name, cu, total, max_seqlen, device):
     if cu[0] != 0 or cu[-1] != total or (lengths < 0).any():
         raise ValueError(f"{name} must start at 0, not decrease and end at the packed length "
                          f"{total}, got {cu.tolist()}")
-    if lengths.max() > max_seqlen:
+    longest = lengths.max().item()  # (an int: a Python int compared with the tensor wraps)
+    if longest > max_seqlen:
         raise ValueError(f"max_seqlen for {name} is {max_seqlen}, but a sequence has "
-                         f"{lengths.max().item()} rows")
+                         f"{longest} rows")
 
 
 def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale):
@@ -120,6 +126,7 @@ def _varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     dq = fused._empty(q, q.shape, q.dtype)
     dk = fused._empty(k, k.shape, k.dtype)
     dv = fused._empty(v, v.shape, v.dtype)
+    lse = lse.contiguous()  # (a saved-tensor hook may hand it back in other strides)
     delta = fused._empty(q, lse.shape, torch.float32)  # rowsum(dO * O), scratch
     if fused._shapes_only(kernels, q):
         return dq, dk, dv
@@ -180,13 +187,16 @@ def fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Returns the output [total_q, heads, head_dim] in q's dtype, and with return_lse=True also
     the float32 log-sum-exp of the (capped) scaled scores, [heads, total_q] (flash-attn's
-    layout). Differentiable in q, k, v; the LSE carries no gradient.
+    layout). Differentiable in q, k, v by torch.autograd (not by torch.func's transforms, nor in
+    forward mode: NotImplementedError); the LSE carries no gradient.
     """
+    fused._refuse_forward_ad("fused_attention_varlen", q, k, v)
     _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
     left, right = fused._validate_window_softcap(causal, window, softcap,
                                                  int(max_seqlen_q) + int(max_seqlen_k))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                           int(max_seqlen_k), causal, float(scale), left, right, float(softcap))
+    out, lse = fused._custom_op_call(
+        "fused_attention_varlen", _varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k,
+        int(max_seqlen_q), int(max_seqlen_k), causal, float(scale), left, right, float(softcap))
     return (out, lse) if return_lse else out
