@@ -11,14 +11,17 @@ decode route, fused_attention_with_kvcache on a fixed-capacity cache, and the sp
 --stub-launches measures the Python layers alone on a machine without a GPU: fp16 CPU tensors,
 the kernel launches replaced by no-ops (best of --rounds loops; a CPU machine's timings are
 noisy). There fused_attention_with_kvcache also reads its lengths back to check them (~2 us a
-call), which it does on CPU tensors only.
+call), which it does on CPU tensors only; its stubs keep the forward's and the backward's
+launches, so repeats take the remembered calls as on the GPU. --layout bshd times the prefill
+rows on flash-attn's layout (every call of the transformers backend).
 
     python benchmarks/host_cost.py [--head-dim 64 128] [--profile] [--decode]
-    python benchmarks/host_cost.py --stub-launches --rounds 5 --head-dim 64
+    python benchmarks/host_cost.py --stub-launches --rounds 5 --head-dim 64 [--layout bshd]
     python benchmarks/host_cost.py --stub-launches --rounds 5 --decode --head-dim 128
 """
 import argparse
 import cProfile
+import functools
 import io
 import pstats
 import sys
@@ -75,7 +78,10 @@ def stub_launches():
     def keep_nothing(q, k, v, out, lse, *, key, **kwargs):
         launch.FORWARD_LAUNCHES[key] = lambda tensors: None
     dispatch.triton_fwd.attention_fwd_triton = keep_nothing
-    dispatch.attention_bwd = lambda *args, **kwargs: None
+    # The backward's likewise: a training step's repeat takes its remembered backward
+    # (fused._backward_repeat), as on the GPU.
+    dispatch.attention_bwd = lambda *args, kept=False, **kwargs: (
+        (lambda *tensors: None) if kept else None)
     stub_decode_launches()
 
 
@@ -97,33 +103,37 @@ def stub_decode_launches():
     fast.kernel, fast.jit = _NoLaunch(fast.kernel.arg_names), True
 
 
-def rows(d, stubbed):
+def rows(d, stubbed, layout="bhsd"):
     b, h, s = 1, 1, 128
     device, dtype = ("cpu", torch.float16) if stubbed else ("cuda", torch.bfloat16)
-    q, k, v = (torch.randn(b, h, s, d, dtype=dtype, device=device) for _ in range(3))
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (b, h, s, d) if layout == "bhsd" else (b, s, h, d)
+    q, k, v = (torch.randn(shape, dtype=dtype, device=device, generator=g) for _ in range(3))
+    if layout == "bshd":  # the kernels' [batch, heads, seq, head_dim] views
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = torch.empty_like(q)
     lse = torch.empty(b, h, s, dtype=torch.float32, device=device)
     kernel = (None if stubbed else
               "Gluon" if dispatch.uses_hopper_kernel(q, k, v, out, d ** -0.5) else "Triton")
     launch = lambda: dispatch.attention_fwd(q, k, v, out, lse, causal=True,  # noqa: E731
                                             scale=d ** -0.5, causal_offset=0)
-    public = lambda: attnscope.fused_attention(q, k, v)  # noqa: E731
-    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    out_g = attnscope.fused_attention(qg, kg, vg)
-    dout = torch.randn_like(out_g)
-    step = lambda: torch.autograd.grad(attnscope.fused_attention(qg, kg, vg),  # noqa: E731
-                                       (qg, kg, vg), dout)
+    caller = (q, k, v) if layout == "bhsd" else tuple(t.transpose(1, 2) for t in (q, k, v))
+    op = functools.partial(attnscope.fused_attention, layout=layout)
+    public = lambda: op(*caller)  # noqa: E731
+    qg, kg, vg = (t.detach().requires_grad_() for t in caller)
+    out_g = op(qg, kg, vg)
+    dout = torch.randn(out_g.shape, dtype=dtype, device=device, generator=g)
+    step = lambda: torch.autograd.grad(op(qg, kg, vg), (qg, kg, vg), dout)  # noqa: E731
     timed = [
-        ("forward under autograd (inputs need grad)",
-         lambda: attnscope.fused_attention(qg, kg, vg)),
+        ("forward under autograd (inputs need grad)", lambda: op(qg, kg, vg)),
         ("backward: torch.autograd.grad", lambda: torch.autograd.grad(out_g, (qg, kg, vg), dout,
                                                                       retain_graph=True)),
         ("training step (forward + autograd.grad)", step),
         ("public op fused_attention", public),
         ("_forward (no validation, no LSE)", lambda: fused._forward(
-            q, k, v, True, d ** -0.5, False, "bhsd", lse=False)),
+            *caller, True, d ** -0.5, False, layout, lse=False)),
         (f"dispatch.attention_fwd ({kernel} launch)", launch),
-        ("_validate", lambda: fused._validate(q, k, v, True, None, "bhsd", "top_left")),
+        ("_validate", lambda: fused._validate(*caller, True, None, layout, "top_left")),
         ("two torch.empty (output, LSE)", lambda: (torch.empty_like(q),
                                                    torch.empty(b, h, s, device=device))),
         ("sdpa cudnn (for scale)", lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -183,6 +193,9 @@ def main():
                         "the (1, 1, 128) prefill call")
     p.add_argument("--q-len", type=int, default=8,
                    help="queries of the --decode step (1-8; default 8)")
+    p.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                   help="the prefill rows' layout: bhsd (SDPA's) or bshd (flash-attn's, every "
+                        "call of the transformers backend; default bhsd)")
     p.add_argument("--rounds", type=int, default=1,
                    help="timing loops per row, the best one reported (default 1)")
     args = p.parse_args()
@@ -199,7 +212,7 @@ def main():
             what = "kernel launches stubbed out" if args.stub_launches else "the split-KV kernel"
             print(f"decode, q_len {args.q_len}, head_dim {d}: {what}", flush=True)
         else:
-            kernel, public, step, timed = rows(d, args.stub_launches)
+            kernel, public, step, timed = rows(d, args.stub_launches, args.layout)
             print(f"head_dim {d}: " + (f"the op runs the {kernel} kernel" if kernel else
                                         "kernel launches stubbed out"), flush=True)
         for name, fn in timed:

@@ -453,13 +453,17 @@ def _backward_key(dout, q, k, v, out, lse, attention_args):
 
 def _backward_repeat(layout, launch):
     # A remembered backward: its gradients and Delta allocated as _backward_impl does, then
-    # launch(dO, q, k, v, out, lse, dq, dk, dv, delta) on the kernels' views.
+    # launch(dO, q, k, v, out, lse, dq, dk, dv, delta). The kept launches read data pointers
+    # only, their strides being the first call's (the key fixes them), so they take the
+    # caller's tensors: no [batch, heads, seq, head_dim] views of bshd ones (eight a call).
     def run(dout, q, k, v, out, lse):
         lse = lse.contiguous()  # (as _backward_impl: the key holds the saved LSE's strides)
-        grads, tensors = _gradients(dout, q, k, v, out, lse, layout)
+        dq, dk, dv = _empty(q, q.shape, q.dtype), _empty(k, k.shape, k.dtype), _empty(
+            v, v.shape, v.dtype)
+        delta = _empty(q, lse.shape, torch.float32)
         with _on_device(q.device):
-            launch(*tensors)
-        return grads
+            launch(dout, q, k, v, out, lse, dq, dk, dv, delta)
+        return dq, dk, dv
     return run
 
 
@@ -502,13 +506,11 @@ class _EagerAttention(torch.autograd.Function):
     instead of dropping terms."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, bottom_right, layout, window_left, window_right,
-                softcap, deterministic, run, repeat_key):
+    def forward(ctx, q, k, v, args, deterministic, run, repeat_key):
         # (ctx-style forward: with a separate setup_context, Function.apply binds its arguments
         # through inspect.signature on every call, ~60 us on the CPU machine)
         # run: a remembered call's kept launch (fused_attention's repeats), else _forward,
         # which remembers the call under repeat_key.
-        args = (causal, scale, bottom_right, layout, window_left, window_right, softcap)
         output = run(q, k, v) if run is not None else _forward(q, k, v, *args,
                                                                repeat_key=repeat_key)
         _setup_context(ctx, (q, k, v, *args, deterministic), output)
@@ -518,19 +520,19 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # no gradient reached `out` (lse has none by construction)
-            return (None,) * 13
+            return (None,) * 7
         q, k, v, out, lse = ctx.saved_tensors
         args = ctx.attention_args
         # Compiled autograd traces this with dynamo, and create_graph=True runs it with grad
         # mode on: both get the op. A plain backward runs with grad mode off; a repeat of one
         # whose launches were kept runs them again (_backward_repeat).
         if torch.compiler.is_compiling() or torch.is_grad_enabled():
-            return (*_attention_bwd(dout, q, k, v, out, lse, *args), *(None,) * 10)
+            return (*_attention_bwd(dout, q, k, v, out, lse, *args), *(None,) * 4)
         key = _backward_key(dout, q, k, v, out, lse, args) if not _traced(q) else None
         run = _remembered(key)
         grads = (run(dout, q, k, v, out, lse) if run is not None
                  else _backward_impl(dout, q, k, v, out, lse, *args, repeat_key=key))
-        return (*grads, *(None,) * 10)
+        return (*grads, *(None,) * 4)
 
 
 def _call_args(q, causal, scale, causal_alignment, layout, left=-1, right=-1, softcap=0.0):
@@ -613,7 +615,7 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                             or v.requires_grad):  # under autograd's Function
                 out, lse = _EagerAttention.apply(
-                    q, k, v, *_call_args(q, causal, scale, causal_alignment, layout),
+                    q, k, v, _call_args(q, causal, scale, causal_alignment, layout),
                     deterministic, run, None)
             else:
                 out, lse = run(q, k, v)
@@ -631,7 +633,7 @@ def fused_attention(q, k, v, *, causal=True, scale=None, layout="bhsd",
         out, lse = _custom_op_call("fused_attention", _attention_fwd, q, k, v, *args,
                                    deterministic)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _EagerAttention.apply(q, k, v, *args, deterministic, None, key)
+        out, lse = _EagerAttention.apply(q, k, v, args, deterministic, None, key)
     else:  # (an LSE where returned, or where the key says gradients may follow: _repeat_key)
         out, lse = _forward(q, k, v, *args, repeat_key=key,
                             lse=bool(return_lse) or q.requires_grad or k.requires_grad
