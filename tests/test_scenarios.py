@@ -114,11 +114,35 @@ def test_presets_are_their_scenarios_and_lengths_are_seeded():
                                                      "decode call"),
     ({"name": "decode", "q_len": 4, "kv_len": 4}, "is a prefill call"),
     ({"name": "chunked", "kv_len": 24, "q_len": 24}, "is a prefill call"),
+    # varlen's heads and head_dim are checked as the others' (0 ran a headless case before)
+    ({"name": "varlen", "heads": 0}, "--heads must be >= 1"),
+    ({"name": "varlen", "head_dim": 0}, "--head-dim must be >= 1"),
+    ({"name": "varlen", "heads": -2}, "--heads must be >= 1"),
 ])
 def test_scenario_flags_are_checked(kwargs, says):
     name = kwargs.pop("name")
     with pytest.raises(ValueError, match=says):
         scenarios.scenario_case(name, "cpu", **kwargs)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_heads_keep_the_scenario_s_grouping(device):
+    # Without --kv-heads a case keeps its preset's query heads per K/V head: one for prefill
+    # (so --heads 4 is plain multi-head attention, not the preset's K/V count), four for
+    # CUDA's decode; where that grouping does not divide --heads, one K/V head each. (The
+    # presets alone: "gpu" names CUDA's, no device is used.)
+    device = "cuda" if device == "gpu" else device
+    varlen = scenarios.PRESETS["varlen"][device]
+    for heads in (2, 4, 6, 32, 64):
+        assert scenarios.scenario_case(None, device, heads=heads).kv_heads == heads
+        group = varlen.heads // varlen.kv_heads
+        assert scenarios.scenario_case("varlen", device, heads=heads).kv_heads == (
+            heads // group if heads % group == 0 else heads)
+    decode = scenarios.PRESETS["decode"][device]
+    group = decode.heads // decode.kv_heads
+    assert scenarios.scenario_case("decode", device, heads=group * 3).kv_heads == 3
+    assert scenarios.scenario_case("decode", device, heads=group * 3 + 1).kv_heads == (
+        group * 3 + 1)
 
 
 def test_explicit_lengths_override_the_preset():

@@ -69,8 +69,10 @@ def add_case_arguments(p):
                    help="keys per sequence, >= --q-len (default: the scenario's; q_len for "
                         "prefill)")
     p.add_argument("--kv-heads", type=int, metavar="N",
-                   help="K/V heads (GQA/MQA; must divide --heads) (default: the scenario's; "
-                        "--heads for prefill)")
+                   help="K/V heads (GQA/MQA; must divide --heads) (default: the scenario's "
+                        "query heads per K/V head kept, e.g. 4 on CUDA's decode preset, none "
+                        "for prefill: --heads there; --heads where that grouping does not "
+                        "divide it)")
     scenarios.add_option_arguments(p)
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="input dtype (default bf16 on CUDA as in the blog, fp32 on CPU)")

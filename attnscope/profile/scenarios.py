@@ -75,18 +75,19 @@ def scenario_case(name: str | None, device: str, *, batch=None, heads=None, q_le
     preset = PRESETS[name][device]
     if page_size is not None:
         preset = dataclasses.replace(preset, page_size=page_size)
+    given = {"batch": batch, "heads": heads, "seq": q_len, "head_dim": head_dim}
+    for flag, value in zip(("--batch", "--heads", "--q-len", "--head-dim"), given.values()):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if name == "varlen":
         if q_len is not None or kv_len is not None or batch is not None:
             raise ValueError("--scenario varlen takes its packed lengths from VARLEN_LENGTHS; "
                              f"--batch, --q-len and --kv-len do not apply (got batch {batch}, "
                              f"q_len {q_len}, kv_len {kv_len})")
         heads = preset.heads if heads is None else heads
-        return varlen_case(preset.seqlens, heads, head_dim or preset.head_dim,
+        return varlen_case(preset.seqlens, heads,
+                           preset.head_dim if head_dim is None else head_dim,
                            kv_heads=_kv_heads(kv_heads, preset, heads))
-    given = {"batch": batch, "heads": heads, "seq": q_len, "head_dim": head_dim}
-    for flag, value in zip(("--batch", "--heads", "--q-len", "--head-dim"), given.values()):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
     out = dataclasses.replace(preset, **{k: v for k, v in given.items() if v is not None})
     if name == "prefill":
         kv_len = out.seq if kv_len is None else kv_len
@@ -176,8 +177,10 @@ def describe(c: Case) -> str:
 
 def _kv_heads(kv_heads, preset: Case, heads: int) -> int:
     if kv_heads is None:
-        # The preset's grouping where it divides the heads asked for, else one K/V head each.
-        kv_heads = preset.kv_heads if heads % preset.kv_heads == 0 else heads
+        # The preset's grouping (query heads per K/V head: 1 for prefill) where it divides the
+        # heads asked for, else one K/V head each.
+        group = preset.heads // preset.kv_heads
+        kv_heads = heads // group if heads % group == 0 else heads
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"--kv-heads must divide the query heads ({heads}), got {kv_heads}")
     return kv_heads
