@@ -424,6 +424,18 @@ def test_ctrl_c_while_the_package_imports_torch_is_one_line_and_130(tmp_path):
     assert done.stderr == "interrupted\n" and done.stdout == ""
 
 
+def test_output_into_a_closed_pipe_is_no_traceback(tmp_path):
+    # `attnscope list | head -1`: the reader is gone before the listing is written (its end of
+    # the pipe is closed before the driver has imported torch).
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "attnscope.profile", "list"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
+
+
 def test_ctrl_c_while_a_program_imports_the_library_stays_its_own(tmp_path):
     # Outside the driver the caller's Ctrl-C handling applies: KeyboardInterrupt propagates.
     done = _start_with_ctrl_c(tmp_path, "-c", "import attnscope")

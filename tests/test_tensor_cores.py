@@ -711,6 +711,42 @@ def test_ncu_refuses_a_mode_other_than_the_compare_runs(tmp_path, monkeypatch, c
     assert ncu.run_mode(None, tmp_path / "absent.json") == ("fwd", "")
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--forwards", "0"], "--forwards must be at least 1, got 0"),
+    (["--stall-lines", "0"], "--stall-lines must be at least 1"),
+    (["--impl", "fusd"], "fusd"),
+    (["--heads", "0"], "--heads must be >= 1"),
+])
+def test_ncu_refuses_bad_flags_before_looking_for_ncu(argv, says, tmp_path, monkeypatch, capsys):
+    # The flags are checked first, on any machine: no ncu and no GPU here.
+    from attnscope.profile import ncu
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit: pytest.fail("looked for ncu"))
+    assert ncu.run(_ncu_args("--out", str(tmp_path), *argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnscope ncu: error: ") and says in err
+
+
+def test_ncu_refuses_an_unreadable_results_file_before_profiling(tmp_path, monkeypatch, capsys):
+    # A results.json that is no compare run's (cut short, or another file) is refused before
+    # ncu runs: its case cannot be read, and the counters could not be merged into it.
+    from attnscope.profile import ncu
+    path = _compare_output(tmp_path)
+    text = path.read_text()
+    _ncu_present(monkeypatch)
+    monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **kw: pytest.fail("ncu ran"))
+    for broken, says in ((text[:len(text) // 2], "cannot be read as a compare run's results"),
+                         ("3", "is not a compare run's results (a JSON int)")):
+        path.write_text(broken)
+        assert ncu.run(_ncu_args("--out", str(tmp_path), "--impl", "fused")) == 2
+        assert says in capsys.readouterr().err
+
+
+def test_ncu_names_a_missing_explicit_ncu(tmp_path, monkeypatch, capsys):
+    from attnscope.profile import ncu
+    assert ncu.run(_ncu_args("--out", str(tmp_path), "--ncu", str(tmp_path / "no-ncu"))) == 2
+    assert f"--ncu {tmp_path / 'no-ncu'}: no such executable" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
 def test_ncu_child_runs_its_profiled_calls_inside_the_range(mode, monkeypatch):
     """The child (run_target) warms up outside the NVTX range and runs each profiled call
@@ -1048,7 +1084,7 @@ def test_ncu_run_refuses_case_flags_of_another_case(paged_run, monkeypatch, caps
     monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **kw: pytest.fail("ncu ran"))
     assert ncu.run(_ncu_args("--out", str(out), "--impl", "fused", "--scenario", "decode")) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: the compare run in ") and "the flags give decode shape" in err
+    assert err.startswith("attnscope ncu: error: the compare run in ") and "the flags give decode shape" in err
 
 
 @pytest.mark.parametrize("flags, entry", [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> module under attnscope.profile; `compare` runs when none is named.
@@ -53,3 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # stdout piped into a reader that stopped (`| head`): no traceback, and the exit status
+        # of a process SIGPIPE ended. Python's flush at exit would raise again: stdout now
+        # writes to the null device.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13

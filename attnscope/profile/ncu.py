@@ -146,13 +146,19 @@ def child_args(args: argparse.Namespace, impl: str, case: Case, dtype: str,
 
 
 def _compare_run(results: Path):
-    """The parsed results.json of a compare run, or None when there is none or it is unreadable."""
+    """The parsed results.json of a compare run, or None when there is none. ValueError for one
+    that cannot be read as a compare run's (the counters would be merged into it)."""
     if not results.exists():
         return None
     try:
-        return json.loads(results.read_text())
-    except (OSError, ValueError):
-        return None
+        data = json.loads(results.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{results} cannot be read as a compare run's results ({e}): pass "
+                         f"another --out, or remove it") from None
+    if not isinstance(data, (dict, list)):
+        raise ValueError(f"{results} is not a compare run's results (a JSON "
+                         f"{type(data).__name__}): pass another --out")
+    return data
 
 
 def run_case(args: argparse.Namespace, results: Path) -> tuple[Case, str]:
@@ -217,38 +223,38 @@ def run(args: argparse.Namespace) -> int:
 
     from attnscope.attention import IMPLEMENTATIONS, get
 
-    ncu = find_ncu(args.ncu)
-    if ncu is None:
-        print("error: Nsight Compute (ncu) not found; install it or pass --ncu PATH",
-              file=sys.stderr)
+    def error(message):
+        print(f"attnscope ncu: error: {message}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("error: no CUDA GPU here; Nsight Compute counters need one", file=sys.stderr)
-        return 2
+    # The flags and the run first (no GPU needed to find them wrong), then ncu and the GPU.
     try:
         impls = [get(name) for name in (args.impl or IMPLEMENTATIONS)]
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return error(exc)
     if args.stall_lines < 1:
-        print("error: --stall-lines must be at least 1", file=sys.stderr)
-        return 2
+        return error(f"--stall-lines must be at least 1, got {args.stall_lines}")
+    if args.forwards < 1:
+        return error(f"--forwards must be at least 1, got {args.forwards}")
     out = runs.resolve(args.out)  # the same run `report` reads
     results = out / runs.RESULTS
-    mode, why = run_mode(args.mode, results)
-    if mode is None:
-        print(f"error: {why}", file=sys.stderr)
-        return 2
     try:
+        mode, why = run_mode(args.mode, results)
+        if mode is None:
+            return error(why)
         case, dtype = run_case(args, results)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return error(e)
+    ncu = find_ncu(args.ncu)
+    if ncu is None:
+        return error(f"--ncu {args.ncu}: no such executable" if args.ncu else
+                     "Nsight Compute (ncu) not found on PATH or in /usr/local/cuda/bin; "
+                     "install it or pass --ncu PATH")
+    if not torch.cuda.is_available():
+        return error("no CUDA GPU here; Nsight Compute counters need one")
     try:
         (out / "ncu").mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        print(f"error: cannot write to --out {out}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        return error(f"cannot write to --out {out}: {e.strerror or e}")
 
     print(f"attnscope ncu: {len(impls)} implementations, {scenarios.describe(case)}, {dtype}, "
           f"{mode}, into {out}", file=sys.stderr)
@@ -299,6 +305,9 @@ def run(args: argparse.Namespace) -> int:
     if results.exists() and verdicts:
         print(f"merged counter verdicts of {len(verdicts)} implementation(s) into {results}",
               file=sys.stderr)
+    elif not verdicts:
+        print(f"no counters: none of the {len(impls)} implementation(s) was profiled (their "
+              f"lines above say why)", file=sys.stderr)
     print(f"ncu CSVs in {out / 'ncu'}", file=sys.stderr)
     if stalls_failed:
         print(f"--stalls gave nothing for {stalls_failed} implementation(s) (their lines above "
