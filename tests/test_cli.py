@@ -151,6 +151,27 @@ def test_compare_inputs_that_do_not_fit_are_one_line(tmp_path, monkeypatch, caps
     assert "do not fit in cpu memory" in capsys.readouterr().err
 
 
+def test_compare_shapes_past_any_allocation_are_one_line(tmp_path, capsys):
+    # Sizes whose storage overflows (no allocation could hold them) are inputs that do not fit.
+    huge = ["compare", "--impl", "naive", "--batch", "4000000000", "--heads", "4000000000",
+            "--seq", "4000000000", "--out", str(tmp_path / "out")]
+    assert main(huge) == 1
+    assert "do not fit in cpu memory" in capsys.readouterr().err
+
+
+def test_compare_a_reference_that_does_not_fit_leaves_the_error_column_empty(
+        tmp_path, monkeypatch, capsys):
+    from attnscope.profile import compare
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 80 GB")
+    monkeypatch.setattr(compare, "attention_reference", no_memory)
+    assert main([*TINY, "--impl", "naive", "--out", str(tmp_path / "out")]) == 0
+    assert "reference does not fit in cpu memory" in capsys.readouterr().err
+    row, = json.loads((tmp_path / "out" / "latest" / "results.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["max_abs_error"] is None
+
+
 def test_compare_names_the_seq_flag(tmp_path, capsys):
     assert main(["compare", "--seq", "0", "--out", str(tmp_path / "out")]) == 2
     assert "--seq must be >= 1, got 0" in capsys.readouterr().err

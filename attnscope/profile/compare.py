@@ -140,9 +140,11 @@ def _reference(inputs, case):
         if inputs.packing is not None:
             return attention_reference_varlen(q, k, v, *inputs.packing[:2], **options).cpu()
         return attention_reference(q, k, v, causal_alignment="bottom_right", **options).cpu()
-    except torch.cuda.OutOfMemoryError:
-        _progress("note: the float64 reference does not fit in GPU memory at this shape; "
-                  "the error column stays empty")
+    except RuntimeError as exc:  # the CUDA allocator's OutOfMemoryError, or the CPU's
+        if not out_of_memory(exc):
+            raise
+        _progress(f"note: the float64 reference does not fit in {q.device.type} memory at this "
+                  f"shape; the error column stays empty")
         return None
     finally:
         if q.is_cuda:

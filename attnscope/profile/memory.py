@@ -35,9 +35,11 @@ def score_memory_skip(impl, case: Case, free_bytes: int | None,
 
 def out_of_memory(exc: BaseException) -> bool:
     """Whether `exc` says memory ran out: CUDA's allocator raises OutOfMemoryError, the CPU's a
-    RuntimeError saying so."""
+    RuntimeError saying so, and a size past what any allocation can address a RuntimeError of
+    its own (the storage size overflowed)."""
     return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+        isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc)
+                                           or "Storage size calculation overflowed" in str(exc)))
 
 
 def free_memory(device: torch.device) -> int | None:
