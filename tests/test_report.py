@@ -494,6 +494,30 @@ def test_report_of_results_without_rows_is_refused(tmp_path, capsys):
     assert not (tmp_path / report.DEFAULT_NAME).exists()
 
 
+@pytest.mark.parametrize("text, says", [
+    (json.dumps({"command": ["bench"], "sweep": "default", "rows": [{"impl": "fused"}]}),
+     "is a bench file"),
+    (json.dumps({"rows": [1, 2]}), "is not a compare run's results"),
+    (json.dumps({"rows": [{"impl": "fused"}]}), "is not a compare run's results"),
+    (json.dumps([{"impl": "fused", "status": "ok"}]), "is not a compare run's results"),
+    (b"\xff\xfe{".decode("latin-1"), "is not valid JSON"),
+])
+def test_report_of_a_file_that_is_no_compare_run_is_one_line(text, says, tmp_path, capsys):
+    (tmp_path / runs.RESULTS).write_bytes(text.encode("latin-1"))
+    assert main(["report", str(tmp_path)]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_report_says_so_of_a_compare_run_saved_as_its_bench_file(cpu_run, tmp_path):
+    out, _ = cpu_run
+    folder = tmp_path / "copy"
+    shutil.copytree(out.resolve(), folder)
+    shutil.copy(folder / runs.RESULTS, folder / report.BENCH_FILE)
+    target = tmp_path / "r.html"
+    assert main(["report", str(folder), "-o", str(target)]) == 0
+    assert "it is a compare run&#x27;s results" in target.read_text()
+
+
 def test_report_of_an_out_folder_reads_its_latest_run(cpu_run, capsys):
     latest, _ = cpu_run
     out = latest.parent

@@ -92,9 +92,18 @@ def write_report(folder, output) -> Path:
                               f"report its finished rows") from None
         raise ReportError(f"no results.json in {folder} ({e.strerror or e}); run "
                           f"`python -m attnscope.profile compare --out {folder}` first") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, or not UTF-8
         raise ReportError(f"{folder / runs.RESULTS} is not valid JSON: {e}") from None
-    if not isinstance(results, dict) or not results.get("rows"):
+    if isinstance(results, dict) and "sweep" in results:
+        raise ReportError(f"{folder / runs.RESULTS} is a bench file (bench --json), not a compare "
+                          f"run's results: save it as {BENCH_FILE} beside a compare run's "
+                          f"results.json for its sweep plot")
+    if not isinstance(results, dict) or not isinstance(results.get("rows", []), list) or any(
+            not isinstance(row, dict) or "impl" not in row or "status" not in row
+            for row in results.get("rows", [])):
+        raise ReportError(f"{folder / runs.RESULTS} is not a compare run's results (no rows of "
+                          f"implementations with a status): pass a folder written by compare")
+    if not results.get("rows"):
         raise ReportError(f"{folder / runs.RESULTS} holds no rows: the run that wrote it "
                           f"finished no implementation; nothing to report")
     _check_output(output)
@@ -235,6 +244,13 @@ class _Page:
             bench = json.loads(path.read_text())
             if not isinstance(bench, dict):
                 raise ValueError("not a JSON object")
+            if bench.get("command") == "compare":
+                raise ValueError("it is a compare run's results")
+            rows = bench.get("rows", [])
+            if not isinstance(rows, list) or any(
+                    not isinstance(row, dict) or "shape" not in row or "impl" not in row
+                    for row in rows):
+                raise ValueError("its rows are not bench rows (impl, shape)")
         except (OSError, ValueError) as exc:  # a truncated or foreign file: say so, go on
             return _section("sweep", "Shape sweep", _note(
                 f"{path} cannot be read as a bench file ({exc}); run `python -m "
