@@ -234,6 +234,19 @@ def test_unwritable_out_fails_before_profiling(tmp_path, monkeypatch, capsys):
     assert "cannot write to --out" in capsys.readouterr().err
 
 
+def test_an_out_that_is_a_file_or_a_copied_latest_is_refused_before_profiling(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "capture", lambda *a: pytest.fail("profiled anyway"))
+    afile = tmp_path / "a_file"
+    afile.write_text("not a folder")
+    assert main([*TINY, "--impl", "naive", "--out", str(afile)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    copied = tmp_path / "copied"  # as cp -rL leaves an --out folder: latest a real folder
+    (copied / "latest").mkdir(parents=True)
+    assert main([*TINY, "--impl", "naive", "--out", str(copied)]) == 2
+    assert "latest is a folder, not the link" in capsys.readouterr().err
+
+
 def test_ctrl_c_keeps_finished_rows(tmp_path, monkeypatch, capsys):
     real_capture = compare.capture
 

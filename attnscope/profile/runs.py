@@ -110,6 +110,13 @@ class Run:
         self._locked = False
 
     def __enter__(self) -> "Run":
+        if self.out.exists() and not self.out.is_dir():
+            raise RunError(f"--out {self.out} is a file, not a folder: pass a folder's name")
+        latest = self.out / LATEST
+        if latest.exists() and not latest.is_symlink():  # a copy that resolved the link
+            raise RunError(f"{latest} is a {'folder' if latest.is_dir() else 'file'}, not the "
+                           f"link a run points at its folder (a copy made with cp -rL or scp -r "
+                           f"turns it into one): rename or remove it, or use another --out")
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             self._lock()
