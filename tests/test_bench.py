@@ -309,6 +309,13 @@ def test_shape_times_the_listed_prefill_shapes(fakes, tmp_path):
     assert bench._resolve(args)[2][0].kv_heads == 1  # --kv-heads replaces every shape's
 
 
+def test_lengths_without_a_scenario_name_the_scenario_they_make():
+    # --q-len 4 --kv-len 100 is a decode call: the run is labelled so, not prefill
+    _, sweep, cases, _, _ = bench._resolve(_parse("--q-len", "4", "--kv-len", "100", "--impl",
+                                                  "fused", *FAST))
+    assert (sweep, cases[0].scenario) == ("scenario decode", "decode")
+
+
 @pytest.mark.parametrize("argv, says", [
     (("--shape", "1,2,64"), "expected B,H,S,D or B,H,S,D,KV"),
     (("--shape", "1,2,0,32"), "positive integers"),
@@ -329,7 +336,7 @@ def test_cuda_requested_without_cuda_is_an_error(fakes, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_ctrl_c_keeps_finished_rows(fakes, tmp_path):
+def test_ctrl_c_keeps_finished_rows(fakes, tmp_path, capsys):
     calls = {"n": 0}
 
     def interrupted_on_second_shape(q, k, v):
@@ -343,6 +350,8 @@ def test_ctrl_c_keeps_finished_rows(fakes, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         bench.run(_parse("--sweep", "cpu", "--impl", "peer_fast", "fused",
                          "--json", str(out), *FAST))
+    err = capsys.readouterr().err
+    assert f"bench: 3 of " in err and f"rows kept in {out}; the same command with --resume" in err
     doc = json.loads(out.read_text())
     assert doc["complete"] is False
     assert [(r["impl"], r["status"]) for r in doc["rows"]] == [
@@ -618,6 +627,11 @@ def test_resume_keeps_the_first_command_and_lists_each_resume(fakes, tmp_path):
     (lambda doc: doc["env"].update(gpu={"name": "NVIDIA H100"}), "timed on NVIDIA H100"),
     (lambda doc: doc.update(rows=[5]), "rows are not a list of objects"),
     (lambda doc: doc.update(rows=5), "rows are not a list of objects"),
+    (lambda doc: doc.update(command="compare"), "it is a compare run's results.json"),
+    (lambda doc: doc.pop("sweep"), "it has no sweep field"),
+    # a case that differs in one field names that field, not two cut-off objects
+    (lambda doc: doc["cases"][0].update(softcap=5.0), "has cases case 0: softcap 5.0 where this "
+                                                      "run has null"),
 ])
 def test_resume_refuses_another_gpus_or_a_malformed_file(fakes, tmp_path, capsys, edit, says):
     out = tmp_path / "b.json"
@@ -664,6 +678,23 @@ def test_an_existing_json_is_overwritten_with_a_note(fakes, tmp_path, capsys):
     assert bench.run(_parse("--sweep", "cpu", "--impl", "fused", "--json", str(out), *FAST)) == 0
     assert "exists and is overwritten" in capsys.readouterr().err
     assert json.loads(out.read_text())["complete"] is True
+
+
+def test_resume_refuses_a_json_list(fakes, tmp_path, capsys):
+    out = tmp_path / "b.json"
+    out.write_text("[1, 2]")
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "fused", "--json", str(out), "--resume",
+                            *FAST)) == 2
+    assert "a JSON list, not an object" in capsys.readouterr().err
+
+
+def test_a_json_path_under_a_file_names_the_file(fakes, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for under in (afile / "x.json", afile / "sub" / "x.json"):
+        assert bench.run(_parse("--sweep", "cpu", "--impl", "fused", "--json", str(under),
+                                *FAST)) == 2
+        assert f"{afile} is a file, not a folder" in capsys.readouterr().err
 
 
 def test_resume_needs_json(fakes, capsys):

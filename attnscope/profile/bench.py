@@ -343,8 +343,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue the --json file an interrupted run of the same command "
                         "left: keep its rows and time only the (shape, implementation) pairs it "
-                        "lacks; refused when the file's sweep, mode, dtype, causality, "
-                        "implementations or torch/Triton versions differ from this run's")
+                        "lacks; refused when the file's sweep or shapes (with their window, "
+                        "softcap, dtype and causality), mode, implementations, device and GPU, "
+                        "--warmup-ms/--rep-ms or torch/Triton versions differ from this run's")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
                         help="where to run (default: cuda when available, else cpu with CPU "
                         "wall-clock timing)")
@@ -374,10 +375,10 @@ def _resolve(args):
         sweep = "shapes"
         cases = tuple(dict.fromkeys(_shape_case(text, args.kv_heads) for text in args.shape))
     elif one_case:
-        sweep = f"scenario {args.scenario or 'prefill'}"
         cases = (scenarios.scenario_case(args.scenario, device.type, q_len=args.q_len,
                                          kv_len=args.kv_len, kv_heads=args.kv_heads,
                                          page_size=args.page_size),)
+        sweep = f"scenario {cases[0].scenario}"  # (lengths alone name theirs: q 4, kv 100 decode)
     else:
         sweep = args.sweep or ("default" if device.type == "cuda" else "cpu")
         cases = resolve_sweep(sweep, args.kv_heads)
@@ -416,8 +417,18 @@ def _check_json_path(path: str) -> None:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with tempfile.TemporaryFile(dir=os.path.dirname(target)):
             pass
+    except (FileExistsError, NotADirectoryError) as exc:  # a file where a folder should be
+        parent = next((p for p in _parents(target) if os.path.isfile(p)), None)
+        why = f"{parent} is a file, not a folder" if parent else exc.strerror or exc
+        raise ValueError(f"cannot write --json {path}: {why}") from None
     except OSError as exc:
         raise ValueError(f"cannot write --json {path}: {exc.strerror or exc}") from None
+
+
+def _parents(path: str):
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        yield path
 
 
 MODE_TIMED = {
@@ -538,6 +549,11 @@ def _resumed_rows(path: str, header: dict, ctx: _Context, cases, impls) -> list[
     try:
         with open(path) as f:
             saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise TypeError(f"a JSON {type(saved).__name__}, not an object")
+        if saved.get("command") == "compare" or "sweep" not in saved:
+            raise TypeError("it is a compare run's results.json" if saved.get("command")
+                            == "compare" else "it has no sweep field")
         rows = saved["rows"]
         if not (isinstance(rows, list) and all(isinstance(row, dict) for row in rows)):
             raise TypeError("its rows are not a list of objects")
@@ -587,8 +603,10 @@ def _differs(saved, current) -> str:
     """`saved` against `current`, short: the first case or key where they part, else both."""
     if isinstance(saved, list) and isinstance(current, list):
         for i, (a, b) in enumerate(zip(saved, current)):
-            if a != b:
-                return f"case {i} {_short(a)} where this run has {_short(b)}"
+            if a != b:  # the fields where two cases part, not two cut-off objects
+                return (f"case {i}: {_differs(a, b)}" if isinstance(a, dict)
+                        and isinstance(b, dict) else f"case {i} {_short(a)} where this run "
+                                                     f"has {_short(b)}")
         return f"{len(saved)} cases, this run {len(current)}"
     if isinstance(saved, dict) and isinstance(current, dict):
         keys = [k for k in dict.fromkeys([*saved, *current]) if saved.get(k) != current.get(k)]
@@ -677,6 +695,9 @@ def _run(args) -> int:
             _write_json(args.json, header, rows, complete=True)
     except KeyboardInterrupt:
         print(format_table(with_peer_ratios(rows), time_label))
+        if args.json:
+            print(f"bench: {len(rows)} of {total} rows kept in {args.json}; the same command "
+                  f"with --resume times the rest", file=sys.stderr)
         raise
     except OSError as exc:  # a full disk, or a folder that turned unwritable mid-run
         print(format_table(with_peer_ratios(rows), time_label))  # what was measured, on stdout
