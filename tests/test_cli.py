@@ -164,7 +164,8 @@ def test_compare_a_reference_that_does_not_fit_leaves_the_error_column_empty(
     from attnscope.profile import compare
 
     def no_memory(*args, **kwargs):
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 80 GB")
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                           "80 GB")
     monkeypatch.setattr(compare, "attention_reference", no_memory)
     assert main([*TINY, "--impl", "naive", "--out", str(tmp_path / "out")]) == 0
     assert "reference does not fit in cpu memory" in capsys.readouterr().err

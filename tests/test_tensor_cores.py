@@ -1084,7 +1084,8 @@ def test_ncu_run_refuses_case_flags_of_another_case(paged_run, monkeypatch, caps
     monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **kw: pytest.fail("ncu ran"))
     assert ncu.run(_ncu_args("--out", str(out), "--impl", "fused", "--scenario", "decode")) == 2
     err = capsys.readouterr().err
-    assert err.startswith("attnscope ncu: error: the compare run in ") and "the flags give decode shape" in err
+    assert err.startswith("attnscope ncu: error: the compare run in ")
+    assert "the flags give decode shape" in err
 
 
 @pytest.mark.parametrize("flags, entry", [
