@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -695,6 +696,21 @@ def test_a_json_path_under_a_file_names_the_file(fakes, tmp_path, capsys):
         assert bench.run(_parse("--sweep", "cpu", "--impl", "fused", "--json", str(under),
                                 *FAST)) == 2
         assert f"{afile} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_json_path_that_is_a_device_or_pipe_is_refused(fakes, tmp_path, capsys):
+    # The file is rewritten by replacing it: a --json of /dev/null would replace the device (a
+    # FIFO stands in for it here; the real one is never touched by a test).
+    import stat
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert bench.run(_parse("--sweep", "cpu", "--impl", "fused", "--json", str(pipe),
+                            *FAST)) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode)
+    with pytest.raises(OSError, match="not a regular file"):
+        bench.runs.write_text(pipe, "x")
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode)
 
 
 def test_resume_needs_json(fakes, capsys):

@@ -8,6 +8,7 @@ with html.parser and checked section by section.
 
 import gzip
 import json
+import os
 import shutil
 import sys
 from html.parser import HTMLParser
@@ -485,6 +486,17 @@ def test_report_output_a_directory_or_unwritable_is_one_line(gpu_folder, tmp_pat
         err = capsys.readouterr().err.strip()
         assert err.startswith("attnscope report: error: ") and says in err
         assert len(err.splitlines()) == 1
+
+
+def test_report_output_a_device_or_pipe_is_refused(gpu_folder, tmp_path, capsys):
+    # The page is written by replacing the file: -o /dev/null would replace the device (a FIFO
+    # stands in for it here).
+    import stat
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert main(["report", str(gpu_folder[0]), "-o", str(pipe)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert stat.S_ISFIFO(os.stat(pipe).st_mode)
 
 
 def test_report_of_results_without_rows_is_refused(tmp_path, capsys):

@@ -413,6 +413,10 @@ def _check_json_path(path: str) -> None:
     if os.path.isdir(target):
         raise ValueError(f"--json {path} is a directory; give a file name such as "
                          f"{os.path.join(path, 'bench.json')}")
+    if runs.not_a_file(target):  # /dev/null: the atomic rewrite would replace the device
+        raise ValueError(f"--json {path} exists and is not a regular file (a device or a pipe): "
+                         f"the results are rewritten by replacing the file; give a file name, or "
+                         f"no --json")
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with tempfile.TemporaryFile(dir=os.path.dirname(target)):

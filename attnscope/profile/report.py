@@ -68,6 +68,9 @@ def run(args) -> int:
 
 def _check_output(output: Path):
     """Fail before rendering when the page could not be written there."""
+    if runs.not_a_file(output):  # /dev/null: writing replaces the file, it would replace that
+        raise ReportError(f"-o {output} exists and is not a regular file (a device or a pipe); "
+                          f"give a file name")
     if output.is_dir():
         raise ReportError(f"-o {output} is a directory; give a file name such as "
                           f"{output / DEFAULT_NAME}")

@@ -44,8 +44,12 @@ class RunError(RuntimeError):
 
 
 def write_bytes(path, data: bytes) -> None:
-    """Replace `path` with `data` in one step; the parent folder must exist."""
+    """Replace `path` with `data` in one step; the parent folder must exist. A path that
+    exists and is no regular file (/dev/null, a pipe) is refused: the replace would put a
+    regular file in its place."""
     path = Path(path)
+    if not_a_file(path):
+        raise OSError(errno.EINVAL, f"{path} exists and is not a regular file; not replaced")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_bytes(data)
@@ -53,6 +57,13 @@ def write_bytes(path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not leave a half file behind
         raise
+
+
+def not_a_file(path) -> bool:
+    """Whether `path` exists as something other than a regular file or a folder (a device such
+    as /dev/null, a pipe, a socket): a place results must never be written by replacing it."""
+    path = Path(path)
+    return path.exists() and not path.is_file() and not path.is_dir()
 
 
 def write_text(path, text: str) -> None:
