@@ -119,6 +119,30 @@ def check_unequal_shards_refused(group=None):
         ring_attention(q, q, q, group=group, scale=0.5 + rank)
     with pytest.raises(ValueError, match="same causal, scale"):  # -0.0: its bits are INT64_MIN
         ring_attention(q, q, q, group=group, scale=-0.0 if rank == 0 else 0.25)
+    # one rank's own checks refuse its call (an odd zigzag shard): that rank raises its error,
+    # the others hear of it, instead of waiting for it in the check's all-reduce
+    x = q[:, :, :5] if rank == 0 else q[:, :, :4]
+    with pytest.raises(ValueError, match="must be even" if rank == 0 else "another rank's"):
+        ring_attention(x, x, x, group=group)
+    # unshard_sequence's all-gather takes equal shards: another shape or dtype is refused on
+    # every rank (gloo aborted a rank before, and left the other's result partly unwritten)
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        unshard_sequence(q[:, :, :6 if rank == 0 else 4], group, load_balance="none")
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        unshard_sequence(q.half() if rank == 0 else q, group, load_balance="none")
+
+
+def check_non_members_refused():
+    # a group of ranks 0 and 1: the others are no members, and get an error rather than the
+    # zeros of collectives that do nothing on them
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    if rank >= 2:
+        q = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(8))
+        for call in (lambda: ring_attention(q, q, q, group=group),
+                     lambda: shard_sequence(q, group), lambda: unshard_sequence(q, group)):
+            with pytest.raises(ValueError, match="not a member of the group"):
+                call()
 
 
 # ---- spawned gloo ranks ---------------------------------------------------------------------
@@ -195,7 +219,8 @@ def test_three_ranks(monkeypatch):
     # full attention (causal=False) once: every step computes, no diagonal
     spawn(3, CASES + [_case(check_ring, layout="bhsd", load_balance="zigzag",
                             dtype=torch.float32, heads=2, kv_heads=2, chunk=4, head_dim=16,
-                            causal=False, seed=4)], monkeypatch)
+                            causal=False, seed=4), _case(check_non_members_refused)],
+          monkeypatch)
 
 
 # ---- one process: world size 1, helpers, validation ----------------------------------------
@@ -227,6 +252,7 @@ def _qkv(shape=(1, 2, 8, 16)):
     (_qkv((1, 2, 7, 16)), {}, ValueError, "length must be even, got 7"),
     (_qkv()[:1] + _qkv((1, 2, 6, 16))[1:], {}, ValueError, "one length"),
     (_qkv()[:2] + [None], {}, TypeError, "v must be a torch.Tensor"),
+    (_qkv(), {"layout": ["bhsd"]}, ValueError, "layout must be one of"),
 ])
 def test_validation(args, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -241,6 +267,8 @@ def test_shard_validation():
         shard_sequence(x, dim=4)
     with pytest.raises(ValueError, match="4-D tensor"):
         shard_sequence(x[0])
+    with pytest.raises(ValueError, match="layout must be one of"):  # (was: unhashable type)
+        shard_sequence(x, layout=["bhsd"])
     assert torch.equal(shard_sequence(x[0], dim=1, load_balance="none"), x[0])
 
 

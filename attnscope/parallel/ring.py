@@ -47,41 +47,56 @@ import torch.distributed as dist
 # fused.py registers torch.ops.attnscope.*; its checks are the ops' contract (shapes, dtypes,
 # head_dim, GQA), which the ops themselves do not repeat
 from attnscope.attention.fused import DTYPES, _validate as _validate_attention
-from attnscope.parallel.sharding import LOAD_BALANCES, SEQ_DIMS, check_load_balance, world
+from attnscope.parallel.sharding import (LOAD_BALANCES, SEQ_DIMS, check_load_balance, rank_range,
+                                        world)
 
 _checked_calls = set()  # (group, shard shapes, dtypes, arguments) already checked on every rank
 
 
-def _check_equal_shards(q, k, group, size, causal, scale, layout, load_balance):
+def _check_equal_shards(q, k, group, size, causal, scale, layout, load_balance, refused=None):
     """Every rank's call must be the same one: shards of one shape (the ring's receive buffers
     are sized from this rank's, and the causal structure assumes equal chunks), of one dtype (a
     rank receiving another dtype's bytes reads garbage or aborts) and with the same causal, scale,
     layout and load_balance (else a rank computes other blocks than its neighbours send, with no
     error). Checked with one all-reduce the first time a group sees such a call on this rank: on
     GPUs it stalls the host until the GPU catches up, which a training loop should pay once, not
-    per layer. A later call that differs between ranks but that this rank has checked before is
-    not caught: the ranks then wait on each other's sends."""
-    args = (causal, scale, layout, load_balance)
-    key = (group, size, tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, args)
-    if size == 1 or key in _checked_calls:
+    per layer. `refused`: this rank's own checks' error, which it raises after telling the other
+    ranks, so that they raise too instead of waiting for it in a collective. A later call that
+    differs between ranks but that every rank has checked before is not caught: each rank then
+    computes with its own arguments (a wrong result, no error), or with other shapes the
+    transfers fail or wait."""
+    if size == 1:
+        if refused is not None:
+            raise refused
         return
-    facts = [*q.shape, *k.shape, DTYPES.index(q.dtype), DTYPES.index(k.dtype), int(causal),
-             struct.unpack("<q", struct.pack("<d", scale))[0], sorted(SEQ_DIMS).index(layout),
-             LOAD_BALANCES.index(load_balance)]
-    facts = torch.tensor(facts, dtype=torch.int64)
-    both = torch.cat((facts, -facts)).to(q.device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    n = len(facts)
-    largest, smallest = both[:n].cpu(), -both[n:].cpu()
-    if not torch.equal(largest[:8], smallest[:8]):
+    if refused is None:
+        args = (causal, scale, layout, load_balance)
+        key = (group, size, tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, args)
+        if key in _checked_calls:
+            return
+        facts = [0, *q.shape, *k.shape, DTYPES.index(q.dtype), DTYPES.index(k.dtype), int(causal),
+                 struct.unpack("<q", struct.pack("<d", scale))[0], sorted(SEQ_DIMS).index(layout),
+                 LOAD_BALANCES.index(load_balance)]
+        device = q.device
+    else:  # (this rank's values may not even be tensors: a summary that only says "refused")
+        facts = [1, *[0] * 14]
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+    smallest, largest = rank_range(facts, group, device)
+    if largest[0]:
+        if refused is not None:
+            raise refused
+        raise ValueError("another rank's ring_attention call was refused by its checks (its "
+                         "error says why); every rank stops")
+    smallest, largest = smallest[1:], largest[1:]
+    if smallest[:8] != largest[:8]:
         raise ValueError(f"every rank's shards must have the same shape; this rank has q "
                          f"{tuple(q.shape)} and k/v {tuple(k.shape)}, and the ranks' shapes range "
-                         f"from {smallest[:8].tolist()} to {largest[:8].tolist()} (q dims then k "
-                         f"dims)")
-    if not torch.equal(largest[8:10], smallest[8:10]):
+                         f"from {smallest[:8]} to {largest[:8]} (q dims then k dims)")
+    if smallest[8:10] != largest[8:10]:
         raise ValueError(f"every rank's q and k/v must have the same dtypes; this rank has "
                          f"{q.dtype} and {k.dtype}, another rank other ones")
-    if not torch.equal(largest, smallest):
+    if smallest != largest:
         raise ValueError(f"every rank must call ring_attention with the same causal, scale, "
                          f"layout and load_balance; this rank has causal={causal}, "
                          f"scale={scale!r}, layout={layout!r}, load_balance={load_balance!r}, "
@@ -226,19 +241,23 @@ def ring_attention(q, k, v, *, group=None, causal=True, layout="bhsd", load_bala
     Returns this rank's shard of the output, in q's layout and dtype. Differentiable in q, k, v.
     Every rank must call it (the K/V pass through every rank).
     """
-    _validate_attention(q, k, v, causal, scale, layout, "top_left")
-    check_load_balance(load_balance)
-    d = SEQ_DIMS[layout]
-    if q.shape[d] != k.shape[d]:
-        raise ValueError(f"ring attention needs q and k/v shards of one length (self attention), "
-                         f"got {q.shape[d]} and {k.shape[d]}")
-    if load_balance == "zigzag" and q.shape[d] % 2:
-        raise ValueError(f"a zigzag shard holds two equal chunks, so its length must be even, got "
-                         f"{q.shape[d]}")
     _, size = world(group)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    refused = None
+    try:  # this rank's own checks; a refusal is shared with the other ranks before it is raised
+        _validate_attention(q, k, v, causal, scale, layout, "top_left")
+        check_load_balance(load_balance)
+        d = SEQ_DIMS[layout]
+        if q.shape[d] != k.shape[d]:
+            raise ValueError(f"ring attention needs q and k/v shards of one length (self "
+                             f"attention), got {q.shape[d]} and {k.shape[d]}")
+        if load_balance == "zigzag" and q.shape[d] % 2:
+            raise ValueError(f"a zigzag shard holds two equal chunks, so its length must be even, "
+                             f"got {q.shape[d]}")
+        if scale is None:
+            scale = 1.0 / math.sqrt(q.shape[-1])
+    except (ValueError, TypeError) as exc:
+        refused = exc
     # (+ 0.0: -0.0 as 0.0, whose bits the check's negation would overflow)
-    _check_equal_shards(q, k, group, size, bool(causal), float(scale) + 0.0, layout,
-                        load_balance)
+    _check_equal_shards(q, k, group, size, bool(causal),
+                        None if refused else float(scale) + 0.0, layout, load_balance, refused)
     return _RingAttention.apply(q, k, v, causal, float(scale), layout, load_balance, group)

@@ -15,6 +15,8 @@ A rank's shard is its chunks concatenated in that order along the sequence dimen
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -24,12 +26,29 @@ SEQ_DIMS = {"bhsd": 2, "bshd": 1}  # where the sequence is, per layout
 
 def world(group=None) -> tuple[int, int]:
     """(rank, world size) in `group`; (0, 1) when no process group is initialized, so a single
-    process can call everything here without setting one up."""
+    process can call everything here without setting one up. ValueError on a process that is
+    not a member of `group` (torch.distributed gives it rank -1, and its collectives do
+    nothing)."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialized")
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the "
+                         f"group passed: only the group's ranks take part")
+    return rank, dist.get_world_size(group)
+
+
+def rank_range(values: list[int], group, device) -> tuple[list[int], list[int]]:
+    """(smallest, largest) of each of `values` over the ranks of `group`: one all-reduce of
+    int64s on `device` (the backend's: CUDA for NCCL)."""
+    facts = torch.tensor(values, dtype=torch.int64)
+    both = torch.cat((facts, -facts)).to(device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    both = both.cpu().tolist()
+    n = len(values)
+    return [-x for x in both[n:]], both[:n]
 
 
 def check_load_balance(load_balance) -> None:
@@ -46,7 +65,7 @@ def seq_dim(x: torch.Tensor, layout: str, dim) -> int:
             raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for a {x.dim()}-D "
                              f"tensor, got {dim!r}")
         return dim % x.dim()
-    if layout not in SEQ_DIMS:
+    if not isinstance(layout, str) or layout not in SEQ_DIMS:
         raise ValueError(f"layout must be one of {sorted(SEQ_DIMS)}, got {layout!r}")
     if x.dim() != 4:
         raise ValueError(f"layout={layout!r} expects a 4-D tensor, got shape {tuple(x.shape)} "
@@ -105,6 +124,15 @@ class _Unshard(torch.autograd.Function):
         _, size = world(group)
         if size == 1:
             return x.clone()
+        # all_gather takes equal buffers: another rank's shard of another shape or dtype would
+        # abort that rank and leave this one's result partly unwritten
+        # (a fixed-length summary: the all-reduce itself needs equal sizes on every rank)
+        sizes = [*x.shape[:8], *[-1] * (8 - min(x.dim(), 8))]
+        smallest, largest = rank_range([x.dim(), x.numel(), *sizes,
+                                        zlib.crc32(str(x.dtype).encode())], group, x.device)
+        if smallest != largest:
+            raise ValueError(f"every rank's shard must have the same shape and dtype; this rank "
+                             f"has {tuple(x.shape)} {x.dtype}, another rank another one")
         shards = [torch.empty_like(x, memory_format=torch.contiguous_format)
                   for _ in range(size)]
         dist.all_gather(shards, x.contiguous(), group=group)
