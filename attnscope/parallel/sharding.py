@@ -154,8 +154,10 @@ class _Unshard(torch.autograd.Function):
 
 def unshard_sequence(x, group=None, *, load_balance="zigzag", layout="bhsd", dim=None):
     """The full sequence from every rank's shard `x` (all-gather, then reorder): the inverse of
-    shard_sequence. Every rank's shard must have the same shape. Differentiable: the gradient of
-    a shard is the sum over ranks of the gradients at its positions."""
+    shard_sequence. Every rank's shard must have the same shape and dtype (checked with one
+    small all-reduce before the all-gather: a ValueError on every rank otherwise).
+    Differentiable: the gradient of a shard is the sum over ranks of the gradients at its
+    positions."""
     check_load_balance(load_balance)
     d = seq_dim(x, layout, dim)
     if load_balance == "zigzag" and x.shape[d] % 2:
