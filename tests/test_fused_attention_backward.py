@@ -249,6 +249,27 @@ def test_a_backward_repeat_runs_the_kept_launches(kept_backward, layout):
     assert len(kept_backward) == 1
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_remembered_fused_dq_backward_writes_dq_in_the_caller_s_layout(layout):
+    # The sm_90 fused-dQ path of a remembered backward (no Gluon here: its kept dK/dV launch is
+    # a stand-in that adds dQ into the fp32 buffer by data pointer, [batch, heads, seq,
+    # head_dim] order, as the kernel does): dq comes back in the caller's layout, scaled. A
+    # bshd repeat handed the buffer the caller's bshd shape before, and dq came back permuted.
+    import types
+    from attnscope.attention import fused
+    b, h, s, d = 2, 3, 5, 4
+    truth = torch.randn(b, h, s, d)  # the dQ the kernel computes
+    kept = types.SimpleNamespace(bound={"key": lambda tensors: None})
+    gluon = types.SimpleNamespace(kept_launches=lambda key, scale, fused_dq: (
+        lambda tensors: tensors[8].view(-1).add_(truth.reshape(-1)), None))
+    launch = attention_bwd._kept_gluon_backward(gluon, "key", (kept, None, (None,) * 3, None),
+                                                0.5, True)
+    q = torch.randn((b, h, s, d) if layout == "bhsd" else (b, s, h, d))
+    dq, _, _ = fused._backward_repeat(layout, launch)(q, q, q, q, q, torch.zeros(b, h, s))
+    assert dq.shape == q.shape
+    torch.testing.assert_close(fused._as_bhsd(dq, layout), truth * 0.5)
+
+
 def test_each_backward_key_component_is_a_new_call(kept_backward):
     # What fixes the launches' arguments: dO's strides, the scale, the alignment, the lengths,
     # the deterministic flag; a call that differs in one takes the full path (and is right).

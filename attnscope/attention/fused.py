@@ -455,14 +455,15 @@ def _backward_repeat(layout, launch):
     # A remembered backward: its gradients and Delta allocated as _backward_impl does, then
     # launch(dO, q, k, v, out, lse, dq, dk, dv, delta). The kept launches read data pointers
     # only, their strides being the first call's (the key fixes them), so they take the
-    # caller's tensors: no [batch, heads, seq, head_dim] views of bshd ones (eight a call).
+    # caller's tensors: no [batch, heads, seq, head_dim] views of bshd ones (seven a call), but
+    # dq's, which the fused-dQ path's tensor ops (its fp32 buffer, the scaling) read as such.
     def run(dout, q, k, v, out, lse):
         lse = lse.contiguous()  # (as _backward_impl: the key holds the saved LSE's strides)
         dq, dk, dv = _empty(q, q.shape, q.dtype), _empty(k, k.shape, k.dtype), _empty(
             v, v.shape, v.dtype)
         delta = _empty(q, lse.shape, torch.float32)
         with _on_device(q.device):
-            launch(dout, q, k, v, out, lse, dq, dk, dv, delta)
+            launch(dout, q, k, v, out, lse, _as_bhsd(dq, layout), dk, dv, delta)
         return dq, dk, dv
     return run
 

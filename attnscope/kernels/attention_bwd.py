@@ -562,9 +562,12 @@ def _kept_gluon_backward(gluon, key, delta_launch, scale, fused):
     pre_rest = args[_LEADING_TENSORS[0]:]
 
     def run(do, q, k, v, out, lse, dq, dk, dv, delta):
+        # The kept launches read data pointers only; the fused path's dQ buffer and its scaling
+        # are tensor ops, so dq must be the [batch, heads, seq, head_dim] view (a remembered bshd
+        # call passes its other tensors as they are: fused._backward_repeat).
         pre((out, do, delta, *pre_rest))
         if fused:
-            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            dq_acc = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
             dkdv((q, k, v, do, dk, dv, lse, delta, dq_acc))
             torch.mul(dq_acc, scale, out=dq)
         else:
