@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import struct
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -61,10 +62,12 @@ def _check_equal_shards(q, k, group, size, causal, scale, layout, load_balance, 
     error). Checked with one all-reduce the first time a group sees such a call on this rank: on
     GPUs it stalls the host until the GPU catches up, which a training loop should pay once, not
     per layer. `refused`: this rank's own checks' error, which it raises after telling the other
-    ranks, so that they raise too instead of waiting for it in a collective. A later call that
-    differs between ranks but that every rank has checked before is not caught: each rank then
-    computes with its own arguments (a wrong result, no error), or with other shapes the
-    transfers fail or wait."""
+    ranks, so that they raise too instead of waiting for it in a collective (where they have
+    checked their call before they are in the ring's transfers instead: every rank then waits
+    until the group's timeout, and the refused rank, which warned of its reason at once, raises
+    it). A later call that differs between ranks but that every rank has checked before is not
+    caught: each rank then computes with its own arguments (a wrong result, no error), or with
+    other shapes the transfers fail or wait."""
     if size == 1:
         if refused is not None:
             raise refused
@@ -79,10 +82,20 @@ def _check_equal_shards(q, k, group, size, causal, scale, layout, load_balance, 
                  LOAD_BALANCES.index(load_balance)]
         device = q.device
     else:  # (this rank's values may not even be tensors: a summary that only says "refused")
+        # Said at once: where the other ranks have checked their call before, they are not in
+        # this all-reduce but in the ring's transfers, and every rank waits until the timeout.
+        warnings.warn(f"ring_attention: this rank's call is refused ({refused}); telling the "
+                      f"other ranks", stacklevel=3)
         facts = [1, *[0] * 14]
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if dist.get_backend(group) == "nccl" else torch.device("cpu"))
-    smallest, largest = rank_range(facts, group, device)
+        device = (q.device if isinstance(q, torch.Tensor) else
+                  torch.device("cuda", torch.cuda.current_device())
+                  if "nccl" in str(dist.get_backend(group)) else torch.device("cpu"))
+    try:
+        smallest, largest = rank_range(facts, group, device)
+    except Exception:  # noqa: BLE001 (a timed-out or broken collective: this rank's reason)
+        if refused is not None:
+            raise refused from None
+        raise
     if largest[0]:
         if refused is not None:
             raise refused
