@@ -735,7 +735,9 @@ def test_ncu_refuses_an_unreadable_results_file_before_profiling(tmp_path, monke
     _ncu_present(monkeypatch)
     monkeypatch.setattr(ncu.subprocess, "run", lambda *a, **kw: pytest.fail("ncu ran"))
     for broken, says in ((text[:len(text) // 2], "cannot be read as a compare run's results"),
-                         ("3", "is not a compare run's results (a JSON int)")):
+                         ("3", "is not a compare run's results"),
+                         ('{"sweep": "default", "rows": []}', "a bench file"),
+                         ("[1, 2]", "is not a compare run's results")):
         path.write_text(broken)
         assert ncu.run(_ncu_args("--out", str(tmp_path), "--impl", "fused")) == 2
         assert says in capsys.readouterr().err

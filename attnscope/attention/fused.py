@@ -208,8 +208,7 @@ def _refuse_forward_ad(name, *tensors):
             if isinstance(t, torch.Tensor)):
         raise NotImplementedError(
             f"{name} has no forward-mode derivative (torch.func.jvp, jacfwd, "
-            f"torch.autograd.forward_ad): differentiate it in reverse mode instead "
-            f"(torch.autograd.grad, .backward(), torch.func.grad or vjp where supported)")
+            f"torch.autograd.forward_ad)")
 
 
 def _custom_op_call(name, op, *args):
