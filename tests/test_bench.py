@@ -352,7 +352,7 @@ def test_ctrl_c_keeps_finished_rows(fakes, tmp_path, capsys):
         bench.run(_parse("--sweep", "cpu", "--impl", "peer_fast", "fused",
                          "--json", str(out), *FAST))
     err = capsys.readouterr().err
-    assert f"bench: 3 of " in err and f"rows kept in {out}; the same command with --resume" in err
+    assert "bench: 3 of " in err and f"rows kept in {out}; the same command with --resume" in err
     doc = json.loads(out.read_text())
     assert doc["complete"] is False
     assert [(r["impl"], r["status"]) for r in doc["rows"]] == [
