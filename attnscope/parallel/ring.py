@@ -86,7 +86,7 @@ def _check_equal_shards(q, k, group, size, causal, scale, layout, load_balance, 
         # this all-reduce but in the ring's transfers, and every rank waits until the timeout.
         warnings.warn(f"ring_attention: this rank's call is refused ({refused}); telling the "
                       f"other ranks", stacklevel=3)
-        facts = [1, *[0] * 14]
+        facts = [1, *[0] * (4 + 4 + 6)]  # as many as a call's: q's and k's dims, 2 dtypes, 4 args
         device = (q.device if isinstance(q, torch.Tensor) else
                   torch.device("cuda", torch.cuda.current_device())
                   if "nccl" in str(dist.get_backend(group)) else torch.device("cpu"))

@@ -155,10 +155,7 @@ def _compare_run(results: Path):
     except (OSError, ValueError) as e:
         raise ValueError(f"{results} cannot be read as a compare run's results ({e}): pass "
                          f"another --out, or remove it") from None
-    rows = data.get("rows", []) if isinstance(data, dict) else data
-    if (not isinstance(data, (dict, list)) or (isinstance(data, dict) and "sweep" in data)
-            or not isinstance(rows, list)
-            or any(not isinstance(row, dict) or "impl" not in row for row in rows)):
+    if runs.compare_rows(data) is None:
         raise ValueError(f"{results} is not a compare run's results (a bench file, or no rows "
                          f"of implementations): pass another --out")
     return data

@@ -101,12 +101,11 @@ def write_report(folder, output) -> Path:
         raise ReportError(f"{folder / runs.RESULTS} is a bench file (bench --json), not a compare "
                           f"run's results: save it as {BENCH_FILE} beside a compare run's "
                           f"results.json for its sweep plot")
-    if not isinstance(results, dict) or not isinstance(results.get("rows", []), list) or any(
-            not isinstance(row, dict) or "impl" not in row or "status" not in row
-            for row in results.get("rows", [])):
+    rows = runs.compare_rows(results) if isinstance(results, dict) else None
+    if rows is None or any("status" not in row for row in rows):
         raise ReportError(f"{folder / runs.RESULTS} is not a compare run's results (no rows of "
                           f"implementations with a status): pass a folder written by compare")
-    if not results.get("rows"):
+    if not rows:
         raise ReportError(f"{folder / runs.RESULTS} holds no rows: the run that wrote it "
                           f"finished no implementation; nothing to report")
     _check_output(output)

@@ -66,6 +66,22 @@ def not_a_file(path) -> bool:
     return path.exists() and not path.is_file() and not path.is_dir()
 
 
+def compare_rows(data):
+    """The rows of a compare run's results.json (its "rows", or an older file's flat list), or
+    None where `data` is no compare run's: a bench file (it names a sweep), or rows that are not
+    objects naming an implementation. `report` and `ncu` read a run through this."""
+    if isinstance(data, dict) and "sweep" not in data:
+        rows = data.get("rows", [])
+    elif isinstance(data, list):
+        rows = data
+    else:
+        return None
+    if not isinstance(rows, list) or any(not isinstance(r, dict) or "impl" not in r
+                                         for r in rows):
+        return None
+    return rows
+
+
 def write_text(path, text: str) -> None:
     write_bytes(path, text.encode())
 
